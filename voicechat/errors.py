@@ -1,0 +1,25 @@
+"""Exceptions raised by the project (all subclass the builtin a caller expects)."""
+
+
+class VoiceChatError(Exception):
+    """Base class of this project's own errors."""
+
+
+class ConfigError(VoiceChatError, ValueError):
+    """config.json cannot describe a working model; the message names the key."""
+
+
+class CheckpointError(VoiceChatError, ValueError):
+    """A checkpoint folder is incomplete, inconsistent or corrupt; the message lists every culprit."""
+
+
+class ContextLimitError(VoiceChatError, RuntimeError):
+    """The streaming session reached `max_streaming_seconds`."""
+
+
+class SessionClosedError(VoiceChatError, RuntimeError):
+    """`push_audio` on a session after `flush()` / `cancel()`."""
+
+
+class WrongThreadError(VoiceChatError, RuntimeError):
+    """A session was used from a thread other than the one that created it."""
