@@ -133,7 +133,7 @@ def _small_dict() -> dict:
     d["rnnt_blank_id"] = 256
     d["rnnt_vocabulary"] = rnnt_vocabulary(256)
     d["text_config"].update(
-        vocab_size=16384, hidden_size=560, intermediate_size=1960, num_attention_heads=10,
+        vocab_size=16384, hidden_size=576, intermediate_size=1920, num_attention_heads=10,
         num_key_value_heads=2, head_dim=64, mamba_num_heads=16, mamba_head_dim=40,
         ssm_state_size=64, n_groups=8,
     )
@@ -141,7 +141,7 @@ def _small_dict() -> dict:
     a["encoder"].update(d_model=128, n_heads=8, subsampling_conv_channels=32)
     a["decoder"].update(pred_hidden=80, vocab_size=256)
     a["joint"].update(joint_hidden=80, encoder_hidden=128, pred_hidden=80, num_classes=256)
-    a["output_dim"] = 560
+    a["output_dim"] = 576
     t = d["tts_config"]
     t.update(hidden_size=144, intermediate_size=576, num_attention_heads=4,
              num_key_value_heads=4, head_dim=36, latent_size=64)

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny synthetic checkpoints written once per test session, the shared audio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+AUDIO_DIR = REPO.parent / "shared" / "audio"
+
+
+def read_wav16k(name: str) -> np.ndarray:
+    import soundfile as sf
+
+    data, sr = sf.read(str(AUDIO_DIR / name), dtype="float32")
+    assert sr == 16000 and data.ndim == 1, (sr, data.shape)
+    return data
+
+
+@pytest.fixture(scope="session")
+def question_wav() -> np.ndarray:
+    return read_wav16k("question.wav")
+
+
+@pytest.fixture(scope="session")
+def long_question_wav() -> np.ndarray:
+    return read_wav16k("long_question.wav")
+
+
+def _write(tmp_path_factory, name, **kw):
+    from voicechat.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp(name), "tiny", **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory, "tiny_bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_4bit(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory, "tiny_4bit", bits=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_8bit(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory, "tiny_8bit", bits=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt):
+    import voicechat
+
+    return voicechat.load(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_4bit(tiny_ckpt_4bit):
+    import voicechat
+
+    return voicechat.load(tiny_ckpt_4bit)

@@ -1,0 +1,56 @@
+"""`voicechat` command line: synth, generate, parity, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_synth(args) -> int:
+    from .synthetic import write_checkpoint
+
+    path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed, progress=args.preset == "full")
+    print(f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="voicechat", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("synth", help="write a synthetic random-weight checkpoint in the published layout")
+    s.add_argument("out", help="output folder")
+    s.add_argument("--preset", choices=["tiny", "small", "full"], default="tiny")
+    s.add_argument("--bits", type=int, choices=[4, 8], default=None,
+                   help="quantize the language path as the published 4-/8-bit checkpoints do")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_synth)
+
+    try:
+        from .generate_cli import add_generate_parser
+
+        add_generate_parser(sub)
+    except ImportError:  # pragma: no cover - during development only
+        pass
+    try:
+        from harness.cli import add_parity_parser
+
+        add_parity_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from bench.cli import add_bench_parser
+
+        add_bench_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`voicechat.load`: a checkpoint folder or Hugging Face repo id -> `VoiceChatModel`.
+
+Strict: every tensor the model needs must be stored with the right shape and a
+compatible dtype, nothing else may be stored, and problems are reported all
+at once. Safetensors only (no pickle, no remote code).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
+from .config import VoiceChatConfig, load_config
+from .errors import CheckpointError
+from .tokenizer import TextTokenizer
+
+# Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
+ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_checkpoint(path_or_repo, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a Hub repo id through `snapshot_download` (cache, HF_HUB_OFFLINE)."""
+    p = Path(str(path_or_repo)).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: expected a checkpoint folder, got a file")
+        return p
+    name = str(path_or_repo)
+    if not _REPO_ID.match(name):
+        raise CheckpointError(f"{name}: no such folder, and not a Hugging Face repo id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, allow_patterns=ALLOW_PATTERNS))
+    except Exception as e:
+        raise CheckpointError(
+            f"{name}: not a local folder and could not be fetched from the Hugging Face Hub "
+            f"({type(e).__name__}: {e}). Download it first or pass a folder."
+        ) from None
+
+
+def _check_tensors(model: nn.Module, weights: dict) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    problems = []
+    for k in sorted(set(expected) & set(weights)):
+        e, w = expected[k], weights[k]
+        if tuple(e.shape) != tuple(w.shape):
+            problems.append(f"{k}: stored shape {tuple(w.shape)}, model expects {tuple(e.shape)}")
+        elif mx.issubdtype(e.dtype, mx.floating) != mx.issubdtype(w.dtype, mx.floating) or \
+                (e.dtype == mx.uint32) != (w.dtype == mx.uint32):
+            problems.append(f"{k}: stored dtype {w.dtype}, model expects {e.dtype}-like")
+    if missing or unexpected or problems:
+        lines = []
+        if missing:
+            lines.append(f"missing tensors ({len(missing)}): " + ", ".join(missing[:50]))
+        if unexpected:
+            lines.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:50]))
+        if problems:
+            lines.append(f"mismatched tensors ({len(problems)}):\n    " + "\n    ".join(problems[:50]))
+        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
+
+
+def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True):
+    """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError."""
+    from .model import VoiceChatModel
+
+    folder = resolve_checkpoint(path_or_repo, revision)
+    cfg: VoiceChatConfig = load_config(folder)
+    weights, _ = read_safetensors(folder)
+    if is_raw_layout(weights):
+        weights = sanitize(weights, cfg)
+    model = VoiceChatModel(cfg)
+    plan = quantization_plan(weights, cfg)
+    if plan:
+        quantizable = {p for p, m in model.named_modules() if hasattr(m, "to_quantized")}
+        not_quantizable = sorted(set(plan) - quantizable)
+        if not_quantizable:
+            raise CheckpointError(
+                "'.scales' stored for modules that are not Linear/Embedding layers: "
+                + ", ".join(not_quantizable[:20])
+            )
+        nn.quantize(model, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
+    _check_tensors(model, weights)
+    if check_finite:
+        bad = nonfinite_tensors(weights)
+        if bad:
+            raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
+    model.update(tree_unflatten(list(weights.items())))
+    mx.eval(model.parameters())
+    model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
+    model.source = str(path_or_repo)
+    model.folder = folder
+    return model
+
+
+def save(model, folder, n_shards: int = 2) -> Path:
+    """Save a loaded model back in the published raw layout (reloads with `load`)."""
+    import shutil
+
+    from .checkpoint import unsanitize, write_shards
+    from .config import dump_config
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = unsanitize(dict(tree_flatten(model.parameters())), model.config)
+    write_shards(raw, folder, n_shards=n_shards)
+    (folder / "config.json").write_text(dump_config(model.config))
+    src = getattr(model, "folder", None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if src is not None and (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, folder / name)
+    return folder

@@ -1,0 +1,85 @@
+"""`VoiceChatModel`: the module tree in the published naming, plus the per-frame glue.
+
+The tree mirrors the checkpoint names (architecture.md §2.3) so loading is a
+strict one-to-one update:
+
+    stt_model.{embed_tokens, lm_head, function_head}   language embedding and heads
+    stt_model.llm                                        Nemotron-H backbone
+    stt_model.perception.{encoder, proj}                 FastConformer + projection
+    stt_model.rnnt_decoder / rnnt_joint                  user transcript branch
+    tts_model.tts_model                                  EAR-TTS
+    tts_model.audio_codec                                codec
+    tts_model.{control_codes, codec_silence_tokens, audio_prompt_latents.<speaker>}
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .audio.codec import Codec
+from .audio.conformer import Perception
+from .audio.rnnt import RnntDecoder, RnntJoint
+from .config import VoiceChatConfig
+from .llm.nemotron_h import NemotronH
+from .tts.ear_tts import EarTts
+
+# EAR-TTS speaker prompt length in frames (fixed by the reference; the stored latent's shape).
+SPEAKER_PROMPT_FRAMES = 37
+
+
+class SttModel(nn.Module):
+    def __init__(self, cfg: VoiceChatConfig):
+        super().__init__()
+        t = cfg.text_config
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.function_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.llm = NemotronH(t)
+        self.perception = Perception(cfg.audio_config)
+        self.rnnt_decoder = RnntDecoder(cfg.audio_config)
+        self.rnnt_joint = RnntJoint(cfg.audio_config)
+
+
+class SpeechDecoder(nn.Module):
+    def __init__(self, cfg: VoiceChatConfig):
+        super().__init__()
+        s = cfg.tts_config
+        self.tts_model = EarTts(s)
+        self.audio_codec = Codec(cfg.codec_config)
+        # Integer buffers (int64 in the published files; the stored dtype is kept on load).
+        self.control_codes = mx.full((3,), s.codebook_size, dtype=mx.int32)
+        self.codec_silence_tokens = mx.zeros((s.num_quantizers,), dtype=mx.int32)
+        self.audio_prompt_latents = {cfg.speaker: mx.zeros((1, SPEAKER_PROMPT_FRAMES, s.hidden_size))}
+
+
+class VoiceChatModel(nn.Module):
+    """The whole model. Build with `voicechat.load(...)`; runtime entry points below."""
+
+    def __init__(self, cfg: VoiceChatConfig):
+        super().__init__()
+        self.config = cfg
+        self.stt_model = SttModel(cfg)
+        self.tts_model = SpeechDecoder(cfg)
+        self.tokenizer = None  # set by the loader (voicechat.tokenizer.TextTokenizer)
+        self.source = None  # where it was loaded from (path or repo id)
+
+    # -- small building blocks used by generation, sessions and the harness
+
+    @property
+    def speaker_latent(self) -> mx.array:
+        return self.tts_model.audio_prompt_latents[self.config.speaker]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Token embedding in float32 (activations are float32 throughout)."""
+        return self.stt_model.embed_tokens(ids).astype(mx.float32)
+
+    def fused_input(self, prev_text: mx.array, audio_emb: mx.array, prev_function: mx.array) -> mx.array:
+        """LLM input E(prev_text) + audio_emb + w_f * E(prev_function) (architecture.md §7.5)."""
+        w = self.config.function_channel_weight
+        return self.embed(prev_text) + audio_emb.astype(mx.float32) + w * self.embed(prev_function)
+
+    def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Text and function logits (float32) of the given final hidden states."""
+        return (self.stt_model.lm_head(hidden).astype(mx.float32),
+                self.stt_model.function_head(hidden).astype(mx.float32))
