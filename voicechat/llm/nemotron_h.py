@@ -1,0 +1,536 @@
+"""Nemotron-H hybrid language model backbone (architecture.md §7).
+
+A stack of pre-norm residual blocks, h = x + mixer(RMSNorm(x)), whose mixer
+is a Mamba-2 SSM ("M"), a squared-ReLU MLP ("-") or a GQA attention layer
+without positional encoding ("*"), as `hybrid_override_pattern` says, then a
+final RMSNorm `norm_f`. The caller supplies the input embeddings (1, L, hidden)
+and receives the normalised final hidden states (1, L, hidden); the token
+embedding and the output heads live one level up.
+
+Two evaluation paths share the same weights and the same `NemotronHState`:
+
+* a sequence pass (any L, optionally continuing from a state): the Mamba
+  recurrence is evaluated exactly with the chunked SSD formulation;
+* a single-step update (L == 1 with a state): the plain recurrence.
+
+Activations are float32 whatever the weight dtype (bf16 or quantized weights
+promote to float32 in MLX); the SSM state is always float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import TextConfig
+
+SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
+KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class RMSNorm(nn.Module):
+    """y = weight ⊙ x / sqrt(mean(x²) + eps), computed in the activation dtype."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight.astype(x.dtype), self.eps)
+
+
+class DepthwiseCausalConv1d(nn.Module):
+    """Per-channel causal conv over time; weight in MLX Conv1d layout (C, K, 1).
+
+    Evaluated explicitly as a K-tap weighted sum over [state, inputs] so the
+    sequence pass and the single step perform the same arithmetic.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool):
+        super().__init__()
+        bound = 1.0 / math.sqrt(kernel_size)  # fan-in of a depthwise tap is K
+        self.weight = mx.random.uniform(-bound, bound, (channels, kernel_size, 1))
+        if bias:
+            self.bias = mx.random.uniform(-bound, bound, (channels,))
+        self.kernel_size = kernel_size
+
+    def __call__(self, padded: mx.array) -> mx.array:
+        """padded: (1, K-1+L, C) = previous K-1 inputs followed by L new ones -> (1, L, C)."""
+        k = self.kernel_size
+        length = padded.shape[1] - (k - 1)
+        taps = self.weight[:, :, 0].astype(padded.dtype)  # (C, K)
+        out = padded[:, 0:length, :] * taps[:, 0]
+        for j in range(1, k):
+            out = out + padded[:, j : j + length, :] * taps[:, j]
+        if "bias" in self:
+            out = out + self.bias.astype(padded.dtype)
+        return out
+
+
+def _segment_sums(log_decay: mx.array) -> mx.array:
+    """(..., T) -> (..., T, T) with [t, s] = sum(log_decay[s+1..t]) for t >= s, -inf above.
+
+    Built as a masked cumulative sum (not cum[t] - cum[s]) so long chunks do
+    not lose precision to cancellation.
+    """
+    t = log_decay.shape[-1]
+    rows = mx.repeat(log_decay[..., :, None], t, axis=-1)  # [t, s] = log_decay[t]
+    strictly_lower = mx.tril(mx.ones((t, t), dtype=mx.bool_), k=-1)
+    sums = mx.cumsum(mx.where(strictly_lower, rows, 0.0), axis=-2)
+    lower = mx.tril(mx.ones((t, t), dtype=mx.bool_), k=0)
+    return mx.where(lower, sums, -mx.inf)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class MambaLayerState:
+    """Cache of one Mamba-2 layer: conv inputs of the last K-1 steps and the SSM state."""
+
+    def __init__(self, conv: mx.array, ssm: mx.array):
+        self.conv = conv  # (1, K-1, conv_dim), activation dtype
+        self.ssm = ssm  # (1, heads, head_dim, state), float32
+
+    def copy(self) -> "MambaLayerState":
+        return MambaLayerState(mx.array(self.conv), mx.array(self.ssm))
+
+    def reset(self) -> None:
+        self.conv = mx.zeros_like(self.conv)
+        self.ssm = mx.zeros_like(self.ssm)
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"conv": self.conv, "ssm": self.ssm}
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+
+class AttentionLayerState:
+    """K/V cache of one attention layer: buffers (1, kv_heads, capacity, head_dim).
+
+    Positions [0, length) are valid; capacity grows in steps of KV_ALLOC_STEP.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, length: int = 0):
+        self.keys = keys
+        self.values = values
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write `keys`/`values` (1, kv_heads, L, head_dim) after the valid positions;
+        return all valid keys and values."""
+        new_len = self.length + keys.shape[2]
+        if new_len > self.capacity:
+            new_capacity = -(-new_len // KV_ALLOC_STEP) * KV_ALLOC_STEP
+            pad_shape = (1, self.keys.shape[1], new_capacity - self.length, self.keys.shape[3])
+            self.keys = mx.concatenate(
+                [self.keys[:, :, : self.length], mx.zeros(pad_shape, self.keys.dtype)], axis=2
+            )
+            self.values = mx.concatenate(
+                [self.values[:, :, : self.length], mx.zeros(pad_shape, self.values.dtype)], axis=2
+            )
+        self.keys[:, :, self.length : new_len, :] = keys.astype(self.keys.dtype)
+        self.values[:, :, self.length : new_len, :] = values.astype(self.values.dtype)
+        self.length = new_len
+        return self.keys[:, :, :new_len], self.values[:, :, :new_len]
+
+    def copy(self) -> "AttentionLayerState":
+        # New array objects: slice assignment rebinds the object it is applied to,
+        # so sharing objects would let one copy's update leak into the other.
+        return AttentionLayerState(mx.array(self.keys), mx.array(self.values), self.length)
+
+    def reset(self) -> None:
+        """Forget every position; the allocated capacity is kept for reuse."""
+        self.length = 0
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class NemotronHState:
+    """Recurrent / KV state of the whole stack, one entry per layer (None for MLP layers).
+
+    `offset` counts the positions consumed so far.
+    """
+
+    def __init__(self, layers: list, offset: int = 0):
+        self.layers = layers
+        self.offset = offset
+
+    def copy(self) -> "NemotronHState":
+        return NemotronHState([None if s is None else s.copy() for s in self.layers], self.offset)
+
+    def reset(self) -> None:
+        """Back to the fresh state (zero conv/SSM states, no K/V positions, offset 0)."""
+        for s in self.layers:
+            if s is not None:
+                s.reset()
+        self.offset = 0
+
+    def arrays(self) -> dict[str, mx.array]:
+        """`layers.{i}.conv` (1, K-1, conv_dim), `layers.{i}.ssm` (1, heads, head_dim, state)
+        for Mamba layers; `layers.{i}.keys` / `layers.{i}.values` (1, kv_heads, offset,
+        head_dim), the valid positions only, for attention layers."""
+        out = {}
+        for i, layer_state in enumerate(self.layers):
+            if layer_state is not None:
+                for name, arr in layer_state.arrays().items():
+                    out[f"layers.{i}.{name}"] = arr
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, including the preallocated (not yet valid) K/V capacity."""
+        return sum(s.nbytes for s in self.layers if s is not None)
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes the attention caches grow by per consumed position (K and V, all layers)."""
+        total = 0
+        for s in self.layers:
+            if isinstance(s, AttentionLayerState):
+                _, kv_heads, _, head_dim = s.keys.shape
+                total += 2 * kv_heads * head_dim * s.keys.dtype.size
+        return total
+
+    def __repr__(self) -> str:
+        return f"NemotronHState(offset={self.offset}, layers={len(self.layers)}, nbytes={self.nbytes})"
+
+
+# --------------------------------------------------------------------------- mixers
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 selective SSM mixer (§7.2)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.mamba_num_heads
+        self.head_dim = cfg.mamba_head_dim
+        self.state_size = cfg.ssm_state_size
+        self.n_groups = cfg.n_groups
+        self.d_inner = cfg.mamba_d_inner
+        self.conv_dim = cfg.mamba_conv_dim
+        self.conv_kernel = cfg.conv_kernel
+        self.proj_width = cfg.mamba_in_proj_dim
+        self.eps = cfg.layer_norm_epsilon
+        self.dt_min, self.dt_max = cfg.time_step_limit
+
+        self.in_proj = nn.Linear(cfg.hidden_size, self.proj_width, bias=cfg.mamba_proj_bias)
+        self.conv1d = DepthwiseCausalConv1d(self.conv_dim, cfg.conv_kernel, bias=cfg.use_conv_bias)
+        # Mamba-2 style init: A in [-16, -1], softplus(dt_bias) log-uniform in
+        # [1e-3, 1e-1], so each step decays the state by exp(dt·A) ∈ [0.2, 0.999].
+        dt = mx.exp(mx.random.uniform(math.log(1e-3), math.log(1e-1), (self.num_heads,)))
+        self.dt_bias = dt + mx.log(-mx.expm1(-dt))  # inverse softplus
+        self.A_log = mx.log(mx.random.uniform(1.0, 16.0, (self.num_heads,)))
+        self.D = mx.ones((self.num_heads,))
+        self.norm = RMSNorm(self.d_inner, self.eps)  # gated, grouped; see _gated_norm_out
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def make_state(self, dtype) -> MambaLayerState:
+        return MambaLayerState(
+            mx.zeros((1, self.conv_kernel - 1, self.conv_dim), dtype=dtype),
+            mx.zeros((1, self.num_heads, self.head_dim, self.state_size), dtype=mx.float32),
+        )
+
+    # -- shared pieces
+
+    def _project(self, x: mx.array, state: MambaLayerState):
+        """in_proj, split, causal conv + SiLU, dt. Updates the conv state."""
+        zxbcdt = self.in_proj(x).astype(mx.float32)
+        # Checkpoints may carry leading padding columns in in_proj (§7.2): skip them.
+        pad = zxbcdt.shape[-1] - self.proj_width
+        if pad < 0:
+            raise ValueError(
+                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
+                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
+            )
+        z = zxbcdt[..., pad : pad + self.d_inner]
+        xbc = zxbcdt[..., pad + self.d_inner : pad + self.d_inner + self.conv_dim]
+        dt = zxbcdt[..., pad + self.d_inner + self.conv_dim :]
+
+        padded = mx.concatenate([state.conv.astype(xbc.dtype), xbc], axis=1)
+        state.conv = padded[:, -(self.conv_kernel - 1) :, :].astype(state.conv.dtype)
+        xbc = nn.silu(self.conv1d(padded))
+
+        length = x.shape[1]
+        gs = self.n_groups * self.state_size
+        x_ssm = xbc[..., : self.d_inner].reshape(1, length, self.num_heads, self.head_dim)
+        b = xbc[..., self.d_inner : self.d_inner + gs].reshape(1, length, self.n_groups, self.state_size)
+        c = xbc[..., self.d_inner + gs :].reshape(1, length, self.n_groups, self.state_size)
+
+        dt = nn.softplus(dt + self.dt_bias.astype(mx.float32))
+        dt = mx.clip(dt, self.dt_min, self.dt_max)  # (1, L, heads)
+        a = -mx.exp(self.A_log.astype(mx.float32))  # (heads,)
+        return z, x_ssm, b, c, dt, a
+
+    def _heads_of_groups(self, t: mx.array, axis: int) -> mx.array:
+        """Group g serves the contiguous heads [g·H/G, (g+1)·H/G) (clarifications)."""
+        return mx.repeat(t, self.num_heads // self.n_groups, axis=axis)
+
+    def _gated_norm_out(self, y: mx.array, z: mx.array) -> mx.array:
+        """out_proj(norm.weight ⊙ groupRMS(y ⊙ SiLU(z))), n_groups contiguous channel groups."""
+        length = y.shape[1]
+        u = y * nn.silu(z)
+        u = u.reshape(1, length, self.n_groups, self.d_inner // self.n_groups)
+        u = mx.fast.rms_norm(u, None, self.eps).reshape(1, length, self.d_inner)
+        u = u * self.norm.weight.astype(mx.float32)
+        return self.out_proj(u).astype(mx.float32)
+
+    # -- the two paths
+
+    def step(self, x: mx.array, state: MambaLayerState) -> mx.array:
+        """One position (1, 1, hidden) through the plain recurrence."""
+        z, x_ssm, b, c, dt, a = self._project(x, state)
+        x_h = x_ssm[:, 0]  # (1, H, P)
+        b_h = self._heads_of_groups(b[:, 0], axis=1)  # (1, H, N)
+        c_h = self._heads_of_groups(c[:, 0], axis=1)
+        dt = dt[:, 0]  # (1, H)
+        decay = mx.exp(dt * a)[:, :, None, None]
+        ssm = decay * state.ssm + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
+        state.ssm = ssm
+        y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
+        y = y + self.D.astype(mx.float32)[:, None] * x_h
+        return self._gated_norm_out(y.reshape(1, 1, self.d_inner), z)
+
+    def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
+        """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""
+        z, x_ssm, b, c, dt, a = self._project(x, state)
+        length = x.shape[1]
+        d_skip = self.D.astype(mx.float32)[:, None, None]  # broadcasts over (1, H, T, P)
+        ssm = state.ssm
+        outputs = []
+        for start in range(0, length, chunk_size):
+            stop = min(start + chunk_size, length)
+            x_h = x_ssm[:, start:stop].transpose(0, 2, 1, 3)  # (1, H, T, P)
+            b_g = b[:, start:stop].transpose(0, 2, 1, 3)  # (1, G, T, N)
+            c_g = c[:, start:stop].transpose(0, 2, 1, 3)
+            b_h, c_h = self._heads_of_groups(b_g, axis=1), self._heads_of_groups(c_g, axis=1)  # (1, H, T, N)
+            dt_c = dt[:, start:stop].transpose(0, 2, 1)  # (1, H, T)
+            log_decay = dt_c * a[:, None]  # (1, H, T)
+
+            # Within the chunk: y_t += Σ_{s≤t} (C_t·B_s) exp(Σ_{r=s+1..t} dA_r) dt_s x_s.
+            decay_ts = mx.exp(_segment_sums(log_decay))  # (1, H, T, T)
+            scores = self._heads_of_groups(c_g @ b_g.transpose(0, 1, 3, 2), axis=1)  # C·B once per group
+            mix = scores * decay_ts * dt_c[:, :, None, :]
+            y = mix @ x_h  # (1, H, T, P)
+
+            # Carried state: y_t += exp(Σ_{r≤t} dA_r) C_t·S_0.
+            decay_from_start = mx.exp(mx.cumsum(log_decay, axis=-1))  # (1, H, T)
+            y = y + (c_h @ ssm.transpose(0, 1, 3, 2)) * decay_from_start[..., None]
+            y = y + d_skip * x_h
+
+            # State after the chunk: S_T = exp(Σ dA) S_0 + Σ_s exp(Σ_{r>s} dA_r) dt_s x_s B_sᵀ.
+            decay_to_end = decay_ts[:, :, -1, :]  # (1, H, T)
+            weighted_x = x_h * (dt_c * decay_to_end)[..., None]
+            ssm = decay_from_start[:, :, -1, None, None] * ssm + weighted_x.transpose(0, 1, 3, 2) @ b_h
+            outputs.append(y.transpose(0, 2, 1, 3))
+        state.ssm = ssm
+        y = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+        return self._gated_norm_out(y.reshape(1, length, self.d_inner), z)
+
+
+class Attention(nn.Module):
+    """Causal GQA attention, no positional encoding (§7.3)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def make_state(self, dtype) -> AttentionLayerState:
+        empty = mx.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=dtype)
+        return AttentionLayerState(empty, mx.array(empty))
+
+    def __call__(self, x: mx.array, state: AttentionLayerState) -> mx.array:
+        length = x.shape[1]
+        q = self.q_proj(x).astype(mx.float32).reshape(1, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
+        past = state.length
+        keys, values = state.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        # Query head h reads KV head h // (heads / kv_heads): view the query heads as
+        # (kv_heads, heads per KV head) so each KV head meets its contiguous block.
+        rep = self.num_heads // self.num_kv_heads
+        q = q.transpose(0, 2, 1, 3).reshape(1, self.num_kv_heads, rep, length, self.head_dim)
+        scores = (q * self.scale) @ keys[:, :, None].swapaxes(-1, -2)  # (1, KV, rep, L, T)
+        if length > 1:
+            # Query i sits at absolute position past + i and sees keys 0..past + i.
+            total = keys.shape[2]
+            visible = mx.arange(total)[None, :] <= (mx.arange(length)[:, None] + past)
+            scores = mx.where(visible, scores, -mx.inf)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        out = weights @ values[:, :, None]  # (1, KV, rep, L, D)
+        out = out.reshape(1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(1, length, self.num_heads * self.head_dim)).astype(mx.float32)
+
+
+class SquaredReluMLP(nn.Module):
+    """down_proj(relu(up_proj(x))²), no gate (§7.4)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = nn.relu(self.up_proj(x).astype(mx.float32))
+        return self.down_proj(h * h).astype(mx.float32)
+
+
+class NemotronHBlock(nn.Module):
+    """x + mixer(RMSNorm(x))."""
+
+    def __init__(self, cfg: TextConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if layer_type == "mamba":
+            self.mixer = Mamba2Mixer(cfg)
+        elif layer_type == "attention":
+            self.mixer = Attention(cfg)
+        elif layer_type == "mlp":
+            self.mixer = SquaredReluMLP(cfg)
+        else:
+            raise ValueError(f"unknown Nemotron-H layer type {layer_type!r}; expected mamba, attention or mlp")
+
+    def __call__(self, x: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
+        h = self.norm(x)
+        if self.layer_type == "mamba":
+            if single_step:
+                h = self.mixer.step(h, layer_state)
+            else:
+                h = self.mixer.sequence(h, layer_state, chunk_size)
+        elif self.layer_type == "attention":
+            h = self.mixer(h, layer_state)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+# --------------------------------------------------------------------------- model
+
+
+class NemotronH(nn.Module):
+    """The `llm.` subtree: `layers.{i}.norm`, `layers.{i}.mixer.*`, `norm_f`.
+
+    `model(x, state=None)`: x (1, L, hidden) input embeddings -> (1, L, hidden)
+    final normalised hidden states. With a state the pass continues from it and
+    updates it in place; L == 1 with a state takes the single-step recurrence,
+    anything else the chunked sequence pass. Without a state the pass starts
+    from a fresh state that is then discarded.
+    """
+
+    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE):
+        super().__init__()
+        if not isinstance(text_cfg, TextConfig):
+            raise TypeError(f"NemotronH expects a TextConfig, got {type(text_cfg).__name__}")
+        if not isinstance(ssd_chunk_size, int) or ssd_chunk_size < 1:
+            raise ValueError(f"ssd_chunk_size must be a positive int, got {ssd_chunk_size!r}")
+        self.config = text_cfg
+        self.hidden_size = text_cfg.hidden_size
+        self.ssd_chunk_size = ssd_chunk_size
+        self.layers = [NemotronHBlock(text_cfg, t) for t in text_cfg.layer_types]
+        self.norm_f = RMSNorm(text_cfg.hidden_size, text_cfg.layer_norm_epsilon)
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [block.layer_type for block in self.layers]
+
+    def make_state(self, dtype=mx.float32) -> NemotronHState:
+        """Fresh state: zero conv/SSM states, empty K/V caches, offset 0.
+
+        `dtype` is the activation dtype of the conv state and K/V (the SSM state
+        is float32 regardless)."""
+        layers = []
+        for block in self.layers:
+            layers.append(None if block.layer_type == "mlp" else block.mixer.make_state(dtype))
+        return NemotronHState(layers)
+
+    def __call__(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
+        """x (1, L, hidden) -> (1, L, hidden); L == 1 with a state takes the single step."""
+        return self._run(x, state, single_step=state is not None and _length(x) == 1)
+
+    def step(self, x: mx.array, state: NemotronHState) -> mx.array:
+        """One position (1, 1, hidden) through the single-step recurrence; updates `state`."""
+        if state is None:
+            raise TypeError("step needs a NemotronHState (from make_state())")
+        if isinstance(x, mx.array) and x.ndim == 3 and x.shape[1] != 1:
+            raise ValueError(f"step expects one position (1, 1, {self.hidden_size}), got {tuple(x.shape)}")
+        return self._run(x, state, single_step=True)
+
+    def sequence(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
+        """L >= 1 positions through the chunked sequence pass, continuing from `state` if given."""
+        return self._run(x, state, single_step=False)
+
+    def forward_uncached(self, x_all: mx.array) -> mx.array:
+        """Recompute the whole history (1, T, hidden) from a fresh state ("no cache" mode)."""
+        return self._run(x_all, None, single_step=False)
+
+    # -- internals
+
+    def _run(self, x, state, single_step: bool) -> mx.array:
+        x = self._check_input(x)
+        if state is None:
+            state = self.make_state()
+        else:
+            self._check_state(state)
+        for block, layer_state in zip(self.layers, state.layers):
+            x = block(x, layer_state, single_step, self.ssd_chunk_size)
+        state.offset += x.shape[1]
+        return self.norm_f(x)
+
+    def _check_input(self, x) -> mx.array:
+        if not isinstance(x, mx.array):
+            raise TypeError(f"NemotronH input must be an mx.array of embeddings, got {type(x).__name__}")
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise TypeError(
+                f"NemotronH input must be floating-point embeddings (1, L, {self.hidden_size}), "
+                f"got dtype {x.dtype} (token ids are embedded by the caller)"
+            )
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size or x.shape[1] < 1:
+            raise ValueError(
+                f"NemotronH input must have shape (1, L, {self.hidden_size}) with L >= 1, "
+                f"got {tuple(x.shape)}"
+            )
+        return x.astype(mx.float32)
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, NemotronHState):
+            raise TypeError(f"state must be a NemotronHState (from make_state()), got {type(state).__name__}")
+        kinds = [
+            "mlp" if s is None else "mamba" if isinstance(s, MambaLayerState) else "attention"
+            for s in state.layers
+        ]
+        if kinds != self.layer_types:
+            raise ValueError(
+                f"state has layers {kinds}; this model's layers are {self.layer_types}: "
+                "use the state made by this model's make_state()"
+            )
+
+
+
+def _length(x) -> int | None:
+    return x.shape[1] if isinstance(x, mx.array) and x.ndim == 3 else None
