@@ -1,0 +1,598 @@
+"""Audio codec (`tts_model.audio_codec`, architecture.md §9 + clarifications "Codec").
+
+Codes (T, Q) int -> RVQ dequantisation (sum of one codebook row per quantizer)
+-> causal ConvNeXt decoder with transposed-conv upsamplers -> magnitude/phase
+spectrum -> iSTFT -> T * ratio samples (ratio = `waveform_to_token_ratio`).
+
+Two decode paths:
+
+* `Codec.decode(codes)`: offline, the whole sequence at once (zero causal padding
+  in every ConvNeXt block, iSTFT trimmed (n_fft - hop) / 2 at each end).
+* `Codec.decode_step(codes, state)`: one code frame -> exactly `ratio` samples,
+  with a `CodecState` holding each ConvNeXt block's last k - 1 input frames and
+  the last few spectral frames for the iSTFT overlap. `Codec.flush(state)`
+  returns the held-back tail.
+
+Streaming geometry (all from the config, see `StreamingGeometry`): the streamed
+samples are the offline samples delayed by `lead_in` samples (8 at the real
+geometry). The first `warmup_samples` offline samples (6 at the real geometry)
+differ, because the streaming iSTFT starts from zero-initialised cached frames
+that still count in the window-square normalisation (as in the reference
+streaming decoder); everything after them matches the offline decode to float32
+rounding. Concatenating every `decode_step` output and `flush`, then dropping
+the first `lead_in` samples, gives exactly `decode()`'s length.
+
+Also the encoder (§9.3), used once per session to make silent prompt codes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import CodecConfig
+
+# Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
+MAX_MAGNITUDE = 100.0
+# The overlap-added window square is floored here before dividing by it.
+WINDOW_SQUARE_FLOOR = 1e-10
+LAYER_NORM_EPS = 1e-6
+# ConvNeXt inverted-bottleneck expansion (pwconv1 maps C -> 4C).
+CONVNEXT_EXPANSION = 4
+
+
+def _f32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
+def periodic_hann(n: int) -> mx.array:
+    """Periodic Hann window w[i] = 0.5 (1 - cos(2 pi i / n)), float32."""
+    i = np.arange(n, dtype=np.float64)
+    return mx.array((0.5 * (1.0 - np.cos(2.0 * np.pi * i / n))).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@dataclass(frozen=True)
+class StreamingGeometry:
+    """Frame/sample bookkeeping of the streaming iSTFT, derived from a `CodecConfig`.
+
+    pad            (n_fft - hop) / 2: samples the offline iSTFT trims at each end.
+    cache_frames   P = 2 ceil(pad / hop): spectral frames carried between steps.
+    emit_start     s = pad + ceil(pad / hop) hop: first emitted sample of a step,
+                   counted from the start of the first cached frame.
+    lead_in        d = ceil(pad / hop) hop: the streamed output is the offline
+                   output delayed by d samples (8 at the real geometry).
+    warmup_samples the first (n_fft - hop) - pad offline samples are covered by the
+                   zero-initialised cached frames, which still count in the
+                   window-square normalisation of the first step (6 at the real
+                   geometry); only these differ from the offline decode.
+    """
+
+    samples_per_frame: int
+    spectral_frames_per_frame: int
+    n_fft: int
+    hop: int
+    pad: int
+    cache_frames: int
+    emit_start: int
+    lead_in: int
+    warmup_samples: int
+
+    @classmethod
+    def from_config(cls, cfg: CodecConfig) -> "StreamingGeometry":
+        n_fft, hop = cfg.n_fft, cfg.hop_length
+        if (n_fft - hop) % 2:
+            raise ValueError(
+                f"codec_config: n_fft - hop_length must be even so the iSTFT trims the same "
+                f"number of samples at each end; got n_fft={n_fft}, hop_length={hop}"
+            )
+        pad = (n_fft - hop) // 2
+        steps = -(-pad // hop)  # ceil(pad / hop)
+        cache_frames = 2 * steps
+        geo = cls(
+            samples_per_frame=cfg.waveform_to_token_ratio,
+            spectral_frames_per_frame=cfg.spectral_frames_per_token,
+            n_fft=n_fft,
+            hop=hop,
+            pad=pad,
+            cache_frames=cache_frames,
+            emit_start=pad + steps * hop,
+            lead_in=steps * hop,
+            warmup_samples=max(0, (n_fft - hop) - pad),
+        )
+        if geo.spectral_frames_per_frame < cache_frames:
+            # Otherwise the zero-initialised cache would still be in the window at flush time.
+            raise ValueError(
+                f"codec_config: one code frame gives {geo.spectral_frames_per_frame} spectral "
+                f"frames; streaming decode needs at least {cache_frames} (2 ceil(pad / hop))"
+            )
+        return geo
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal ConvNeXt(C): x + pw2(gelu(pw1(LayerNorm(dwconv(left-padded x))))).
+
+    Works on (L, C) float32 frames. `history` holds the k - 1 frames before x
+    (zeros offline); the block returns the new history (the last k - 1 input
+    frames) so a streaming caller can carry it to the next call.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=LAYER_NORM_EPS)
+        self.pwconv1 = nn.Conv1d(channels, CONVNEXT_EXPANSION * channels, 1)
+        self.pwconv2 = nn.Conv1d(CONVNEXT_EXPANSION * channels, channels, 1)
+        self._kernel_size = kernel_size
+        self._channels = channels
+
+    @property
+    def history_frames(self) -> int:
+        return self._kernel_size - 1
+
+    @property
+    def channels(self) -> int:
+        return self._channels
+
+    def __call__(self, x: mx.array, history: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        k = self._kernel_size
+        length = x.shape[0]
+        if history is None:
+            history = mx.zeros((k - 1, x.shape[1]), dtype=mx.float32)
+        padded = mx.concatenate([history, x], axis=0)
+        # Depthwise causal conv as k shifted multiply-adds (same result as the
+        # grouped Conv1d, without its per-channel dispatch); weight (C, k, 1).
+        w = _f32(self.dwconv.weight)
+        y = padded[0:length] * w[:, 0, 0]
+        for j in range(1, k):
+            y = y + padded[j : j + length] * w[:, j, 0]
+        y = y + _f32(self.dwconv.bias)
+        y = mx.fast.layer_norm(y, _f32(self.norm.weight), _f32(self.norm.bias), LAYER_NORM_EPS)
+        # 1x1 convs as matmuls; weight (O, 1, I). bf16 weights promote to float32.
+        y = y @ self.pwconv1.weight[:, 0, :].T + self.pwconv1.bias
+        y = nn.gelu(y)
+        y = y @ self.pwconv2.weight[:, 0, :].T + self.pwconv2.bias
+        return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
+
+
+def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
+    """Bias-free 1x1 Conv1d, weight (O, 1, I), on (L, I) frames."""
+    return _f32(x @ conv.weight[:, 0, :].T)
+
+
+def _upsample(conv: nn.ConvTranspose1d, x: mx.array) -> mx.array:
+    """ConvTranspose1d with kernel == stride (non-overlapping), no bias, weight (O, K, I).
+
+    out[t K + j, o] = sum_i x[t, i] W[o, j, i]  (MLX's conv_transpose1d, no kernel flip).
+    """
+    out_ch, kernel, in_ch = conv.weight.shape
+    w = conv.weight.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch)
+    return _f32(x @ w.T).reshape(x.shape[0] * kernel, out_ch)
+
+
+def _downsample(conv: nn.Conv1d, x: mx.array) -> mx.array:
+    """Conv1d with kernel == stride, no padding, no bias, weight (O, K, I); L divisible by K."""
+    out_ch, kernel, in_ch = conv.weight.shape
+    frames = x.shape[0] // kernel
+    return _f32(x.reshape(frames, kernel * in_ch) @ conv.weight.reshape(out_ch, kernel * in_ch).T)
+
+
+class CodecDecoder(nn.Module):
+    """`decoder.layers.{n}`: per stage s (b = blocks_per_stage) layer s(b+1) is the
+    upsampler (rate reversed(downsample_rates)[s]), then b ConvNeXt blocks; layer
+    S(b+1) is the final 1x1 conv to the stft_channels."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        b = cfg.blocks_per_stage
+        rates = list(reversed(cfg.downsample_rates))
+        widths = [cfg.base_channels * m for m in reversed(cfg.channel_multipliers)]
+        layers: list[nn.Module] = []
+        in_ch = cfg.latent_dim
+        for rate, ch in zip(rates, widths):
+            layers.append(nn.ConvTranspose1d(in_ch, ch, rate, stride=rate, bias=False))
+            layers.extend(ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(b))
+            in_ch = ch
+        layers.append(nn.Conv1d(in_ch, cfg.stft_channels, 1, bias=False))
+        self.layers = layers
+        self._blocks_per_stage = b
+
+    def is_upsampler(self, index: int) -> bool:
+        return index < len(self.layers) - 1 and index % (self._blocks_per_stage + 1) == 0
+
+    @property
+    def block_indices(self) -> list[int]:
+        return [n for n, layer in enumerate(self.layers) if isinstance(layer, ConvNeXtBlock)]
+
+    def __call__(
+        self, latent: mx.array, histories: dict[int, mx.array] | None = None
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """latent (T, latent_dim) -> spectrum (T * ratio / hop, stft_channels) and new block histories."""
+        x = latent
+        new_histories: dict[int, mx.array] = {}
+        last = len(self.layers) - 1
+        for n, layer in enumerate(self.layers):
+            if n == last:
+                x = _pointwise(layer, x)
+            elif self.is_upsampler(n):
+                x = _upsample(layer, x)
+            else:
+                x, new_histories[n] = layer(x, None if histories is None else histories[n])
+        return x, new_histories
+
+
+class CodecEncoder(nn.Module):
+    """`encoder.layers.{n}`: layer 0 is a 1x1 conv stft_channels -> base; per stage s,
+    b ConvNeXt blocks then a strided conv (kernel = stride = downsample_rates[s]); the
+    last strided conv maps to latent_dim."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        widths = [cfg.base_channels * m for m in cfg.channel_multipliers]
+        layers: list[nn.Module] = [nn.Conv1d(cfg.stft_channels, widths[0], 1, bias=False)]
+        for s, (rate, ch) in enumerate(zip(cfg.downsample_rates, widths)):
+            layers.extend(ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(cfg.blocks_per_stage))
+            out_ch = widths[s + 1] if s + 1 < len(widths) else cfg.latent_dim
+            layers.append(nn.Conv1d(ch, out_ch, rate, stride=rate, bias=False))
+        self.layers = layers
+
+    def __call__(self, features: mx.array) -> mx.array:
+        """features (F, stft_channels), F divisible by prod(downsample_rates) -> latents (T, latent_dim)."""
+        x = _pointwise(self.layers[0], features)
+        for layer in self.layers[1:]:
+            if isinstance(layer, ConvNeXtBlock):
+                x, _ = layer(x)
+            else:
+                x = _downsample(layer, x)
+        return x
+
+
+class _Variance(nn.Module):
+    """Holds `prvq.variance_list.{q}.variance` (shape ()); stored in checkpoints, unused by decoding."""
+
+    def __init__(self):
+        super().__init__()
+        self.variance = mx.ones(())
+
+
+class ResidualVectorQuantizer(nn.Module):
+    """`prvq`: `mus_list.{q}` (codebook_size, latent_dim) codebooks and their unused variances."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        # Scaled so the sum over Q codebooks has about unit variance per channel.
+        scale = 1.0 / math.sqrt(cfg.num_quantizers)
+        self.mus_list = [
+            scale * mx.random.normal((cfg.codebook_size, cfg.latent_dim)) for _ in range(cfg.num_quantizers)
+        ]
+        self.variance_list = [_Variance() for _ in range(cfg.num_quantizers)]
+
+    def dequantize(self, codes: mx.array) -> mx.array:
+        """codes (T, Q) int32 (already validated) -> latent (T, latent_dim) = sum_q mus[q][codes[:, q]]."""
+        latent = _f32(self.mus_list[0][codes[:, 0]])
+        for q in range(1, len(self.mus_list)):
+            latent = latent + _f32(self.mus_list[q][codes[:, q]])
+        return latent
+
+    def quantize(self, latent: mx.array) -> mx.array:
+        """Greedy RVQ: latent (T, latent_dim) -> codes (T, Q) int32 (nearest row per residual)."""
+        residual = _f32(latent)
+        codes = []
+        for mus in self.mus_list:
+            m = _f32(mus)
+            dist = (
+                mx.sum(residual * residual, axis=1, keepdims=True)
+                - 2.0 * (residual @ m.T)
+                + mx.sum(m * m, axis=1)[None, :]
+            )
+            idx = mx.argmin(dist, axis=1).astype(mx.int32)
+            codes.append(idx)
+            residual = residual - m[idx]
+        return mx.stack(codes, axis=1)
+
+
+# --------------------------------------------------------------------------- streaming state
+
+
+class CodecState:
+    """Streaming decode state of one `Codec`.
+
+    block_histories  {decoder layer index n: (k - 1, C_n)}: the last k - 1 input
+                     frames of each decoder ConvNeXt block (zeros at the start,
+                     which equals the offline zero padding).
+    istft_real/imag  (P, n_fft/2 + 1): real and imaginary parts of the last P
+                     spectral frames (P = StreamingGeometry.cache_frames, 4 at
+                     the real geometry), zeros at the start.
+    frames_decoded   code frames consumed; samples_emitted: samples returned
+                     by decode_step + flush; flushed: True after `flush`.
+    """
+
+    def __init__(
+        self,
+        block_histories: dict[int, mx.array],
+        istft_real: mx.array,
+        istft_imag: mx.array,
+        frames_decoded: int = 0,
+        samples_emitted: int = 0,
+        flushed: bool = False,
+    ):
+        self.block_histories = dict(block_histories)
+        self.istft_real = istft_real
+        self.istft_imag = istft_imag
+        self.frames_decoded = frames_decoded
+        self.samples_emitted = samples_emitted
+        self.flushed = flushed
+
+    def copy(self) -> "CodecState":
+        # mx.arrays are immutable values: sharing them between copies is safe.
+        return CodecState(
+            self.block_histories,
+            self.istft_real,
+            self.istft_imag,
+            self.frames_decoded,
+            self.samples_emitted,
+            self.flushed,
+        )
+
+    def reset(self) -> None:
+        self.block_histories = {n: mx.zeros_like(h) for n, h in self.block_histories.items()}
+        self.istft_real = mx.zeros_like(self.istft_real)
+        self.istft_imag = mx.zeros_like(self.istft_imag)
+        self.frames_decoded = 0
+        self.samples_emitted = 0
+        self.flushed = False
+
+    def arrays(self) -> dict[str, mx.array]:
+        """{"decoder.layers.{n}.history": (k-1, C), "istft_real": (P, bins), "istft_imag": (P, bins)}."""
+        out = {f"decoder.layers.{n}.history": h for n, h in sorted(self.block_histories.items())}
+        out["istft_real"] = self.istft_real
+        out["istft_imag"] = self.istft_imag
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"CodecState(frames_decoded={self.frames_decoded}, samples_emitted={self.samples_emitted}, "
+            f"flushed={self.flushed}, blocks={sorted(self.block_histories)})"
+        )
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class Codec(nn.Module):
+    """The codec subtree `tts_model.audio_codec.` (encoder, decoder, prvq)."""
+
+    def __init__(self, codec_cfg: CodecConfig):
+        super().__init__()
+        if not isinstance(codec_cfg, CodecConfig):
+            raise TypeError(f"Codec: expected a CodecConfig, got {type(codec_cfg).__name__}")
+        self._cfg = codec_cfg
+        self._geometry = StreamingGeometry.from_config(codec_cfg)
+        self.encoder = CodecEncoder(codec_cfg)
+        self.decoder = CodecDecoder(codec_cfg)
+        self.prvq = ResidualVectorQuantizer(codec_cfg)
+        self._window = periodic_hann(codec_cfg.n_fft)
+
+    # -- geometry
+
+    @property
+    def config(self) -> CodecConfig:
+        return self._cfg
+
+    @property
+    def geometry(self) -> StreamingGeometry:
+        return self._geometry
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Output samples per code frame (waveform_to_token_ratio; 1764 at the real geometry)."""
+        return self._geometry.samples_per_frame
+
+    @property
+    def lead_in(self) -> int:
+        """d: streamed output = offline output delayed by d samples (8 at the real geometry)."""
+        return self._geometry.lead_in
+
+    @property
+    def warmup_samples(self) -> int:
+        """Offline samples at the very start that the streamed output does not reproduce (6 at the real geometry)."""
+        return self._geometry.warmup_samples
+
+    # -- validation
+
+    def _check_codes(self, codes, where: str) -> mx.array:
+        cfg = self._cfg
+        if isinstance(codes, np.ndarray):
+            if not np.issubdtype(codes.dtype, np.integer):
+                raise TypeError(f"{where}: codes must have an integer dtype, got {codes.dtype}")
+            codes = mx.array(codes.astype(np.int64, copy=False))
+        elif isinstance(codes, mx.array):
+            if not mx.issubdtype(codes.dtype, mx.integer):
+                raise TypeError(f"{where}: codes must have an integer dtype, got {codes.dtype}")
+        else:
+            raise TypeError(f"{where}: codes must be an mx.array or numpy array, got {type(codes).__name__}")
+        if codes.ndim != 2 or codes.shape[1] != cfg.num_quantizers:
+            raise ValueError(
+                f"{where}: codes must have shape (frames, {cfg.num_quantizers}) "
+                f"(num_quantizers = {cfg.num_quantizers}), got {tuple(codes.shape)}"
+            )
+        if codes.shape[0] == 0:
+            raise ValueError(f"{where}: codes must hold at least one frame, got shape {tuple(codes.shape)}")
+        lo, hi = mx.min(codes).item(), mx.max(codes).item()
+        if lo < 0 or hi >= cfg.codebook_size:
+            raise ValueError(
+                f"{where}: codes must lie in [0, {cfg.codebook_size}) (codebook_size), "
+                f"got values from {lo} to {hi}"
+            )
+        return codes.astype(mx.int32)
+
+    # -- spectral head and iSTFT pieces
+
+    def _spectrum(self, spec: mx.array) -> tuple[mx.array, mx.array]:
+        """Head output (F, 2 bins): magnitude logits then phases -> (real, imag), each (F, bins)."""
+        bins = self._cfg.n_fft // 2 + 1
+        logits, phase = spec[:, :bins], spec[:, bins:]
+        magnitude = MAX_MAGNITUDE * mx.sigmoid(logits - math.log(MAX_MAGNITUDE))
+        real = magnitude * mx.cos(phase)
+        imag = magnitude * mx.sin(phase)
+        # DC and Nyquist bins carry no imaginary part.
+        keep = np.ones((bins,), dtype=np.float32)
+        keep[0] = keep[-1] = 0.0
+        return real, imag * mx.array(keep)
+
+    def _overlap_add(self, real: mx.array, imag: mx.array) -> tuple[mx.array, mx.array]:
+        """(F, bins) spectra -> (numerator, window-square envelope), each ((F - 1) hop + n_fft,)."""
+        n_fft, hop = self._cfg.n_fft, self._cfg.hop_length
+        frames = real.shape[0]
+        window = self._window
+        signal = mx.fft.irfft(real + 1j * imag, n=n_fft, axis=-1)  # 1/n_fft normalisation
+        # "Constrain value range": clip to +-window, then apply the synthesis window.
+        signal = mx.clip(signal, -window, window) * window
+        parts = n_fft // hop
+        pieces = signal.reshape(frames, parts, hop)
+        w2 = (window * window).reshape(parts, hop)
+        numerator = None
+        envelope = None
+        for r in range(parts):
+            padding = [(r, parts - 1 - r), (0, 0)]
+            num_r = mx.pad(pieces[:, r, :], padding)
+            env_r = mx.pad(mx.broadcast_to(w2[r], (frames, hop)), padding)
+            numerator = num_r if numerator is None else numerator + num_r
+            envelope = env_r if envelope is None else envelope + env_r
+        length = (frames + parts - 1) * hop
+        return numerator.reshape(length), envelope.reshape(length)
+
+    def _istft(self, real: mx.array, imag: mx.array) -> mx.array:
+        numerator, envelope = self._overlap_add(real, imag)
+        return numerator / mx.maximum(envelope, WINDOW_SQUARE_FLOOR)
+
+    # -- public API
+
+    def dequantize(self, codes) -> mx.array:
+        """codes (T, Q) int -> latent (T, latent_dim) float32."""
+        return self.prvq.dequantize(self._check_codes(codes, "Codec.dequantize"))
+
+    def decode(self, codes) -> mx.array:
+        """Offline decode: codes (T, Q) int -> waveform (T * samples_per_frame,) float32."""
+        codes = self._check_codes(codes, "Codec.decode")
+        spec, _ = self.decoder(self.prvq.dequantize(codes))
+        real, imag = self._spectrum(spec)
+        audio = self._istft(real, imag)
+        geo = self._geometry
+        return audio[geo.pad : geo.pad + real.shape[0] * geo.hop]
+
+    def make_state(self) -> CodecState:
+        geo = self._geometry
+        histories = {
+            n: mx.zeros((self.decoder.layers[n].history_frames, self.decoder.layers[n].channels), dtype=mx.float32)
+            for n in self.decoder.block_indices
+        }
+        bins = self._cfg.n_fft // 2 + 1
+        zeros = mx.zeros((geo.cache_frames, bins), dtype=mx.float32)
+        return CodecState(histories, zeros, zeros)
+
+    def _check_state(self, state, where: str) -> None:
+        if not isinstance(state, CodecState):
+            raise TypeError(f"{where}: expected a CodecState (from Codec.make_state()), got {type(state).__name__}")
+        if state.flushed:
+            raise ValueError(f"{where}: this CodecState was flushed; call state.reset() or make_state() first")
+        if set(state.block_histories) != set(self.decoder.block_indices) or any(
+            tuple(h.shape) != (self.decoder.layers[n].history_frames, self.decoder.layers[n].channels)
+            for n, h in state.block_histories.items()
+        ) or state.istft_real.shape[0] != self._geometry.cache_frames:
+            raise ValueError(f"{where}: this CodecState was made by a codec of a different geometry")
+
+    def decode_step(self, codes, state: CodecState) -> mx.array:
+        """One code frame (Q,) or (1, Q) -> exactly samples_per_frame samples; updates `state` in place.
+
+        Lazy: the caller evaluates the result (and the state) when it needs them.
+        """
+        self._check_state(state, "Codec.decode_step")
+        if (isinstance(codes, (mx.array, np.ndarray))) and codes.ndim == 1:
+            codes = codes[None]
+        if isinstance(codes, (mx.array, np.ndarray)) and codes.ndim == 2 and codes.shape[0] != 1:
+            raise ValueError(
+                f"Codec.decode_step: expected one frame of codes, shape ({self._cfg.num_quantizers},) or "
+                f"(1, {self._cfg.num_quantizers}), got {tuple(codes.shape)}"
+            )
+        codes = self._check_codes(codes, "Codec.decode_step")
+        geo = self._geometry
+
+        spec, histories = self.decoder(self.prvq.dequantize(codes), state.block_histories)
+        real, imag = self._spectrum(spec)
+        real = mx.concatenate([state.istft_real, real], axis=0)
+        imag = mx.concatenate([state.istft_imag, imag], axis=0)
+        audio = self._istft(real, imag)
+        new_frames = real.shape[0] - geo.cache_frames
+        out = audio[geo.emit_start : geo.emit_start + new_frames * geo.hop]
+        if out.shape != (geo.samples_per_frame,):
+            raise RuntimeError(
+                f"Codec.decode_step: produced {out.shape} samples, expected ({geo.samples_per_frame},)"
+            )
+
+        state.block_histories = histories
+        state.istft_real = real[real.shape[0] - geo.cache_frames :]
+        state.istft_imag = imag[imag.shape[0] - geo.cache_frames :]
+        state.frames_decoded += 1
+        state.samples_emitted += geo.samples_per_frame
+        return out
+
+    def flush(self, state: CodecState) -> mx.array:
+        """The held-back tail (lead_in samples): the end of the offline decode after the last step.
+
+        Marks the state flushed (decode_step then refuses it until `reset()`).
+        """
+        self._check_state(state, "Codec.flush")
+        geo = self._geometry
+        # Only the cached (real) frames cover the tail, exactly as at the offline end.
+        audio = self._istft(state.istft_real, state.istft_imag)
+        start = geo.cache_frames * geo.hop + geo.pad - geo.lead_in
+        tail = audio[start : start + geo.lead_in]
+        state.flushed = True
+        state.samples_emitted += geo.lead_in
+        return tail
+
+    def stft_features(self, waveform: mx.array) -> mx.array:
+        """Waveform (N,) -> (N / hop, stft_channels): [real bins, imag bins] of a periodic-Hann
+        STFT, not centred, with (n_fft - hop) / 2 zeros padded at each end."""
+        n_fft, hop = self._cfg.n_fft, self._cfg.hop_length
+        pad = self._geometry.pad
+        padded = mx.pad(waveform, [(pad, pad)])
+        frames = 1 + (padded.shape[0] - n_fft) // hop
+        index = mx.arange(frames)[:, None] * hop + mx.arange(n_fft)[None, :]
+        spectrum = mx.fft.rfft(padded[index] * self._window, n=n_fft, axis=-1)
+        return mx.concatenate([mx.real(spectrum), mx.imag(spectrum)], axis=1).astype(mx.float32)
+
+    def encode(self, waveform) -> mx.array:
+        """Waveform (N,) float, N a positive multiple of samples_per_frame -> codes (N / ratio, Q) int32."""
+        if isinstance(waveform, np.ndarray):
+            if not np.issubdtype(waveform.dtype, np.floating):
+                raise TypeError(f"Codec.encode: waveform must be floating point, got {waveform.dtype}")
+            waveform = mx.array(waveform.astype(np.float32, copy=False))
+        elif isinstance(waveform, mx.array):
+            if not mx.issubdtype(waveform.dtype, mx.floating):
+                raise TypeError(f"Codec.encode: waveform must be floating point, got {waveform.dtype}")
+        else:
+            raise TypeError(
+                f"Codec.encode: waveform must be an mx.array or numpy array, got {type(waveform).__name__}"
+            )
+        ratio = self.samples_per_frame
+        if waveform.ndim != 1 or waveform.shape[0] == 0 or waveform.shape[0] % ratio:
+            raise ValueError(
+                f"Codec.encode: waveform must be 1-D with a positive multiple of {ratio} samples "
+                f"(samples_per_frame), got shape {tuple(waveform.shape)}"
+            )
+        waveform = _f32(waveform)
+        if not mx.all(mx.isfinite(waveform)).item():
+            raise ValueError("Codec.encode: waveform contains NaN or infinite samples")
+        latents = self.encoder(self.stft_features(waveform))
+        return self.prvq.quantize(latents)
