@@ -1,0 +1,18 @@
+"""Backends the parity harness and the benchmark runner drive: this project, and mlx-vlm (peers extra)."""
+
+from .base import Backend, OfflineRun, StreamRun
+
+
+def get_backend(name: str) -> "Backend":
+    if name == "voicechat":
+        from .voicechat_backend import VoiceChatBackend
+
+        return VoiceChatBackend()
+    if name == "mlx-vlm":
+        from .mlx_vlm_backend import MlxVlmBackend
+
+        return MlxVlmBackend()
+    raise ValueError(f"unknown backend {name!r}; expected 'voicechat' or 'mlx-vlm'")
+
+
+__all__ = ["Backend", "OfflineRun", "StreamRun", "get_backend"]

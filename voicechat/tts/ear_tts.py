@@ -1,0 +1,692 @@
+"""EAR-TTS speech-token generator, `tts_model.tts_model` (architecture.md §8).
+
+Per timeline step: previous frame's codes + this frame's text token ->
+gated fusion -> Gemma-3 style backbone (batch 2: conditional / unconditional
+text, for guidance) -> iterative Mixture-of-Gaussians head -> num_quantizers
+RVQ codes.
+
+Paths:
+
+* `EarTts.warmup(state, ...)` + `EarTts.step(state, ...)`: cached streaming
+  path over an `EarTtsState` (per-layer K/V of the guidance pair).
+* `EarTts.new_history(...)` + `EarTts.step_uncached(history, ...)`: the
+  recompute path for parity checks; every call reruns the backbone over all
+  positions from scratch (`EarTtsBackbone` without a state, causal + sliding
+  masks) and uses the last position.
+
+Precision: activations are float32 whatever the weight dtype. One deliberate
+difference from the reference is switchable, see
+`BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import TtsConfig
+from .char_encoder import CharAwareSubwordEncoder, CharTable
+from .layers import (
+    GeluGatedMLP,
+    OnePlusRMSNorm,
+    as_int_array,
+    check_value_range,
+    is_integer_dtype,
+    one_plus_rms_norm,
+)
+from .rng import SessionRandom
+
+# The reference forms "1 + w" of the backbone norms in the weight dtype (bf16
+# rounding, §12.2 item 6); HF/NeMo and the reference's other norms use float32.
+# False = float32 here. A parity harness may set it to True (read at call time)
+# to reproduce the reference's rounding exactly.
+BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = False
+
+KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
+GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
+
+
+def mog_pass_schedule(num_quantizers: int, num_iterations: int, exponent: float) -> list[int]:
+    """Codebooks assigned by each refinement iteration (§8.6); 0 = pass skipped.
+
+    masked_i = ceil((1 - (i/N)^e)^(1/e) · Q), count_i = masked_i - masked_{i+1},
+    masked_N = 0. Iterations assign codebooks from 0 upwards.
+    """
+    if num_quantizers < 1 or num_iterations < 1 or exponent <= 0:
+        raise ValueError(
+            "mog_pass_schedule: need num_quantizers >= 1, num_iterations >= 1, exponent > 0; got "
+            f"{num_quantizers}, {num_iterations}, {exponent}"
+        )
+    masked = [
+        math.ceil((1.0 - (i / num_iterations) ** exponent) ** (1.0 / exponent) * num_quantizers)
+        for i in range(num_iterations)
+    ] + [0]
+    return [masked[i] - masked[i + 1] for i in range(num_iterations)]
+
+
+def replace_control_codes(codes, control_codes, silence_codes) -> mx.array:
+    """Every code equal to any control code -> the silence code of its codebook (§9.4).
+
+    codes (..., Q), control_codes (C,), silence_codes (Q,), all integer; device-side, int32 out.
+    """
+    codes = as_int_array(codes, "codes")
+    control_codes = as_int_array(control_codes, "control_codes")
+    silence_codes = as_int_array(silence_codes, "silence_codes")
+    if control_codes.ndim != 1:
+        raise ValueError(f"control_codes: expected shape (C,), got {control_codes.shape}")
+    if silence_codes.ndim != 1:
+        raise ValueError(f"silence_codes: expected shape (Q,), got {silence_codes.shape}")
+    if codes.ndim < 1 or codes.shape[-1] != silence_codes.shape[0]:
+        raise ValueError(
+            f"codes: expected shape (..., {silence_codes.shape[0]}) (one code per silence codebook), got {codes.shape}"
+        )
+    is_control = (codes[..., None] == control_codes).any(axis=-1)
+    return mx.where(is_control, silence_codes, codes).astype(mx.int32)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class EarTtsState:
+    """Streaming state of the TTS backbone for the guidance pair (batch 2).
+
+    Per layer K/V buffers (2, kv_heads, capacity, head_dim) holding post-RoPE
+    keys. Global layers keep every position (capacity grows in steps of
+    KV_ALLOC_STEP). Sliding layers keep the last `window` positions: position p
+    lives at index p % window (a ring), capacity never exceeds `window`.
+    `offset` = TTS positions consumed (drives RoPE); `previous_codes` (1, Q)
+    int32 = the codes the next step embeds.
+    """
+
+    def __init__(self, windows: list[int | None], num_kv_heads: int, head_dim: int, num_quantizers: int, mask_code: int):
+        self.windows = list(windows)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_quantizers, self.mask_code = num_quantizers, mask_code
+        self.reset()
+
+    def reset(self) -> None:
+        empty = mx.zeros((2, self.num_kv_heads, 0, self.head_dim), dtype=mx.float32)
+        self.keys = [empty for _ in self.windows]
+        self.values = [empty for _ in self.windows]
+        self.offset = 0
+        self.previous_codes = mx.full((1, self.num_quantizers), self.mask_code, dtype=mx.int32)
+
+    def copy(self) -> "EarTtsState":
+        # Buffers are only ever replaced (mx.slice_update returns new arrays), so sharing is safe.
+        other = EarTtsState.__new__(EarTtsState)
+        other.__dict__.update(self.__dict__)
+        other.windows = list(self.windows)
+        other.keys, other.values = list(self.keys), list(self.values)
+        return other
+
+    # -- bookkeeping
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.windows)
+
+    def stored_length(self, layer: int, offset: int | None = None) -> int:
+        """Valid cached positions of `layer` after `offset` positions."""
+        offset = self.offset if offset is None else offset
+        w = self.windows[layer]
+        return offset if w is None else min(offset, w)
+
+    def capacity(self, layer: int) -> int:
+        return self.keys[layer].shape[2]
+
+    def ordered_kv(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Cached K, V of `layer` in position order (oldest first), valid entries only."""
+        k, v, n = self.keys[layer], self.values[layer], self.stored_length(layer)
+        w = self.windows[layer]
+        if w is None or self.offset <= w:
+            return k[:, :, :n], v[:, :, :n]
+        start = self.offset % w  # index of the oldest kept position
+        return (
+            mx.concatenate([k[:, :, start:], k[:, :, :start]], axis=2),
+            mx.concatenate([v[:, :, start:], v[:, :, :start]], axis=2),
+        )
+
+    def _ensure_capacity(self, layer: int, needed: int) -> None:
+        cap = self.capacity(layer)
+        if needed <= cap:
+            return
+        new_cap = -(-needed // KV_ALLOC_STEP) * KV_ALLOC_STEP
+        w = self.windows[layer]
+        if w is not None:
+            new_cap = min(new_cap, w)
+        pad = mx.zeros((2, self.num_kv_heads, new_cap - cap, self.head_dim), dtype=self.keys[layer].dtype)
+        self.keys[layer] = mx.concatenate([self.keys[layer], pad], axis=2)
+        self.values[layer] = mx.concatenate([self.values[layer], pad], axis=2)
+
+    def _write(self, layer: int, index: int, k: mx.array, v: mx.array) -> None:
+        start = mx.array([index])
+        self.keys[layer] = mx.slice_update(self.keys[layer], k, start, axes=(2,))
+        self.values[layer] = mx.slice_update(self.values[layer], v, start, axes=(2,))
+
+    def update_and_fetch(self, layer: int, k: mx.array, v: mx.array):
+        """Store new K/V (2, kv, n, D) at positions offset..offset+n-1 of `layer`.
+
+        Returns (keys, values, mask) to attend with: for n == 1 the buffer's
+        valid entries (exactly the visible ones, in ring order: attention does
+        not depend on key order) and no mask; for n > 1 the old entries in
+        position order followed by the new ones, with a causal (+ sliding) mask.
+        """
+        n, offset, w = k.shape[2], self.offset, self.windows[layer]
+        if n == 1:
+            index = offset if w is None else offset % w
+            self._ensure_capacity(layer, index + 1)
+            self._write(layer, index, k, v)
+            valid = self.stored_length(layer, offset + 1)
+            return self.keys[layer][:, :, :valid], self.values[layer][:, :, :valid], None
+        old_k, old_v = self.ordered_kv(layer)
+        n_old = old_k.shape[2]
+        keys = mx.concatenate([old_k, k], axis=2)
+        values = mx.concatenate([old_v, v], axis=2)
+        mask = attention_mask(offset, n, offset - n_old, w)
+        # Keep what the layer must remember: all of it (global) or the last w positions.
+        keep = n if w is None else min(n, w)
+        first = offset + n - keep
+        k_keep, v_keep = k[:, :, n - keep :], v[:, :, n - keep :]
+        if w is None:
+            self._ensure_capacity(layer, offset + n)
+            self._write(layer, offset, k_keep, v_keep)
+        else:
+            self._ensure_capacity(layer, min(offset + n, w))
+            index = first % w
+            head = min(keep, w - index)  # the ring may wrap once
+            self._write(layer, index, k_keep[:, :, :head], v_keep[:, :, :head])
+            if head < keep:
+                self._write(layer, 0, k_keep[:, :, head:], v_keep[:, :, head:])
+        return keys, values, mask
+
+    # -- inspection
+
+    def arrays(self) -> dict[str, mx.array]:
+        """{"layers.{i}.keys"/"layers.{i}.values": valid K/V (2, kv, n_i, D) oldest first,
+        "offset": int32 scalar, "previous_codes": (1, Q) int32}."""
+        out = {}
+        for i in range(self.num_layers):
+            out[f"layers.{i}.keys"], out[f"layers.{i}.values"] = self.ordered_kv(i)
+        out["offset"] = mx.array(self.offset, dtype=mx.int32)
+        out["previous_codes"] = self.previous_codes
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, allocated buffer capacity included."""
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) + self.previous_codes.nbytes
+
+    def __repr__(self) -> str:
+        caps = [self.capacity(i) for i in range(self.num_layers)]
+        return f"EarTtsState(offset={self.offset}, capacities={caps}, nbytes={self.nbytes})"
+
+
+def attention_mask(q_start: int, n_q: int, k_start: int, window: int | None) -> mx.array:
+    """Boolean (n_q, n_k) mask: queries at q_start.., keys at k_start..q_start+n_q-1.
+
+    A key is visible iff it is not in the future and, for sliding layers, among
+    the last `window` positions including the query's own.
+    """
+    q_pos = mx.arange(q_start, q_start + n_q)[:, None]
+    k_pos = mx.arange(k_start, q_start + n_q)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    return visible
+
+
+@dataclass
+class EarTtsHistory:
+    """Everything the recompute path needs: warm-up inputs and the inputs of every step so far."""
+
+    prompt_codes: mx.array
+    speaker_latent: mx.array
+    pad_id: int
+    previous_codes: mx.array  # (1, Q) int32: what the next step embeds
+    steps: list = field(default_factory=list)  # (previous_codes, text_token, eos_id, silence_codes) per step
+
+    def copy(self) -> "EarTtsHistory":
+        return EarTtsHistory(self.prompt_codes, self.speaker_latent, self.pad_id, self.previous_codes, list(self.steps))
+
+
+# --------------------------------------------------------------------------- backbone
+
+
+class BackboneRMSNorm(nn.Module):
+    """Backbone norm: "1 + w", in float32 unless BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return one_plus_rms_norm(
+            x, self.weight, self.eps, one_plus_in_weight_dtype=BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE
+        )
+
+
+class BackboneAttention(nn.Module):
+    def __init__(self, cfg: TtsConfig, layer_index: int):
+        super().__init__()
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if h % kv:
+            raise ValueError(f"tts_config.num_key_value_heads ({kv}) must divide num_attention_heads ({h})")
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = BackboneRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = BackboneRMSNorm(d, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.layer_index = layer_index
+        is_global = cfg.is_global_layer(layer_index)
+        self.window = None if is_global else cfg.sliding_window
+        self.rope_base = float(cfg.rope_global_base_freq if is_global else cfg.rope_local_base_freq)
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+
+    def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
+        b, n, _ = x.shape
+        offset = 0 if state is None else state.offset
+        q = self.q_norm(self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        if state is None:
+            keys, values = k, v
+            mask = attention_mask(0, n, 0, self.window) if n > 1 else None
+        else:
+            keys, values, mask = state.update_and_fetch(self.layer_index, k, v)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class BackboneLayer(nn.Module):
+    def __init__(self, cfg: TtsConfig, layer_index: int):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = BackboneAttention(cfg, layer_index)
+        self.mlp = GeluGatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
+
+    def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), state))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class EarTtsBackbone(nn.Module):
+    """Gemma-3 text stack without token embedding (§8.1)."""
+
+    def __init__(self, cfg: TtsConfig):
+        super().__init__()
+        self.layers = [BackboneLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = BackboneRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, state: EarTtsState | None = None) -> mx.array:
+        """x (2, n, hidden) -> (2, n, hidden). Without a state: positions 0..n-1 from scratch
+        (offline function); with a state: positions state.offset.. (state advanced by n)."""
+        x = x.astype(mx.float32)
+        for layer in self.layers:
+            x = layer(x, state)
+        if state is not None:
+            state.offset += x.shape[1]
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------- fusion, MoG
+
+
+class GatedFusion(nn.Module):
+    """fused = norm(σ(r)·(σ(g)⊙audio_proj(audio/Q) + (1 − σ(g))⊙text_proj(text))) (§8.4)."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.audio_proj = nn.Linear(hidden, hidden, bias=True)
+        self.text_proj = nn.Linear(hidden, hidden, bias=True)
+        self.gate = mx.zeros((hidden,))
+        self.residual_scale = mx.zeros(())
+        self.final_norm = OnePlusRMSNorm(hidden, eps)
+
+    def __call__(self, audio: mx.array, text: mx.array, num_quantizers: int) -> mx.array:
+        g = mx.sigmoid(self.gate.astype(mx.float32))
+        r = mx.sigmoid(self.residual_scale.astype(mx.float32))
+        a = self.audio_proj(audio.astype(mx.float32) / num_quantizers)
+        t = self.text_proj(text.astype(mx.float32))
+        return self.final_norm(r * (g * a + (1.0 - g) * t))
+
+
+class MogBlock(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, eps: float):
+        super().__init__()
+        self.pre_norm = OnePlusRMSNorm(hidden, eps)
+        self.mlp = GeluGatedMLP(hidden, intermediate)
+        self.post_norm = OnePlusRMSNorm(hidden, eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + self.post_norm(self.mlp(self.pre_norm(x)))
+
+
+class MogHead(nn.Module):
+    """Mixture-of-Gaussians head (§8.6 c–i): trunk, component choice, residual latent."""
+
+    def __init__(self, cfg: TtsConfig):
+        super().__init__()
+        m, hidden = cfg.mog_head, cfg.hidden_size
+        self.mlp_stack = [MogBlock(hidden, m.intermediate_size, m.eps) for _ in range(m.num_layers)]
+        self.mlp_stack.append(OnePlusRMSNorm(hidden, m.eps))  # final norm = mlp_stack.{num_layers}
+        self.proj_logits = nn.Linear(hidden, m.num_predictions, bias=False)
+        self.proj_mus = nn.Linear(hidden, m.num_predictions * m.low_rank, bias=False)
+        self.proj_logs = nn.Linear(hidden, 1, bias=False)
+        self.proj_else = nn.Linear(hidden, cfg.latent_size, bias=False)
+        self.low_mat = mx.random.normal((m.num_predictions, cfg.latent_size, m.low_rank)) * (m.low_rank**-0.5)
+        self.num_predictions, self.low_rank = m.num_predictions, m.low_rank
+        self.min_log_std = float(m.min_log_std)
+
+    def trunk(self, x: mx.array) -> mx.array:
+        for block in self.mlp_stack:
+            x = block(x)
+        return x
+
+    def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float) -> mx.array:
+        """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
+        (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`."""
+        logits = self.proj_logits(x)[None].astype(mx.float32)  # (1, 1, P)
+        # Top-p: keep a component iff the mass of the components ranked above it is < top_p.
+        probs = mx.softmax(logits, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        mass_above = mx.cumsum(mx.take_along_axis(probs, order, axis=-1), axis=-1, inclusive=False)
+        keep = mx.take_along_axis(mass_above < top_p, mx.argsort(order, axis=-1), axis=-1)
+        filtered = mx.where(keep, logits, -mx.inf)
+        log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+        # Gumbel-max with the reference's guards.
+        u = rng.uniform((1, 1, self.num_predictions))
+        gumbel = -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
+        k = mx.argmax(log_probs + gumbel, axis=-1).reshape(())
+        # Only the chosen component's low_rank rows of proj_mus are needed.
+        hidden = x.shape[-1]
+        mus_rows = mx.take(self.proj_mus.weight.reshape(self.num_predictions, self.low_rank, hidden), k, axis=0)
+        low = mx.take(self.low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
+        mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
+        log_std = mx.maximum(self.proj_logs(x), self.min_log_std)  # (1, 1)
+        std = mx.exp(log_std)
+        mean = mu * std + self.proj_else(x)
+        eps = rng.normal((1, 1, mu.shape[-1]))[0]
+        return mean + std * eps * noise_scale
+
+
+# --------------------------------------------------------------------------- model
+
+
+class EarTts(nn.Module):
+    """`tts_model.tts_model`: parameter names as architecture.md §2.3 (relative to that prefix)."""
+
+    def __init__(self, tts_cfg: TtsConfig, char_table: CharTable | None = None):
+        super().__init__()
+        cfg = tts_cfg
+        if cfg.character_encoder.hidden_size != cfg.hidden_size:
+            raise ValueError(
+                "tts_config.character_encoder.hidden_size must equal tts_config.hidden_size "
+                f"({cfg.character_encoder.hidden_size} != {cfg.hidden_size})"
+            )
+        self.cfg = cfg
+        hidden, latent, q, c = cfg.hidden_size, cfg.latent_size, cfg.num_quantizers, cfg.codebook_size
+        self.backbone = EarTtsBackbone(cfg)
+        self.bos_emb = mx.random.normal((hidden,))
+        self.null_emb = mx.random.normal((hidden,))
+        self.embed_code = nn.Linear(latent, hidden, bias=False)
+        # Loaded, never used at inference (the speaker latent is given directly).
+        self.audio_prompt_projection_W = mx.random.normal((hidden, hidden)) * hidden**-0.5
+        self.rvq_embs = mx.random.normal((q, c, latent))
+        self.gated_fusion_audio_text = GatedFusion(hidden, cfg.rms_norm_eps)
+        self.embed_subword = CharAwareSubwordEncoder(cfg.character_encoder)
+        self.mog_head = MogHead(cfg)
+        self._pass_counts = mog_pass_schedule(q, cfg.num_iterations, cfg.exponent)
+        self._char_table = None
+        self._checked_silence = None  # last silence_codes array whose values were checked
+        if char_table is not None:
+            self.set_char_table(char_table)
+
+    # -- configuration
+
+    @property
+    def num_quantizers(self) -> int:
+        return self.cfg.num_quantizers
+
+    @property
+    def mask_code(self) -> int:
+        """The "empty" code: index codebook_size, a zero row of the padded codebooks."""
+        return self.cfg.codebook_size
+
+    @property
+    def pass_counts(self) -> list[int]:
+        return list(self._pass_counts)
+
+    @property
+    def char_table(self) -> CharTable | None:
+        return self._char_table
+
+    def set_char_table(self, table: CharTable) -> None:
+        if not isinstance(table, CharTable):
+            raise TypeError(f"char_table: expected a CharTable, got {type(table).__name__}")
+        want = self.cfg.character_encoder.char_vocab_size
+        if table.char_vocab_size != want:
+            raise ValueError(
+                f"char_table: built for char_vocab_size {table.char_vocab_size}, the model has {want}"
+            )
+        self._char_table = table
+
+    def _table(self) -> CharTable:
+        if self._char_table is None:
+            raise ValueError("EarTts has no char table: call set_char_table(CharTable.from_vocab(...)) first")
+        return self._char_table
+
+    def make_state(self) -> EarTtsState:
+        cfg = self.cfg
+        windows = [None if cfg.is_global_layer(i) else cfg.sliding_window for i in range(cfg.num_hidden_layers)]
+        return EarTtsState(windows, cfg.num_key_value_heads, cfg.head_dim, cfg.num_quantizers, self.mask_code)
+
+    # -- input checks
+
+    def _check_codes(self, codes, name: str, *, allow_mask: bool, check_values: bool = True) -> mx.array:
+        codes = as_int_array(codes, name)
+        if codes.ndim == 0 or codes.shape[-1] != self.num_quantizers:
+            raise ValueError(
+                f"{name}: expected {self.num_quantizers} codes per frame (last axis), got shape {codes.shape}"
+            )
+        if check_values:
+            check_value_range(codes, name, 0, self.mask_code if allow_mask else self.mask_code - 1)
+        return codes.astype(mx.int32)
+
+    def _check_silence(self, silence_codes) -> mx.array:
+        fresh = not isinstance(silence_codes, mx.array) or silence_codes is not self._checked_silence
+        codes = self._check_codes(silence_codes, "silence_codes", allow_mask=False, check_values=fresh)
+        if codes.ndim != 1:
+            raise ValueError(f"silence_codes: expected shape ({self.num_quantizers},), got {codes.shape}")
+        if isinstance(silence_codes, mx.array):
+            # Sessions pass the same buffer every step: check its values (a host sync) once.
+            self._checked_silence = silence_codes
+        return codes
+
+    @staticmethod
+    def _check_token(text_token) -> int | mx.array:
+        if isinstance(text_token, (bool, np.bool_)):
+            raise TypeError("text_token: expected an int token id or an integer mx.array, got a bool")
+        if isinstance(text_token, (int, np.integer)):
+            if text_token < 0:
+                raise ValueError(f"text_token: expected a token id >= 0, got {text_token}")
+            return int(text_token)
+        if isinstance(text_token, mx.array):
+            if not is_integer_dtype(text_token.dtype) or text_token.size != 1:
+                raise TypeError(
+                    f"text_token: expected one integer token id, got an mx.array of shape {text_token.shape} "
+                    f"and dtype {text_token.dtype}"
+                )
+            return text_token.reshape(()).astype(mx.int32)
+        raise TypeError(f"text_token: expected an int or an integer mx.array, got {type(text_token).__name__}")
+
+    @staticmethod
+    def _check_id(value, name: str) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise TypeError(f"{name}: expected an int token id >= 0, got {value!r}")
+        return int(value)
+
+    # -- embeddings
+
+    def depthsum(self, codes: mx.array) -> mx.array:
+        """codes (..., Q) in 0..codebook_size -> (..., latent) float32: Σ_q rvq_embs[q, code_q],
+        the mask code (codebook_size) contributing a zero row."""
+        is_code = codes < self.mask_code
+        rows = self.rvq_embs[mx.arange(self.num_quantizers), mx.minimum(codes, self.mask_code - 1)]
+        return mx.where(is_code[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
+
+    def embed_codes(self, codes: mx.array) -> mx.array:
+        """embed_code(depthsum(codes)): (..., Q) -> (..., hidden)."""
+        return self.embed_code(self.depthsum(codes))
+
+    def _text_pair(self, cond: mx.array) -> mx.array:
+        """(n, hidden) conditional text input -> (2, n, hidden) [conditional, null_emb]."""
+        null = mx.broadcast_to(self.null_emb.astype(mx.float32), cond.shape)
+        return mx.stack([cond, null])
+
+    def warmup_inputs(self, prompt_codes, speaker_latent, pad_id: int) -> mx.array:
+        """Fused backbone inputs (2, F, hidden) of the speaker-prompt warm-up (§8.5 steps 2–6)."""
+        codes, latent, pad_id = self._check_warmup_args(prompt_codes, speaker_latent, pad_id)
+        f = codes.shape[0]
+        shifted = mx.concatenate([mx.zeros((1, self.num_quantizers), dtype=mx.int32), codes[:-1]], axis=0)
+        code_emb = self.embed_codes(shifted)
+        # Positions before the first bos (F-1) take the speaker latent; bos_emb is added at F-1.
+        audio = mx.concatenate([latent[0, : f - 1], code_emb[f - 1 :] + self.bos_emb.astype(mx.float32)], axis=0)
+        mask = [False] * (f - 2) + [True, True]
+        text = self.embed_subword.embed_host([pad_id] * f, mask, self._table())
+        return self.gated_fusion_audio_text(audio[None], self._text_pair(text), self.num_quantizers)
+
+    def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes) -> mx.array:
+        """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3)."""
+        token = self._check_token(text_token)
+        eos_id = self._check_id(eos_id, "eos_id")
+        silence = self._check_silence(silence_codes)
+        is_eos = (token if isinstance(token, mx.array) else mx.array(token)) == eos_id
+        previous = mx.where(is_eos, silence[None], previous_codes)  # device-side EOS rule, no sync
+        audio = self.embed_codes(previous)  # (1, hidden)
+        if isinstance(token, int):
+            text = self.embed_subword.embed_host([token], [True], self._table())
+        else:
+            text = self.embed_subword.embed_device(token, self._table())
+        return self.gated_fusion_audio_text(audio[None], self._text_pair(text), self.num_quantizers)
+
+    def _check_warmup_args(self, prompt_codes, speaker_latent, pad_id):
+        codes = self._check_codes(prompt_codes, "prompt_codes", allow_mask=True)
+        if codes.ndim != 2 or codes.shape[0] < 2:
+            raise ValueError(
+                f"prompt_codes: expected shape (F, {self.num_quantizers}) with F >= 2 frames, got {codes.shape}"
+            )
+        if not isinstance(speaker_latent, mx.array):
+            raise TypeError(f"speaker_latent: expected an mx.array, got {type(speaker_latent).__name__}")
+        if not mx.issubdtype(speaker_latent.dtype, mx.floating):
+            raise TypeError(f"speaker_latent: expected a float array, got dtype {speaker_latent.dtype}")
+        want = (1, codes.shape[0], self.cfg.hidden_size)
+        if tuple(speaker_latent.shape) != want:
+            raise ValueError(
+                f"speaker_latent: expected shape {want} (one row per prompt frame), got {speaker_latent.shape}"
+            )
+        return codes, speaker_latent.astype(mx.float32), self._check_id(pad_id, "pad_id")
+
+    # -- code generation
+
+    def generate_codes(self, hidden: mx.array, rng: SessionRandom) -> mx.array:
+        """Backbone output (2, hidden) [conditional, unconditional] -> codes (Q,) int32 (§8.6 step 5).
+
+        Two draws per effective pass (uniform then normal), in pass order.
+        """
+        cfg = self.cfg
+        cond, uncond = hidden[0:1], hidden[1:2]
+        assigned: list[mx.array] = []  # one (1,) code per codebook, codebook 0 first
+        for count in self._pass_counts:
+            if count == 0:
+                continue
+            rest = self.num_quantizers - len(assigned)
+            codes = mx.concatenate(assigned + [mx.full((rest,), self.mask_code, dtype=mx.int32)])[None]
+            e = self.embed_codes(codes)  # (1, hidden)
+            feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
+            c, u = feats[0:1], feats[1:2]
+            guided = c + cfg.guidance_scale * (c - u)
+            residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale)
+            # Greedy RVQ of the sampled residual over this pass's codebooks.
+            for qi in range(len(assigned), len(assigned) + count):
+                book = self.rvq_embs[qi].astype(mx.float32)  # (C, latent)
+                dist = (book * book).sum(axis=-1) - 2.0 * (residual @ book.T)[0]
+                j = mx.argmin(dist, axis=-1, keepdims=True).astype(mx.int32)  # (1,)
+                residual = residual - book[j]
+                assigned.append(j)
+        return mx.concatenate(assigned)
+
+    # -- cached path
+
+    def warmup(self, state: EarTtsState, prompt_codes, speaker_latent, pad_id: int) -> None:
+        """Speaker-prompt warm-up (§8.5): fresh caches, run all F prompt positions, keep the caches;
+        previous_codes := the last prompt code frame (the all-mask frame)."""
+        self._check_state(state)
+        x = self.warmup_inputs(prompt_codes, speaker_latent, pad_id)
+        state.reset()
+        self.backbone(x, state)  # outputs unused: only the caches matter
+        state.previous_codes = self._check_codes(prompt_codes, "prompt_codes", allow_mask=True, check_values=False)[-1:]
+
+    def step_hidden(self, state: EarTtsState, text_token, *, eos_id: int, silence_codes) -> mx.array:
+        """One backbone step over `state` -> (2, hidden) [conditional, unconditional].
+        Advances the caches; does not touch state.previous_codes."""
+        self._check_state(state)
+        x = self.step_inputs(state.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes)
+        return self.backbone(x, state)[:, -1]
+
+    def step(self, state: EarTtsState, text_token, rng: SessionRandom, *, eos_id: int, silence_codes) -> mx.array:
+        """One TTS step (§8.6) -> codes (Q,) int32, lazy: no host sync except a one-time value
+        check of a silence_codes array not seen before. The new codes become state.previous_codes."""
+        if not isinstance(rng, SessionRandom):
+            raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
+        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes)
+        codes = self.generate_codes(hidden, rng)
+        state.previous_codes = codes[None]
+        return codes
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, EarTtsState):
+            raise TypeError(f"state: expected an EarTtsState (EarTts.make_state()), got {type(state).__name__}")
+        if state.num_layers != self.cfg.num_hidden_layers or state.num_quantizers != self.num_quantizers:
+            raise ValueError(
+                f"state: made for {state.num_layers} layers / {state.num_quantizers} quantizers, the model has "
+                f"{self.cfg.num_hidden_layers} / {self.num_quantizers}"
+            )
+
+    # -- recompute path (parity)
+
+    def new_history(self, prompt_codes, speaker_latent, pad_id: int) -> EarTtsHistory:
+        codes, latent, pad_id = self._check_warmup_args(prompt_codes, speaker_latent, pad_id)
+        return EarTtsHistory(codes, latent, pad_id, previous_codes=codes[-1:])
+
+    def uncached_hidden(self, history: EarTtsHistory, text_token, *, eos_id: int, silence_codes) -> mx.array:
+        """(2, hidden) of the next step, recomputed over every position from scratch."""
+        rows = [self.warmup_inputs(history.prompt_codes, history.speaker_latent, history.pad_id)]
+        for prev, tok, eos, sil in history.steps:
+            rows.append(self.step_inputs(prev, tok, eos_id=eos, silence_codes=sil))
+        rows.append(self.step_inputs(history.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes))
+        return self.backbone(mx.concatenate(rows, axis=1), None)[:, -1]
+
+    def step_uncached(
+        self, history: EarTtsHistory, text_token, rng: SessionRandom, *, eos_id: int, silence_codes
+    ) -> mx.array:
+        """Same contract as `step`, recomputing the backbone over the whole history; appends to it."""
+        if not isinstance(rng, SessionRandom):
+            raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
+        hidden = self.uncached_hidden(history, text_token, eos_id=eos_id, silence_codes=silence_codes)
+        codes = self.generate_codes(hidden, rng)
+        history.steps.append((history.previous_codes, text_token, eos_id, silence_codes))
+        history.previous_codes = codes[None]
+        return codes

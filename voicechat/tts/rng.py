@@ -1,0 +1,64 @@
+"""Session-owned random stream for the MoG sampler (architecture.md §8.6).
+
+The reference seeds MLX's *global* generator at session start and draws from
+it. That reseeds every other MLX user in the process (§12.2 item 12), so a
+session here owns a `SessionRandom` instead, which yields the very same arrays
+without touching `mx.random.state`.
+
+MLX's global generator (checked against MLX 0.32.4, see
+parity_tests/test_tts_rng.py) works like this: `mx.random.seed(s)` sets the
+state to `mx.random.key(s)`; every draw without an explicit key first splits
+the state, `state, subkey = split(state)`, keeps the first half as the new
+state and draws with the second. Replaying that split chain with explicit keys
+reproduces the global stream bit for bit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_MAX_SEED = 2**64
+
+
+class SessionRandom:
+    """A random stream owned by one session; reproduces `mx.random.seed(seed)` + global draws."""
+
+    def __init__(self, seed: int = 0):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        if not 0 <= seed < _MAX_SEED:
+            raise ValueError(f"seed: expected 0 <= seed < 2**64, got {seed}")
+        self.seed = seed
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state right after `mx.random.seed(self.seed)`."""
+        self._key = mx.random.key(self.seed)
+        self.draws = 0
+
+    def next_key(self) -> mx.array:
+        """The key the global generator would use for its next draw (advances the stream)."""
+        halves = mx.random.split(self._key)  # (2, 2): [next state, subkey]
+        self._key = halves[0]
+        self.draws += 1
+        return halves[1]
+
+    def uniform(self, shape, dtype=mx.float32) -> mx.array:
+        """Same values as `mx.random.uniform(shape=shape, dtype=dtype)` on the global stream."""
+        return mx.random.uniform(shape=tuple(shape), dtype=dtype, key=self.next_key())
+
+    def normal(self, shape, dtype=mx.float32) -> mx.array:
+        """Same values as `mx.random.normal(shape=shape, dtype=dtype)` on the global stream."""
+        return mx.random.normal(shape=tuple(shape), dtype=dtype, key=self.next_key())
+
+    def copy(self) -> "SessionRandom":
+        other = SessionRandom.__new__(SessionRandom)
+        other.seed, other._key, other.draws = self.seed, self._key, self.draws
+        return other
+
+    def arrays(self) -> dict[str, mx.array]:
+        """{"key": the current generator state (uint32 (2,))}."""
+        return {"key": self._key}
+
+    def __repr__(self) -> str:
+        return f"SessionRandom(seed={self.seed}, draws={self.draws})"
