@@ -61,7 +61,7 @@ def language_path_modules(model) -> list[str]:
 
 def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bit pattern (as MLX's cast does for finite values)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    u = np.require(np.asarray(a, dtype=np.float32), requirements='C').view(np.uint32)
     u = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
     return (u >> np.uint32(16)).astype(np.uint16)
 
@@ -104,7 +104,7 @@ def _draw(name: str, shape, init: mx.array, cfg: VoiceChatConfig, seed: int) -> 
         return (0.5 * rng.standard_normal(shape)).astype(np.float32)
     mean, std = _init_stats(init)
     if std <= 1e-6 * max(1.0, abs(mean)):  # constant init (norm weights, scalars): jitter it
-        return (mean + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+        return np.asarray(mean + 0.05 * rng.standard_normal(shape), dtype=np.float32)
     return (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
@@ -133,7 +133,7 @@ class _SafetensorsShard:
         self.nbytes = 0
 
     def add(self, name: str, arr: np.ndarray):
-        self.tensors[name] = np.ascontiguousarray(arr)
+        self.tensors[name] = np.require(np.asarray(arr), requirements='C')  # keeps 0-d shapes
         self.nbytes += arr.nbytes
 
     def write(self, path: Path, bf16: set[str]):
