@@ -79,7 +79,84 @@ class VoiceChatModel(nn.Module):
         w = self.config.function_channel_weight
         return self.embed(prev_text) + audio_emb.astype(mx.float32) + w * self.embed(prev_function)
 
+    # -- EAR-TTS speaker warm-up (depends on the weights only: computed once per model)
+
+    def speaker_prompt_codes(self) -> mx.array:
+        """(F, Q) prompt codes: the codec encoder applied to F+1 frames of silence, frames 0 and
+        F-1 set to the mask code, the last frame dropped (architecture.md §8.5 step 1)."""
+        if getattr(self, "_prompt_codes", None) is None:
+            codec = self.tts_model.audio_codec
+            frames = self.speaker_latent.shape[1]
+            codes = codec.encode(mx.zeros(((frames + 1) * codec.samples_per_frame,), dtype=mx.float32))
+            mask = self.tts_model.tts_model.mask_code
+            codes = codes[:frames]
+            rows = mx.arange(frames)[:, None]
+            codes = mx.where((rows == 0) | (rows == frames - 1), mask, codes).astype(mx.int32)
+            mx.eval(codes)
+            self._prompt_codes = codes
+        return self._prompt_codes
+
+    def ensure_char_table(self) -> None:
+        tts = self.tts_model.tts_model
+        if tts.char_table is None:
+            if self.tokenizer is None:
+                raise RuntimeError("the model has no tokenizer; load it with voicechat.load()")
+            from .tts.char_encoder import CharTable
+
+            tts.set_char_table(CharTable.from_vocab(
+                self.tokenizer.get_vocab(), self.config.tts_config.character_encoder.char_vocab_size,
+                num_tokens=self.config.text_config.vocab_size))
+
+    def warm_tts_state(self):
+        """A fresh copy of the EAR-TTS state right after the speaker warm-up.
+
+        The warm-up (codec encoder on silence + one backbone pass over the prompt)
+        depends only on the weights, so it runs once per model, not per session.
+        """
+        if getattr(self, "_warm_tts", None) is None:
+            self.ensure_char_table()
+            tts = self.tts_model.tts_model
+            state = tts.make_state()
+            tts.warmup(state, self.speaker_prompt_codes(), self.speaker_latent, self.config.pad_token_id)
+            mx.eval(state.arrays())
+            self._warm_tts = state
+        return self._warm_tts.copy()
+
     def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
         """Text and function logits (float32) of the given final hidden states."""
         return (self.stt_model.lm_head(hidden).astype(mx.float32),
                 self.stt_model.function_head(hidden).astype(mx.float32))
+
+    # -- runtime entry points (api.md)
+
+    def generate(self, audio, *, system_prompt=None, seed: int = 0, extra_decoding_seconds: float = 0.0,
+                 max_frames=None, use_language_cache: bool = True):
+        """Offline generation over the whole input -> `OfflineResult` (see voicechat.generate)."""
+        from .generate import generate
+
+        return generate(self, audio, system_prompt=system_prompt, seed=seed,
+                        extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
+                        use_language_cache=use_language_cache)
+
+    def generate_stream(self, audio, *, chunk_frames: int = 25, system_prompt=None, seed: int = 0,
+                        extra_decoding_seconds: float = 0.0, max_frames=None, use_language_cache: bool = True):
+        """Like `generate`, yielding `AudioChunk`s decoded with the codec's streaming state."""
+        from .generate import generate_stream
+
+        return generate_stream(self, audio, chunk_frames=chunk_frames, system_prompt=system_prompt, seed=seed,
+                               extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
+                               use_language_cache=use_language_cache)
+
+    def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
+                                 use_language_cache: bool = True, use_perception_cache: bool = True,
+                                 profile: bool = False):
+        from .session import VoiceChatStreamingSession
+
+        return VoiceChatStreamingSession(
+            self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
+            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile)
+
+    def create_asr_session(self):
+        from .asr import AsrStreamSession
+
+        return AsrStreamSession(self)

@@ -419,11 +419,26 @@ class ConformerStream:
         st = self.state
         return st.frames_available(st.mel_consumed + n_mel) - st.frames_emitted
 
-    def push(self, mel) -> mx.array:
-        """Consume mel frames (n, F); return the newly available encoder frames (n_out, d)."""
+    def flush(self) -> mx.array:
+        """End of stream: emit the frames the offline encoder has beyond the last complete one.
+
+        Offline, an input whose mel count is not 8k+1 yields one more encoder frame,
+        computed with the subsampling's right-edge zero padding; this reproduces it,
+        so a flushed stream has exactly the offline frame count.
+        """
+        return self.push(mx.zeros((0, self.cfg.feat_in), dtype=mx.float32), final=True)
+
+    def push(self, mel, *, final: bool = False) -> mx.array:
+        """Consume mel frames (n, F); return the newly available encoder frames (n_out, d).
+
+        With `final=True` the stream is treated as ended (see `flush`).
+        """
         mel = _as_mel(mel, self.cfg.feat_in, "ConformerStream.push")
         st = self.state
-        n_new = self.frames_for(mel.shape[0])
+        if final:
+            n_new = subsampled_length(st.mel_consumed + mel.shape[0]) - st.frames_emitted
+        else:
+            n_new = self.frames_for(mel.shape[0])
         cache = mx.concatenate([st.mel_cache, mel]) if mel.shape[0] else st.mel_cache
         consumed = st.mel_consumed + mel.shape[0]
         cache_start = consumed - cache.shape[0]
@@ -437,7 +452,9 @@ class ConformerStream:
         # frames early: its first two outputs see the window's own zero padding
         # instead of earlier mel frames and are dropped (exact from the third on).
         start = max(0, 8 * (n0 - 2))
-        window = cache[start - cache_start : 8 * (n1 - 1) + 1 - cache_start]
+        # A final window runs to the end of the data so the right-edge padding matches offline.
+        stop = consumed if final else 8 * (n1 - 1) + 1
+        window = cache[start - cache_start : stop - cache_start]
         x = self.encoder.embed(window)[n0 - start // 8 :]
 
         left = self.encoder.left_context

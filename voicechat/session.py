@@ -1,0 +1,238 @@
+"""The cache-aware streaming session: one 1280-sample frame per step (api.md, architecture.md §10.3).
+
+Per frame: (1) perception (streaming log-mel + cache-aware FastConformer, or
+the uncached fallback) and projection, (2) one RNNT transcript step, (3) one
+Nemotron-H step from the persistent state, (4) one EAR-TTS step (silence codes
+at timeline position 0), (5) `decode_step` of the control-code-cleaned codes
+-> exactly one output frame of audio, (6) events.
+
+The session's caches are explicit state objects (`session.states()`), so the
+parity harness can read them without reaching into internals. A session is
+bound to the thread that created it (MLX streams are per thread); use from
+another thread raises `WrongThreadError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .audio.conformer import ConformerStream, PerceptionFallback
+from .audio.mel import StreamingLogMel
+from .audio.rnnt import RnntStream, RnntText, RnntTranscript
+from .audio_input import as_mono_float32, check_sample_rate
+from .errors import ContextLimitError, SessionClosedError, WrongThreadError
+from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
+from .profiler import FrameTiming, Profile
+from .timeline import Timeline
+from .tokenizer import IncrementalDecoder
+from .tts.ear_tts import replace_control_codes
+
+
+class StreamingPerception:
+    """Streaming log-mel + cache-aware FastConformer + projection: 1280 samples -> one frame."""
+
+    def __init__(self, model, *, use_cache: bool = True):
+        cfg = model.config
+        per = model.stt_model.perception
+        self.perception = per
+        self.use_cache = use_cache
+        if use_cache:
+            self.mel = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=cfg.frame_samples)
+            self.conformer = ConformerStream(per.encoder)
+            self.fallback = None
+        else:
+            self.mel = self.conformer = None
+            self.fallback = PerceptionFallback(per.encoder, cfg.audio_config.preprocessor, cfg.frame_samples)
+
+    def push_frame(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
+        """-> (encoder frame (d,), audio embedding (H,))."""
+        if self.use_cache:
+            mel = self.mel.push(samples)
+            enc = self.conformer.push_one(mel)
+        else:
+            enc = self.fallback.push_frame(samples)
+        return enc, self.perception.project(enc)
+
+    def arrays(self) -> dict[str, mx.array]:
+        if self.use_cache:
+            out = {f"mel.{k}": v for k, v in self.mel.arrays().items()}
+            out.update({f"conformer.{k}": v for k, v in self.conformer.state.arrays().items()})
+            return out
+        return {f"fallback.{k}": v for k, v in self.fallback.arrays().items()}
+
+
+class VoiceChatStreamingSession:
+    """Create with `model.create_streaming_session(...)`."""
+
+    def __init__(self, model, *, system_prompt: str | None = None, seed: int = 0,
+                 max_streaming_seconds: float | None = None, use_language_cache: bool = True,
+                 use_perception_cache: bool = True, profile: bool = False):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self._owner = threading.get_ident()
+        self.frame_samples = cfg.frame_samples
+        if max_streaming_seconds is not None:
+            if isinstance(max_streaming_seconds, bool) or not isinstance(max_streaming_seconds, (int, float)) \
+                    or max_streaming_seconds <= 0:
+                raise ValueError(f"max_streaming_seconds must be a positive number or None, got {max_streaming_seconds!r}")
+            self.max_frames = int(max_streaming_seconds / cfg.frame_duration + 1e-9)
+        else:
+            self.max_frames = None
+        self.perception = StreamingPerception(model, use_cache=use_perception_cache)
+        st = model.stt_model
+        rnnt_text = RnntText(list(cfg.rnnt_vocabulary))
+        self.rnnt = RnntStream(st.rnnt_decoder, st.rnnt_joint, cfg.audio_config.max_symbols,
+                               skip_ids=rnnt_text.special_ids)
+        self.transcript = RnntTranscript(rnnt_text)
+        self.timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
+        self.prompt_positions = self.timeline.start(system_prompt)
+        codec = model.tts_model.audio_codec
+        self.codec = codec
+        self.codec_state = codec.make_state()
+        specials = cfg.special_text_ids
+        self.text = IncrementalDecoder(model.tokenizer, specials)
+        self.function_text = IncrementalDecoder(model.tokenizer, specials)
+        self.profile = Profile(cfg.frame_duration * 1000.0) if profile else None
+        self._pending = np.zeros(0, dtype=np.float32)
+        self.frame_index = 0
+        self.closed = False
+        # Host-side copies for the harness: ids and codes per emitted frame.
+        self.text_ids: list[int] = []
+        self.function_ids: list[int] = []
+        self.transcript_tokens: list[int] = []
+
+    # -- helpers
+
+    def _check_thread(self):
+        if threading.get_ident() != self._owner:
+            raise WrongThreadError(
+                "this streaming session was created on another thread; MLX work of a session must stay on "
+                "the thread that created it. Create one session per thread."
+            )
+
+    def states(self) -> dict[str, mx.array]:
+        """Every cache family of the session, flattened (for inspection and diffs)."""
+        out = {f"perception.{k}": v for k, v in self.perception.arrays().items()}
+        out.update({f"rnnt.{k}": v for k, v in self.rnnt.state.arrays().items()})
+        out.update(self.timeline.state.arrays())
+        out.update({f"codec.{k}": v for k, v in self.codec_state.arrays().items()})
+        return out
+
+    @property
+    def pending_samples(self) -> int:
+        return int(self._pending.shape[0])
+
+    # -- one frame
+
+    def _frame(self, samples: np.ndarray) -> list:
+        prof = self.profile is not None
+        t0 = time.perf_counter()
+        enc, emb = self.perception.push_frame(samples)
+        if prof:
+            mx.eval(enc, emb)
+        t1 = time.perf_counter()
+        events = []
+        tokens = self.rnnt.step(enc)
+        if tokens:
+            self.transcript_tokens.extend(tokens)
+            delta, text = self.transcript.add(tokens)
+            if delta:
+                events.append(UserTranscriptDelta(self.frame_index, delta, text))
+        t2 = time.perf_counter()
+        tl = self.timeline
+        text_id, function_id, _, _ = tl.language_step(emb)
+        if prof:
+            mx.eval(text_id, function_id)
+        t3 = time.perf_counter()
+        codes = tl.tts_step(text_id, function_id)
+        if prof:
+            mx.eval(codes)
+        t4 = time.perf_counter()
+        tts = self.model.tts_model
+        clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
+        audio = self.codec.decode_step(clean, self.codec_state)
+        # The one synchronisation of the frame: ids, codes, audio and the codec state.
+        mx.eval(text_id, function_id, codes, audio, self.codec_state.arrays())
+        t5 = time.perf_counter()
+        tid, fid = text_id.item(), function_id.item()
+        self.text_ids.append(tid)
+        self.function_ids.append(fid)
+        r = self.text.push(tid)
+        if r is not None:
+            events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
+        r = self.function_text.push(fid)
+        if r is not None:
+            events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
+        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(codes, dtype=np.int32)))
+        if prof:
+            ms = lambda a, b: (b - a) * 1000.0  # noqa: E731
+            self.profile.add(FrameTiming(self.frame_index, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
+                                         ms(t4, t5), ms(t0, t5)))
+        self.frame_index += 1
+        return events
+
+    # -- public API
+
+    def push_audio(self, samples, sample_rate: int = 16000) -> list:
+        """Append audio; run one step per complete frame; return the events of those frames.
+
+        Validation happens before any state changes: a refused push leaves the
+        session exactly as it was. When `max_streaming_seconds` is reached,
+        `ContextLimitError` is raised with the events of the frames completed in
+        this call attached as `err.events`, and the session is closed.
+        """
+        self._check_thread()
+        if self.closed:
+            raise SessionClosedError("the session is closed (flush() or cancel() was called); create a new one")
+        check_sample_rate(sample_rate, self.config.input_sample_rate)
+        a = as_mono_float32(samples)
+        self._pending = np.concatenate([self._pending, a]) if a.size else self._pending
+        events: list = []
+        n = self.frame_samples
+        while self._pending.shape[0] >= n:
+            if self.max_frames is not None and self.frame_index >= self.max_frames:
+                self.closed = True
+                err = ContextLimitError(
+                    f"max_streaming_seconds reached ({self.max_frames} frames of "
+                    f"{self.config.frame_duration * 1000:g} ms); the session is closed"
+                )
+                err.events = events
+                raise err
+            chunk, self._pending = self._pending[:n], self._pending[n:]
+            events.extend(self._frame(chunk))
+        return events
+
+    def flush(self, pad_partial: bool = True) -> list:
+        """Run the zero-padded partial frame (if `pad_partial`), emit the codec tail and `Done`; close."""
+        self._check_thread()
+        if self.closed:
+            return []
+        events: list = []
+        if self._pending.shape[0] and pad_partial:
+            chunk = np.zeros(self.frame_samples, dtype=np.float32)
+            chunk[: self._pending.shape[0]] = self._pending
+            self._pending = np.zeros(0, dtype=np.float32)
+            if self.max_frames is None or self.frame_index < self.max_frames:
+                events.extend(self._frame(chunk))
+        self._pending = np.zeros(0, dtype=np.float32)
+        if self.frame_index > 0:
+            tail = self.codec.flush(self.codec_state)
+            mx.eval(tail)
+            events.append(AudioTail(self.frame_index - 1, np.array(tail, dtype=np.float32)))
+        events.append(Done(self.frame_index))
+        self.closed = True
+        return events
+
+    def cancel(self) -> list:
+        """Drop pending audio and close; emits `Cancelled`."""
+        self._check_thread()
+        if self.closed:
+            return []
+        self._pending = np.zeros(0, dtype=np.float32)
+        self.closed = True
+        return [Cancelled(self.frame_index)]

@@ -1,0 +1,171 @@
+"""The generation timeline shared by `generate`, `generate_stream` and the streaming session.
+
+One timeline position per system-prompt token, then one per audio frame
+(architecture.md §7.5, §10.2-10.3). At each position:
+
+    in_t   = E(text_{t-1}) + a_t + w_f * E(function_{t-1})     (PAD before t = 0)
+    hidden = Nemotron-H step (cached state, or the whole history recomputed)
+    text_t, function_t = argmax of the two heads (PAD at prompt positions)
+    codes_t = silence codes at t = 0, else one EAR-TTS step fed text_t
+
+Everything stays on the device: ids are MLX scalars and codes MLX arrays
+until the caller evaluates them once per frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .llm.nemotron_h import NemotronHState
+from .tts.ear_tts import EarTtsState
+from .tts.rng import SessionRandom
+
+
+@dataclass
+class StepOutput:
+    """Lazy outputs of one audio position."""
+
+    position: int
+    text_id: mx.array  # int32 scalar
+    function_id: mx.array  # int32 scalar
+    codes: mx.array  # int32 (Q,), raw (before control-code replacement)
+    text_logits: mx.array  # float32 (V,)
+    function_logits: mx.array  # float32 (V,)
+
+
+class TimelineState:
+    """Explicit state of the generation side (inspect with `arrays()`, `copy()` to branch)."""
+
+    def __init__(self, llm: NemotronHState | None, tts: EarTtsState, rng: SessionRandom, pad_id: int):
+        self.llm = llm  # None in recompute mode (use_language_cache=False)
+        self.llm_inputs: list[mx.array] = []  # history of LLM inputs, recompute mode only
+        self.tts = tts
+        self.rng = rng
+        self.prev_text = mx.array(pad_id, dtype=mx.int32)
+        self.prev_function = mx.array(pad_id, dtype=mx.int32)
+        self.position = 0
+
+    def copy(self) -> "TimelineState":
+        other = TimelineState.__new__(TimelineState)
+        other.llm = self.llm.copy() if self.llm is not None else None
+        other.llm_inputs = list(self.llm_inputs)
+        other.tts = self.tts.copy()
+        other.rng = self.rng.copy()
+        other.prev_text, other.prev_function = self.prev_text, self.prev_function
+        other.position = self.position
+        return other
+
+    def arrays(self) -> dict[str, mx.array]:
+        out = {}
+        if self.llm is not None:
+            out.update({f"llm.{k}": v for k, v in self.llm.arrays().items()})
+        out.update({f"tts.{k}": v for k, v in self.tts.arrays().items()})
+        out.update({f"rng.{k}": v for k, v in self.rng.arrays().items()})
+        out["prev_text"], out["prev_function"] = self.prev_text, self.prev_function
+        return out
+
+
+class Timeline:
+    """Drives `TimelineState` over a model. Create, `start(prompt)`, then `step(audio_emb)` per frame."""
+
+    def __init__(self, model, *, seed: int = 0, use_language_cache: bool = True):
+        self.model = model
+        cfg = model.config
+        self.cfg = cfg
+        self.use_language_cache = use_language_cache
+        llm_state = model.stt_model.llm.make_state() if use_language_cache else None
+        self.state = TimelineState(llm_state, model.warm_tts_state(), SessionRandom(seed), cfg.pad_token_id)
+        self.silence_codes = model.tts_model.codec_silence_tokens.astype(mx.int32)
+        self.prompt_positions = 0
+
+    # -- LLM
+
+    def _llm_last_hidden(self, x: mx.array) -> mx.array:
+        """x (1, L, H) new inputs -> final hidden of the last position (1, H)."""
+        st = self.state
+        llm = self.model.stt_model.llm
+        if st.llm is not None:
+            return llm(x, st.llm)[:, -1]
+        st.llm_inputs.append(x)
+        # Diagnostic mode: recompute the whole history every step (quadratic).
+        return llm.forward_uncached(mx.concatenate(st.llm_inputs, axis=1))[:, -1]
+
+    # -- TTS
+
+    def _tts(self, text_id) -> mx.array:
+        st = self.state
+        if st.position == 0:
+            return self.silence_codes  # reference: no TTS step at timeline position 0
+        return self.model.tts_model.tts_model.step(
+            st.tts, text_id, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes
+        )
+
+    # -- public
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        """[bos] + encode(prompt) + [eos] when the stripped prompt is non-empty, else []."""
+        if system_prompt is None:
+            system_prompt = self.cfg.default_system_prompt
+        if not isinstance(system_prompt, str):
+            raise TypeError(f"system_prompt must be a str or None, got {type(system_prompt).__name__}")
+        if not system_prompt.strip():
+            return []
+        return [self.cfg.bos_token_id] + self.model.tokenizer.encode(system_prompt) + [self.cfg.eos_token_id]
+
+    def start(self, system_prompt: str | None) -> int:
+        """System-prompt prefill; returns the number of prompt positions.
+
+        The prompt's LLM inputs do not depend on its outputs (forced PAD), so the
+        LLM runs them as one sequence pass (the reference steps one token at a
+        time; the two agree to float rounding). The TTS still takes one
+        (autoregressive) step per prompt position after position 0.
+        """
+        ids = self.prompt_ids(system_prompt)
+        if not ids:
+            return 0
+        st = self.state
+        m = self.model
+        pad = self.cfg.pad_token_id
+        emb = m.embed(mx.array(ids, dtype=mx.int32))  # (P, H)
+        w = self.cfg.function_channel_weight
+        pad_emb = m.embed(mx.array([pad], dtype=mx.int32))
+        x = (emb + (1.0 + w) * pad_emb)[None]  # E(prompt) + E(PAD) + w * E(PAD)
+        if st.llm is not None:
+            m.stt_model.llm(x, st.llm)
+        else:
+            st.llm_inputs.append(x)
+        pad_id = mx.array(pad, dtype=mx.int32)
+        for _ in ids:
+            self._tts(pad_id)
+            st.position += 1
+        mx.eval(st.arrays())
+        self.prompt_positions = len(ids)
+        return len(ids)
+
+    def step(self, audio_emb: mx.array) -> StepOutput:
+        """One audio position (lazy)."""
+        position = self.state.position
+        text_id, function_id, text_logits, function_logits = self.language_step(audio_emb)
+        codes = self.tts_step(text_id, function_id)
+        return StepOutput(position, text_id, function_id, codes, text_logits, function_logits)
+
+    def language_step(self, audio_emb: mx.array):
+        """The LLM half of `step` (the profiler times the halves separately)."""
+        st = self.state
+        m = self.model
+        x = m.fused_input(st.prev_text[None], audio_emb.reshape(1, -1), st.prev_function[None])[None]
+        hidden = self._llm_last_hidden(x)
+        text_logits, function_logits = m.heads(hidden)
+        text_id = mx.argmax(text_logits[0]).astype(mx.int32)
+        function_id = mx.argmax(function_logits[0]).astype(mx.int32)
+        return text_id, function_id, text_logits[0], function_logits[0]
+
+    def tts_step(self, text_id: mx.array, function_id: mx.array) -> mx.array:
+        """The TTS half of `step`; advances the position."""
+        st = self.state
+        codes = self._tts(text_id)
+        st.prev_text, st.prev_function = text_id, function_id
+        st.position += 1
+        return codes
