@@ -26,12 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
 
-    try:
-        from .generate_cli import add_generate_parser
+    from .generate_cli import add_generate_parser
 
-        add_generate_parser(sub)
-    except ImportError:  # pragma: no cover - during development only
-        pass
+    add_generate_parser(sub)
     try:
         from harness.cli import add_parity_parser
 
