@@ -45,8 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .errors import VoiceChatError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (VoiceChatError, ValueError, TypeError, FileNotFoundError) as e:
+        # Bad input or a bad checkpoint: one clear line, not a traceback.
+        print(f"voicechat {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
