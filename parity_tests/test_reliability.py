@@ -1,0 +1,117 @@
+"""Reliability: any partition of the input, long sessions, isolation after cancel, bad files."""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import voicechat
+
+
+def _events(session, audio, sizes):
+    out, pos, i = [], 0, 0
+    while pos < len(audio):
+        n = sizes[i % len(sizes)]
+        out += session.push_audio(audio[pos:pos + n])
+        pos += n
+        i += 1
+    return out + session.flush()
+
+
+@pytest.fixture(scope="module")
+def short_audio(question_wav):
+    return question_wav[:16000 + 777]
+
+
+@pytest.fixture(scope="module")
+def reference_events(tiny_model, short_audio):
+    return _events(tiny_model.create_streaming_session(), short_audio, [1280])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=8))
+def test_any_partition_same_events(tiny_model, short_audio, reference_events, sizes):
+    assert _events(tiny_model.create_streaming_session(), short_audio, sizes) == reference_events
+
+
+def test_cancelled_session_leaves_model_ready(tiny_ckpt, tiny_model, question_wav):
+    s = tiny_model.create_streaming_session(system_prompt="hi")
+    s.push_audio(question_wav[:5000])
+    s.cancel()
+    used = _events(tiny_model.create_streaming_session(), question_wav, [1280])
+    fresh_model = voicechat.load(tiny_ckpt)
+    fresh = _events(fresh_model.create_streaming_session(), question_wav, [1280])
+    assert used == fresh
+
+
+def test_cli_rejects_non_wav(tmp_path, tiny_ckpt):
+    import subprocess
+    import sys
+
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"RIFF....not really a wave file")
+    r = subprocess.run([sys.executable, "-m", "voicechat.cli", "generate", "-m", str(tiny_ckpt), "--audio",
+                        str(junk), "--output-audio", str(tmp_path / "o.wav")], capture_output=True, text=True)
+    assert r.returncode == 2 and "not a readable audio file" in r.stderr
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+def test_ten_minute_session(tiny_model):
+    """10 minutes through a tiny session: bounded caches stay bounded, designed growth is linear,
+    RSS beyond that stays under 50 MB, frame time does not drift (last minute within 1.3x of the second)."""
+    import time
+
+    cfg = tiny_model.config
+    frames_per_min = int(60 / cfg.frame_duration)
+    rng = np.random.default_rng(0)
+    s = tiny_model.create_streaming_session()
+    chunk = (0.05 * rng.standard_normal(cfg.frame_samples)).astype(np.float32)
+    times, sizes = [], {}
+    llm_kv = s.timeline.state.llm.kv_bytes_per_position
+    tts_cfg = cfg.tts_config
+    tts_global_layers = sum(tts_cfg.is_global_layer(i) for i in range(tts_cfg.num_hidden_layers))
+    tts_kv = tts_global_layers * 2 * 2 * tts_cfg.num_key_value_heads * tts_cfg.head_dim * 4
+    rss0 = None
+    for f in range(10 * frames_per_min):
+        t0 = time.perf_counter()
+        ev = s.push_audio(chunk)
+        times.append(time.perf_counter() - t0)
+        assert sum(e.kind == "audio" for e in ev) == 1
+        if f == frames_per_min:
+            rss0 = _rss_bytes()
+            sizes0 = {k: v.nbytes for k, v in s.states().items()}
+    sizes = {k: v.nbytes for k, v in s.states().items()}
+    grown = {k for k in sizes if sizes[k] != sizes0[k]}
+    # Only the designed-to-grow caches grow: LLM attention K/V and TTS global-layer K/V (+ offsets).
+    for k in grown:
+        assert k.startswith("llm.") and (k.endswith(".keys") or k.endswith(".values")) or \
+            k.startswith("tts.layers.") or k in ("tts.offset",), k
+    sliding = [i for i in range(tts_cfg.num_hidden_layers) if not tts_cfg.is_global_layer(i)]
+    for i in sliding:
+        assert s.timeline.state.tts.arrays()[f"layers.{i}.keys"].shape[2] == tts_cfg.sliding_window
+    n = 9 * frames_per_min
+    growth = sum(sizes[k] - sizes0[k] for k in grown)
+    assert growth == pytest.approx(n * (llm_kv + tts_kv), rel=0.01)
+    rss_growth = _rss_bytes() - rss0
+    assert rss_growth - growth < 50 * 2**20, rss_growth
+    second = np.mean(times[frames_per_min:2 * frames_per_min])
+    last = np.mean(times[-frames_per_min:])
+    assert last <= 1.3 * second, (second, last)
+
+
+@pytest.mark.slow
+def test_ten_minute_single_push(tiny_model):
+    rng = np.random.default_rng(1)
+    audio = (0.05 * rng.standard_normal(600 * 16000)).astype(np.float32)
+    s = tiny_model.create_streaming_session()
+    ev = s.push_audio(audio)
+    assert sum(e.kind == "audio" for e in ev) == 7500
+    mx.clear_cache()
