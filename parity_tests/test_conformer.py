@@ -218,3 +218,21 @@ def test_end_to_end_streaming_audio_and_fallback():
     assert emb.shape == (AUDIO.output_dim,)
     with pytest.raises(ValueError, match="1280"):
         fallback.push_frame(audio[:1000])
+
+
+def test_uncached_projection_mode_matches_offline_and_flush():
+    # The reference's cost model (cache LayerNorm outputs, re-project K/V and positions every
+    # frame) gives the same frames; flush() emits the offline encoder's extra right-edge frame.
+    enc = _encoder()
+    mel = _mel(N_FRAMES)[:-3]  # not 8k + 1 mel frames: offline has one frame beyond the last complete one
+    offline = enc(mel)
+    for cache_projections in (True, False):
+        s = ConformerStream(enc, cache_projections=cache_projections)
+        outs = [s.push(mel[i:i + 5]) for i in range(0, mel.shape[0], 5)]
+        assert s.state.frames_emitted == offline.shape[0] - 1
+        outs.append(s.flush())
+        streamed = mx.concatenate(outs)
+        assert streamed.shape == offline.shape
+        assert mx.abs(streamed - offline).max().item() <= STREAM_TOL
+        held = s.state.arrays()["layers.0.k_cache"].shape[0]
+        assert held == ENC.att_context_size[0][0]

@@ -199,8 +199,19 @@ class RelPositionAttention(nn.Module):
         Returns (out (n, d), keys (Lc+n, d), values (Lc+n, d)).
         """
         n, lc = x.shape[0], k_cache.shape[0]
-        keys = mx.concatenate([k_cache, self.linear_k(x)])
-        values = mx.concatenate([v_cache, self.linear_v(x)])
+        if pos_proj is None:
+            # Reference-style (uncached) mode: k_cache holds the LayerNorm-ed inputs; K, V and the
+            # positional table are re-projected for the whole window every frame. Same values,
+            # ~13x the FLOPs (architecture.md §11.2); kept to measure what the caching saves.
+            rows = mx.concatenate([k_cache, x])
+            keys, values = self.linear_k(rows), self.linear_v(rows)
+            pe = relative_positional_encoding(mx.arange(left + 1, dtype=mx.float32), x.shape[-1])
+            pos_proj = self.positional_projection(pe)
+            cache_rows = (rows, mx.zeros((0, x.shape[-1]), dtype=mx.float32))
+        else:
+            keys = mx.concatenate([k_cache, self.linear_k(x)])
+            values = mx.concatenate([v_cache, self.linear_v(x)])
+            cache_rows = (keys, values)
         q = self._heads(self.linear_q(x))
         bd_dist = (q + self.pos_bias_v.astype(mx.float32)[:, None, :]) @ pos_proj.transpose(0, 2, 1)
         dist = (mx.arange(n)[:, None] + lc) - mx.arange(lc + n)[None, :]  # query - key
@@ -209,7 +220,7 @@ class RelPositionAttention(nn.Module):
         bd = mx.take_along_axis(bd_dist, idx, axis=-1)
         mask = mx.where(allowed, 0.0, _MASK_VALUE).astype(mx.float32)
         out = self._attend(q, self._heads(keys), self._heads(values), bd, mask)
-        return out, keys, values
+        return out, cache_rows[0], cache_rows[1]
 
 
 class ConvModule(nn.Module):
@@ -287,7 +298,8 @@ class ConformerLayer(nn.Module):
         x = x + self.conv.finish(self.conv.depthwise(din))
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         keep = keys.shape[0] - min(left, keys.shape[0])
-        return self.norm_out(x), keys[keep:], values[keep:], din[din.shape[0] - (self.conv.kernel - 1) :]
+        return self.norm_out(x), keys[keep:], values[max(0, values.shape[0] - left):], \
+            din[din.shape[0] - (self.conv.kernel - 1) :]
 
 
 # --------------------------------------------------------------------------- encoder
@@ -394,7 +406,8 @@ class ConformerStream:
     `refresh_constants()` if the weights change afterwards.
     """
 
-    def __init__(self, encoder: FastConformer, state: ConformerState | None = None):
+    def __init__(self, encoder: FastConformer, state: ConformerState | None = None, *,
+                 cache_projections: bool = True):
         if encoder.left_context < 0:
             raise ValueError(
                 "ConformerStream: unlimited left attention context (-1) cannot stream with a "
@@ -403,6 +416,8 @@ class ConformerStream:
         self.encoder = encoder
         self.cfg = encoder.cfg
         self.state = state if state is not None else ConformerState(encoder.cfg)
+        # False: the reference's cost model (cache LayerNorm outputs, re-project every frame).
+        self.cache_projections = cache_projections
         self.refresh_constants()
 
     def refresh_constants(self) -> None:
@@ -460,7 +475,8 @@ class ConformerStream:
         left = self.encoder.left_context
         for i, layer in enumerate(self.encoder.layers):
             x, st.k_cache[i], st.v_cache[i], st.conv_cache[i] = layer.step(
-                x, st.k_cache[i], st.v_cache[i], st.conv_cache[i], self.pos_proj[i], left
+                x, st.k_cache[i], st.v_cache[i], st.conv_cache[i],
+                self.pos_proj[i] if self.cache_projections else None, left
             )
         keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs
         st.mel_cache = cache[keep_from - cache_start :]
