@@ -367,13 +367,18 @@ def ensure_synthetic(spec: str, *, progress: bool = True) -> Path:
     if not (folder / "model.safetensors.index.json").exists():
         if progress:
             print(f"writing synthetic checkpoint {spec} to {folder} ...", file=sys.stderr, flush=True)
-        tmp = folder.with_name(folder.name + ".tmp")
-        if tmp.exists():
-            import shutil
+        import os
+        import shutil
 
+        # A private temporary folder, renamed into place: concurrent writers cannot collide.
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        if tmp.exists():
             shutil.rmtree(tmp)
         write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=progress and preset == "full")
-        tmp.replace(folder)
+        try:
+            tmp.replace(folder)
+        except OSError:  # another process finished first: keep its (identical) files
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
