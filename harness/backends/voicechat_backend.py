@@ -1,0 +1,478 @@
+"""`VoiceChatBackend`: this project behind the harness's adapter interface.
+
+Offline path: `model.generate(...)`. Streamed path: `model.create_streaming_session(...)`
+fed `chunk_samples` at a time, then `flush()`; ids come from the session's
+per-frame records, codes and audio from its `Audio` events, the tail from
+`AudioTail`.
+
+The session does not hand out its intermediate mel / encoder frames, so the
+backend replays the same pushes through the same public component classes
+(`StreamingLogMel` with one frame of look-ahead, `ConformerStream`,
+`RnntStream`) and records their outputs; it then checks the replay's final
+state against `session.states()` (bit for bit, `StreamRun.perception_replay_diff`),
+which proves the recorded frames are the session's own.
+
+Component checks (`component_checks`) drive the model's components directly:
+Nemotron-H single cached steps vs the no-cache recompute over the same inputs,
+and EAR-TTS cached steps vs recompute-from-history. Each step goes through a
+small overridable method (`llm_cached_step`, `tts_cached_step`) so tests can
+feed the engine a deliberately broken backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..families import ComponentRun
+from .base import Backend, OfflineRun, StreamRun
+
+
+def _np(a, dtype=None) -> np.ndarray:
+    out = np.array(a)
+    return out.astype(dtype) if dtype is not None else out
+
+
+def _event_dict(e) -> dict:
+    d = {"kind": e.kind}
+    for k, v in vars(e).items():
+        if k == "kind":
+            continue
+        if isinstance(v, np.ndarray):
+            d[k + "_len"] = int(v.size)
+        else:
+            d[k] = v
+    return d
+
+
+class VoiceChatBackend(Backend):
+    """This project. `VoiceChatBackend(model=...)` wraps an already loaded model.
+
+    reference_rounding: run EAR-TTS with the reference's bf16 roundings
+    (`voicechat.tts.ear_tts.reference_numerics()`: the backbone norms' "1 + w",
+    architecture.md §12.2 item 6, and the other switchable roundings) while this
+    backend computes; used to verify that a cross-implementation code
+    difference is exactly that documented difference.
+    component_max_frames: cap the audio frames of the component checks (the
+    EAR-TTS recompute is quadratic in the timeline length).
+    record_intermediates: replay the streamed pushes to record mel / encoder
+    frames and per-frame RNNT tokens (after the timed session). None = record
+    unless `stream(profile=True)`: profiled runs are measurement runs (the
+    benchmark runner) and are left unperturbed.
+    """
+
+    name = "voicechat"
+
+    def __init__(self, model=None, *, reference_rounding: bool = False, component_max_frames: int | None = None,
+                 record_intermediates: bool | None = None):
+        self.model = model
+        self.record_intermediates = record_intermediates
+        self.checkpoint = getattr(model, "source", None) if model is not None else None
+        self.reference_rounding = bool(reference_rounding)
+        if component_max_frames is not None and (not isinstance(component_max_frames, int) or component_max_frames < 1):
+            raise ValueError(f"component_max_frames must be a positive int or None, got {component_max_frames!r}")
+        self.component_max_frames = component_max_frames
+
+    # -- identity / geometry
+
+    @property
+    def version(self) -> str:
+        import voicechat
+
+        return voicechat.__version__
+
+    def load(self, checkpoint: str) -> Any:
+        import voicechat
+        from voicechat.synthetic import resolve_model_arg
+
+        self.checkpoint = str(checkpoint)
+        self.model = voicechat.load(resolve_model_arg(str(checkpoint)))
+        return self.model
+
+    def _require(self):
+        if self.model is None:
+            raise RuntimeError("VoiceChatBackend: no model; call load(checkpoint) or pass model=...")
+        return self.model
+
+    @property
+    def codec(self):
+        return self._require().tts_model.audio_codec
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.codec.samples_per_frame
+
+    @property
+    def lead_in(self) -> int:
+        return self.codec.lead_in
+
+    @property
+    def warmup_samples(self) -> int:
+        """Offline samples at the very start the streaming codec does not reproduce (api.md)."""
+        return self.codec.warmup_samples
+
+    @property
+    def encoder_xscaling(self) -> bool:
+        return bool(self._require().config.audio_config.encoder.xscaling)
+
+    def expected_frames(self, n_samples: int) -> tuple[int, int]:
+        """(offline frames, streamed frames) for an input of n_samples (streamed with flush(pad_partial=True)).
+
+        Offline: the encoder length of N // hop + 1 mel frames; streamed: one
+        frame per started 1280-sample frame.
+        """
+        from voicechat.audio.conformer import subsampled_length
+
+        cfg = self._require().config
+        hop = cfg.audio_config.preprocessor.hop_length
+        return subsampled_length(n_samples // hop + 1), -(-n_samples // cfg.frame_samples)
+
+    def close(self) -> None:
+        self.model = None
+
+    @contextlib.contextmanager
+    def _rounding(self):
+        """Apply `reference_rounding` for the duration of a run (and drop the warm-up made without it)."""
+        if not self.reference_rounding:
+            yield
+            return
+        from voicechat.tts import ear_tts
+
+        model = self._require()
+        switch = getattr(ear_tts, "reference_numerics", None)
+        if switch is None:  # older EAR-TTS: only the backbone-norm flag exists
+            switch = _backbone_norm_flag
+        # The model caches its speaker warm-up, which depends on the rounding.
+        model._warm_tts = None
+        try:
+            with switch(True):
+                yield
+        finally:
+            model._warm_tts = None
+
+    # -- helpers shared by the paths
+
+    def decode_codes(self, codes: np.ndarray) -> np.ndarray:
+        """One offline codec decode of (T, Q) codes (control codes replaced as the runtime does)."""
+        from voicechat.tts.ear_tts import replace_control_codes
+
+        tts = self._require().tts_model
+        codes = np.asarray(codes)
+        if codes.shape[0] == 0:
+            return np.zeros(0, np.float32)
+        clean = replace_control_codes(mx.array(codes.astype(np.int32)), tts.control_codes, tts.codec_silence_tokens)
+        out = tts.audio_codec.decode(clean)
+        mx.eval(out)
+        return _np(out, np.float32)
+
+    def decode_text(self, ids) -> str:
+        """Assistant text of a list of ids, as the runtime decodes it (specials dropped)."""
+        model = self._require()
+        skip = model.config.special_text_ids
+        return model.tokenizer.decode([int(i) for i in ids if int(i) not in skip])
+
+    def decode_transcript(self, tokens) -> str:
+        """User transcript of a list of RNNT tokens, as the runtime decodes it."""
+        from voicechat.audio.rnnt import RnntText
+
+        return RnntText(list(self._require().config.rnnt_vocabulary)).decode(tokens)
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        """The system-prompt token ids exactly as the runtime's timeline builds them."""
+        from voicechat.timeline import Timeline
+
+        return Timeline(self._require(), seed=0).prompt_ids(system_prompt)
+
+    def _frame_tokens(self, encoder_frames: np.ndarray) -> list[list[int]]:
+        """RNNT tokens per encoder frame, frame by frame with the streaming decoder."""
+        from voicechat.audio.rnnt import RnntStream, RnntText
+
+        model = self._require()
+        cfg = model.config
+        text = RnntText(list(cfg.rnnt_vocabulary))
+        rnnt = RnntStream(model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint, cfg.audio_config.max_symbols,
+                          skip_ids=text.special_ids)
+        enc = mx.array(np.asarray(encoder_frames, dtype=np.float32))
+        return [rnnt.step(enc[t]) for t in range(enc.shape[0])]
+
+    def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
+        """Text / function logits (T, V) of the audio positions, recomputed in one sequence pass over
+        the inputs the given ids imply (used for argmax margins only)."""
+        model = self._require()
+        x = self._timeline_inputs(encoder_frames, prompt, text_ids, function_ids)
+        hidden = model.stt_model.llm.sequence(x)[0, len(prompt):]
+        tl, fl = model.heads(hidden)
+        mx.eval(tl, fl)
+        return _np(tl, np.float32), _np(fl, np.float32)
+
+    def _timeline_inputs(self, encoder_frames, prompt: list[int], text_ids, function_ids) -> mx.array:
+        """LLM inputs (1, P + T, H) of the timeline: prompt positions, then audio positions fed the
+        previous position's ids (PAD before the first audio position)."""
+        model = self._require()
+        cfg = model.config
+        pad = cfg.pad_token_id
+        w = cfg.function_channel_weight
+        rows = []
+        if prompt:
+            emb = model.embed(mx.array(prompt, dtype=mx.int32))
+            rows.append(emb + (1.0 + w) * model.embed(mx.array([pad], dtype=mx.int32)))
+        emb = model.stt_model.perception.project(mx.array(np.asarray(encoder_frames, dtype=np.float32)))
+        prev_t = mx.array([pad] + [int(i) for i in text_ids[:-1]], dtype=mx.int32)
+        prev_f = mx.array([pad] + [int(i) for i in function_ids[:-1]], dtype=mx.int32)
+        rows.append(model.fused_input(prev_t, emb, prev_f))
+        return mx.concatenate(rows, axis=0)[None]
+
+    # -- offline
+
+    def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
+                extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
+        model = self._require()
+        with self._rounding():
+            t0 = time.perf_counter()
+            r = model.generate(audio, system_prompt=system_prompt, seed=seed,
+                               extra_decoding_seconds=extra_decoding_seconds)
+            wall = time.perf_counter() - t0
+        run = OfflineRun(
+            text_ids=np.asarray(r.text_tokens, np.int32),
+            function_ids=np.asarray(r.function_tokens, np.int32),
+            codes=np.asarray(r.audio_codes, np.int32),
+            audio=np.asarray(r.audio, np.float32),
+            text=r.text,
+            transcript=r.user_transcript,
+            transcript_tokens=[int(t) for t in r.transcript_tokens],
+            mel=r.mel,
+            encoder=r.encoder_frames,
+            wall_s=wall,
+        )
+        if r.encoder_frames is not None:
+            run.transcript_frame_tokens = self._frame_tokens(r.encoder_frames)
+            if with_logits:
+                run.text_logits, run.function_logits = self._teacher_forced_logits(
+                    r.encoder_frames, self.prompt_ids(system_prompt), run.text_ids, run.function_ids)
+        return run
+
+    # -- streamed
+
+    def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
+               chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
+        from voicechat.audio_input import load_audio
+
+        if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
+            raise ValueError(f"chunk_samples must be a positive int, got {chunk_samples!r}")
+        model = self._require()
+        cfg = model.config
+        wave = load_audio(audio, cfg.input_sample_rate, allow_empty=False)
+        with self._rounding():
+            t0 = time.perf_counter()
+            session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile)
+            create_s = time.perf_counter() - t0
+            events: list = []
+            first_audio = first_text = None
+            t_push = time.perf_counter()
+            for start in range(0, wave.size, chunk_samples):
+                got = session.push_audio(wave[start:start + chunk_samples])
+                now = time.perf_counter() - t_push
+                if first_audio is None and any(e.kind == "audio" for e in got):
+                    first_audio = now
+                if first_text is None and any(e.kind == "assistant_text_delta" for e in got):
+                    first_text = now
+                events.extend(got)
+            events.extend(session.flush())
+            wall = time.perf_counter() - t0
+            states = session.states()
+        audio_events = [e for e in events if e.kind == "audio"]
+        tails = [e for e in events if e.kind == "audio_tail"]
+        q = cfg.tts_config.num_quantizers
+        run = StreamRun(
+            text_ids=np.asarray(session.text_ids, np.int32),
+            function_ids=np.asarray(session.function_ids, np.int32),
+            codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
+                   else np.zeros((0, q), np.int32)),
+            audio=(np.concatenate([e.samples for e in audio_events]).astype(np.float32) if audio_events
+                   else np.zeros(0, np.float32)),
+            tail=(np.concatenate([e.samples for e in tails]).astype(np.float32) if tails else np.zeros(0, np.float32)),
+            text=session.text.text,
+            transcript=session.transcript.text,
+            transcript_tokens=[int(t) for t in session.transcript_tokens],
+            events=[_event_dict(e) for e in events],
+            create_s=create_s,
+            first_audio_s=first_audio,
+            first_text_s=first_text,
+            wall_s=wall,
+        )
+        if profile and session.profile is not None:
+            run.frame_timings = [f.as_dict() for f in session.profile.frames]
+            run.profile_summary = session.profile.summary()
+
+        record = (not profile) if self.record_intermediates is None else self.record_intermediates
+        if record:
+            self._record_intermediates(run, wave, states, len(session.text_ids))
+        return run
+
+    def _record_intermediates(self, run: StreamRun, wave: np.ndarray, states: dict, frames: int) -> None:
+        """Replay the session's perception pushes to record the streamed mel / encoder frames."""
+        from voicechat.audio.conformer import ConformerStream
+        from voicechat.audio.mel import StreamingLogMel
+        from voicechat.audio.rnnt import RnntStream, RnntText
+
+        model = self._require()
+        cfg = model.config
+        n = cfg.frame_samples
+        padded = np.zeros(frames * n, np.float32)
+        padded[: min(wave.size, frames * n)] = wave[: frames * n]
+        mel_stream = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=n)
+        conformer = ConformerStream(model.stt_model.perception.encoder)
+        text = RnntText(list(cfg.rnnt_vocabulary))
+        rnnt = RnntStream(model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint, cfg.audio_config.max_symbols,
+                          skip_ids=text.special_ids)
+        mels, encs, frame_tokens = [], [], []
+        for k in range(frames):
+            mel = mel_stream.push(padded[k * n:(k + 1) * n])
+            enc = conformer.push_one(mel)
+            mels.append(mel)
+            encs.append(enc)
+            frame_tokens.append(rnnt.step(enc))
+        if frames:
+            run.mel = _np(mx.concatenate(mels), np.float32)
+            run.encoder = _np(mx.stack(encs), np.float32)
+        run.transcript_frame_tokens = frame_tokens
+        replay = {f"perception.mel.{k}": v for k, v in mel_stream.arrays().items()}
+        replay.update({f"perception.conformer.{k}": v for k, v in conformer.state.arrays().items()})
+        replay.update({f"rnnt.{k}": v for k, v in rnnt.state.arrays().items()})
+        run.perception_replay_diff = _state_diff(replay, states)
+
+    # -- component checks
+
+    def llm_cached_step(self, x: mx.array, state, position: int) -> mx.array:
+        """One cached Nemotron-H step (1, 1, H) -> final hidden (1, H). Overridden by broken test backends."""
+        return self._require().stt_model.llm.step(x, state)[:, -1]
+
+    def tts_cached_step(self, state, text_token: int, rng, position: int) -> tuple[mx.array, mx.array]:
+        """One cached EAR-TTS step -> (hidden (2, hidden), codes (Q,)); advances `state`."""
+        model = self._require()
+        tts = model.tts_model.tts_model
+        silence = model.tts_model.codec_silence_tokens
+        hidden = tts.step_hidden(state, text_token, eos_id=model.config.eos_token_id, silence_codes=silence)
+        codes = tts.generate_codes(hidden, rng)
+        state.previous_codes = codes[None]
+        return hidden, codes
+
+    def component_checks(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
+                         offline: OfflineRun | None = None) -> ComponentRun:
+        """Nemotron-H cached steps vs recompute, EAR-TTS cached steps vs recompute-from-history.
+
+        The timeline inputs come from the offline encoder frames (of `offline`
+        if given); the cached run picks the ids by argmax as the runtime does and
+        the recompute is fed the same inputs (teacher forcing).
+        """
+        from voicechat.generate import offline_perception
+        from voicechat.tts.rng import SessionRandom
+
+        model = self._require()
+        cfg = model.config
+        with self._rounding():
+            if offline is not None and offline.encoder is not None:
+                enc = np.asarray(offline.encoder, np.float32)
+            else:
+                enc = np.array(offline_perception(model, audio).encoder, dtype=np.float32)
+            if self.component_max_frames is not None:
+                enc = enc[: self.component_max_frames]
+            prompt = self.prompt_ids(system_prompt)
+            p = len(prompt)
+            pad, w = cfg.pad_token_id, cfg.function_channel_weight
+            llm = model.stt_model.llm
+
+            # Nemotron-H: cached single steps, ids picked as the runtime does.
+            state = llm.make_state()
+            emb = model.stt_model.perception.project(mx.array(enc))
+            pad_emb = model.embed(mx.array([pad], dtype=mx.int32))
+            prev_t = prev_f = pad
+            inputs, c_text, c_func, tokens = [], [], [], []
+            for t in range(p + enc.shape[0]):
+                if t < p:
+                    x = model.embed(mx.array([prompt[t]], dtype=mx.int32)) + (1.0 + w) * pad_emb
+                else:
+                    x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
+                                          mx.array([prev_f], dtype=mx.int32))
+                x = x[None]
+                hidden = self.llm_cached_step(x, state, t)
+                tl, fl = model.heads(hidden)
+                mx.eval(tl, fl)
+                inputs.append(x)
+                c_text.append(tl[0])
+                c_func.append(fl[0])
+                if t < p:
+                    tokens.append(pad)
+                else:
+                    prev_t, prev_f = int(mx.argmax(tl[0]).item()), int(mx.argmax(fl[0]).item())
+                    tokens.append(prev_t)
+            # The no-cache recompute: the whole history from a fresh state, one pass.
+            hidden_all = llm.forward_uncached(mx.concatenate(inputs, axis=1))[0]
+            r_text, r_func = model.heads(hidden_all)
+            mx.eval(r_text, r_func)
+
+            # EAR-TTS: cached steps vs recompute-from-history, positions 1 .. T-1, same seed.
+            model.ensure_char_table()
+            tts = model.tts_model.tts_model
+            silence = model.tts_model.codec_silence_tokens
+            eos = cfg.eos_token_id
+            tts_state = model.warm_tts_state()
+            history = tts.new_history(model.speaker_prompt_codes(), model.speaker_latent, pad)
+            rng_c, rng_r = SessionRandom(seed), SessionRandom(seed)
+            ch, cc, rh, rc = [], [], [], []
+            for t in range(1, len(tokens)):
+                tok = tokens[t]
+                h_c, codes_c = self.tts_cached_step(tts_state, tok, rng_c, t)
+                h_r = tts.uncached_hidden(history, tok, eos_id=eos, silence_codes=silence)
+                codes_r = tts.generate_codes(h_r, rng_r)
+                history.steps.append((history.previous_codes, tok, eos, silence))
+                history.previous_codes = codes_r[None]
+                mx.eval(h_c, codes_c, h_r, codes_r, tts_state.arrays())
+                ch.append(_np(h_c, np.float32))
+                cc.append(_np(codes_c, np.int32))
+                rh.append(_np(h_r, np.float32))
+                rc.append(_np(codes_r, np.int32))
+        q = cfg.tts_config.num_quantizers
+        return ComponentRun(
+            prompt_positions=p,
+            llm_cached_text_logits=_np(mx.stack(c_text), np.float32),
+            llm_cached_function_logits=_np(mx.stack(c_func), np.float32),
+            llm_recompute_text_logits=_np(r_text, np.float32),
+            llm_recompute_function_logits=_np(r_func, np.float32),
+            tts_cached_codes=np.stack(cc) if cc else np.zeros((0, q), np.int32),
+            tts_recompute_codes=np.stack(rc) if rc else np.zeros((0, q), np.int32),
+            tts_cached_hidden=np.stack(ch) if ch else None,
+            tts_recompute_hidden=np.stack(rh) if rh else None,
+            notes={"audio_frames": int(enc.shape[0])},
+        )
+
+
+@contextlib.contextmanager
+def _backbone_norm_flag(enabled: bool):
+    from voicechat.tts import ear_tts
+
+    saved = ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE
+    ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = bool(enabled)
+    try:
+        yield
+    finally:
+        ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = saved
+
+
+def _state_diff(replay: dict, session: dict) -> float:
+    """Max abs difference over the replayed state arrays (inf if a key or a shape is missing)."""
+    worst = 0.0
+    for k, v in replay.items():
+        other = session.get(k)
+        if other is None or tuple(other.shape) != tuple(v.shape):
+            return float("inf")
+        if v.size:
+            worst = max(worst, float(mx.abs(v.astype(mx.float32) - other.astype(mx.float32)).max().item()))
+    return worst
+
+
+__all__ = ["VoiceChatBackend"]

@@ -1,0 +1,114 @@
+"""`voicechat parity`: run the parity harness on one checkpoint and one input; exit 1 when a family fails.
+
+    voicechat parity -m CKPT --audio a.wav [--prompt P] [--seed N]
+                     [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|FILE.npz]
+                     [--out DIR] [--dump-reference FILE.npz]
+
+Writes `<stem>.json` and `<stem>.md` to --out (default reports/parity/) and
+prints the Markdown path and the failing rows. Exit status: 0 when no row
+failed, 1 when a family failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BACKENDS = ("voicechat", "mlx-vlm")
+
+
+def add_parity_parser(sub) -> None:
+    p = sub.add_parser("parity", help="offline vs streamed parity per cache family (and against another backend)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", required=True,
+                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8]")
+    p.add_argument("--audio", required=True, help="input WAV (mono, 16 kHz)")
+    p.add_argument("-p", "--prompt", default=None, help="system prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=BACKENDS, default="voicechat", help="the implementation under test")
+    p.add_argument("--against", default=None, metavar="voicechat|mlx-vlm|FILE.npz",
+                   help="also compare offline vs offline and streamed vs streamed against this backend or dump")
+    p.add_argument("--out", default=None, help="report folder (default reports/parity/)")
+    p.add_argument("--dump-reference", default=None, metavar="FILE.npz",
+                   help="also write the backend's runs as a reference dump for --against on another machine")
+    p.add_argument("--chunk-samples", type=int, default=1280, help="streamed push size in samples")
+    p.add_argument("--no-components", action="store_true",
+                   help="skip the Nemotron-H / EAR-TTS component checks (cached vs recompute)")
+    p.add_argument("--component-max-frames", type=int, default=None,
+                   help="cap the audio frames of the component checks (the EAR-TTS recompute is quadratic)")
+    p.add_argument("--reference-rounding", action="store_true",
+                   help="run this project with the reference's EAR-TTS bf16 roundings (architecture.md §12.2 item 6)")
+    p.set_defaults(func=run_parity_cli)
+
+
+def make_backend(name: str, checkpoint: str, *, reference_rounding: bool = False,
+                 component_max_frames: int | None = None, model=None):
+    """A loaded backend by name ('voicechat' / 'mlx-vlm') or a DumpBackend for a .npz path."""
+    if str(name).endswith(".npz"):
+        from .dump import DumpBackend
+
+        return DumpBackend(name)
+    if name == "voicechat":
+        from .backends.voicechat_backend import VoiceChatBackend
+
+        b = VoiceChatBackend(model, reference_rounding=reference_rounding, component_max_frames=component_max_frames)
+        if model is None:
+            b.load(checkpoint)
+        else:
+            b.checkpoint = checkpoint
+        return b
+    if name in BACKENDS:
+        from .backends import get_backend
+
+        b = get_backend(name)
+        b.load(_resolve(checkpoint))
+        return b
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS} or a .npz reference dump")
+
+
+def _resolve(checkpoint: str) -> str:
+    from voicechat.synthetic import resolve_model_arg
+
+    return resolve_model_arg(checkpoint)
+
+
+def run_parity_cli(args) -> int:
+    from .dump import dump_reference
+    from .engine import read_input, run_parity
+
+    if args.against is not None and not (args.against in BACKENDS or args.against.endswith(".npz")):
+        print(f"error: --against must be one of {', '.join(BACKENDS)} or a FILE.npz, got {args.against!r}",
+              file=sys.stderr)
+        return 2
+    if args.dump_reference is not None and not args.dump_reference.endswith(".npz"):
+        print(f"error: --dump-reference needs a .npz file name, got {args.dump_reference!r}", file=sys.stderr)
+        return 2
+    if args.chunk_samples < 1:
+        print(f"error: --chunk-samples must be >= 1, got {args.chunk_samples}", file=sys.stderr)
+        return 2
+    backend = make_backend(args.backend, args.model, reference_rounding=args.reference_rounding,
+                           component_max_frames=args.component_max_frames)
+    against = None
+    if args.against is not None:
+        shared = getattr(backend, "model", None) if args.against == args.backend == "voicechat" else None
+        against = make_backend(args.against, args.model, model=shared)
+    wave, name = read_input(args.audio)
+    report = run_parity(backend, wave, against=against, system_prompt=args.prompt, seed=args.seed,
+                        checkpoint=args.model, input_name=Path(name).name, chunk_samples=args.chunk_samples,
+                        components=not args.no_components)
+    if args.dump_reference:
+        path = dump_reference(args.dump_reference, backend, report.runs, wave, system_prompt=args.prompt,
+                              seed=args.seed, checkpoint=args.model, chunk_samples=args.chunk_samples)
+        print(f"wrote reference dump {path}")
+    jp, mp = report.write(args.out)
+    c = report.counts()
+    print(f"parity {'PASS' if report.ok else 'FAIL'}: {c['pass']} pass, {c['fail']} fail, "
+          f"{c['documented difference']} documented difference, {c['not available']} not available")
+    print(f"wrote {mp} and {jp}")
+    for r in report.failed():
+        print(f"  FAIL {r.family} / {r.comparison} / {r.metric}: observed {r.observed}, tolerance {r.tolerance}, "
+              f"first failing {r.frame_unit} {r.first_failing_frame}" + (f" ({r.note})" if r.note else ""))
+    return 0 if report.ok else 1
+
+
+__all__ = ["add_parity_parser", "run_parity_cli", "make_backend"]

@@ -1,0 +1,88 @@
+"""The one table of deliberate / structural differences the harness knows about.
+
+A row of a report is marked "documented difference" (instead of "fail") only
+when the engine has verified that the observed difference is exactly the one
+described here (each entry says how), never by loosening a tolerance. Every
+entry names the test that pins the behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class DocumentedDifference:
+    id: str
+    spec: str
+    summary: str
+    verified_by: str
+    pinned_by: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["pinned_by"] = list(self.pinned_by)
+        return d
+
+
+DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
+    DocumentedDifference(
+        id="frame0_codes_no_prompt",
+        spec="architecture.md §12.2 item 7",
+        summary="Without a system prompt the reference's offline generate leaves an all-zero code row "
+                "(codebook index 0, not silence) at frame 0 and decodes it; this project puts the codec "
+                "silence codes there, as both streaming paths do.",
+        verified_by="the reference's offline frame-0 row is all zeros, ours equals our streamed frame 0 "
+                    "(silence), every later frame's codes are equal, and our codec decodes the reference's "
+                    "codes to the reference's offline audio within audio_abs",
+        pinned_by=("parity_tests/test_harness.py::test_cross_documented_differences",
+                   "parity_tests/test_parity_tiny.py::test_offline_frame0_is_streaming_silence"),
+    ),
+    DocumentedDifference(
+        id="codec_tail",
+        spec="architecture.md §12.2 item 13, §9.4; api.md (flush emits AudioTail)",
+        summary="flush() emits the codec's held-back tail (lead_in samples, 8 at the real geometry) as an "
+                "AudioTail event so no sample is lost; the reference never emits it.",
+        verified_by="the reference's tail is empty, ours has exactly lead_in samples, and the streamed "
+                    "audio before the tail matches",
+        pinned_by=("parity_tests/test_harness.py::test_cross_documented_differences",
+                   "parity_tests/test_harness.py::test_dropped_codec_tail_fails_codec"),
+    ),
+    DocumentedDifference(
+        id="extra_offline_frame",
+        spec="architecture.md §12.2 item 13, §5.2",
+        summary="For 1280·K samples the offline path yields K+1 frames (the centred last mel frame completes "
+                "one more encoder frame); the stream yields K. Text / transcript of the extra frame exist "
+                "only offline.",
+        verified_by="the frame counts differ by the expected amount, every common frame matches, and the "
+                    "offline text / transcript restricted to the common frames equals the streamed one",
+        pinned_by=("parity_tests/test_parity_tiny.py::test_extra_offline_frame_is_documented",),
+    ),
+    DocumentedDifference(
+        id="xscaling_streaming",
+        spec="architecture.md §12.2 item 3",
+        summary="The reference's cached conformer never applies the sqrt(d_model) input scale; this project "
+                "applies it in both paths. Only matters when encoder.xscaling is true (false in every "
+                "published checkpoint).",
+        verified_by="the checkpoint has xscaling true and every offline row between the implementations "
+                    "passes; only streamed rows differ",
+        pinned_by=("parity_tests/test_conformer.py::test_xscaling_stream_matches_offline",
+                   "parity_tests/test_harness.py::test_xscaling_difference_needs_xscaling"),
+    ),
+    DocumentedDifference(
+        id="backbone_norm_precision",
+        spec="architecture.md §12.2 item 6",
+        summary="The reference rounds parts of EAR-TTS to the weight dtype (bf16): the backbone norms' "
+                "'1 + w' (§12.2 item 6) and the other roundings switchable through "
+                "voicechat.tts.ear_tts.reference_numerics(); this project computes them in float32. Codes "
+                "may differ from the first frame where the rounding flips a sampling decision.",
+        verified_by="text / function ids are equal, and re-running this project with the reference's "
+                    "roundings (VoiceChatBackend(reference_rounding=True)) gives exactly the reference's "
+                    "codes (then the whole audio is compared as well)",
+        pinned_by=("parity_tests/test_ear_tts.py::test_backbone_norm_flag",
+                   "parity_tests/test_harness.py::test_cross_documented_differences"),
+    ),
+)}
+
+
+__all__ = ["DocumentedDifference", "DIFFERENCES"]

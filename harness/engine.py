@@ -1,0 +1,530 @@
+"""The parity engine: run a backend's offline and streamed paths on one input and diff each cache family.
+
+    report = run_parity(backend, audio, system_prompt=None, seed=0)                 # offline vs streamed
+    report = run_parity(backend, audio, against=other_backend)                       # + A vs B, per path
+
+Self mode (one backend) compares, each family on its own terms:
+
+* log-mel: streamed mel frames vs the offline log-mel (common frames);
+* FastConformer: streamed encoder frames vs the offline chunked-limited encoder,
+  plus the session's perception state vs the backend's replay (bit for bit);
+* RNNT: transcript tokens per frame (common frames) and the session's tokens
+  as a prefix of the offline tokens;
+* Nemotron-H: cached single steps vs the no-cache recompute (logits and argmax
+  ids per timeline position) through `backend.component_checks`;
+* EAR-TTS: cached steps vs recompute-from-history (hidden, codes per frame);
+* codec: the session's `decode_step` stream + tail vs one `decode` of the same
+  codes, sample-aligned by the codec lead-in, warm-up samples excluded;
+* end to end: the first audio frame (text id, function id, codes), ids and
+  codes per frame, text, transcript, frame counts, audio lengths
+  (frames x samples_per_frame + tail) and the audio samples.
+
+Cross mode (`against=`) adds, for the offline and the streamed path
+separately, backend A vs backend B rows; differences listed in
+`harness.differences` are marked "documented difference" only after the engine
+has verified that the difference is exactly the documented one.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import hashlib
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .backends.base import Backend, OfflineRun, StreamRun
+from .differences import DIFFERENCES
+from .families import (
+    CODEC, CONFORMER, DOCUMENTED, E2E, EAR_TTS, FAIL, MEL, NEMOTRON, PASS, RNNT, ComponentRun, FamilyResult,
+    compare_aligned_audio, compare_codes, compare_frames, compare_ids, compare_text, compare_token_frames,
+    compare_token_lists, compare_value, not_available,
+)
+from .report import ParityReport
+
+OFFLINE_VS_STREAMED = "offline vs streamed"
+CACHED_VS_RECOMPUTE = "cached steps vs recompute"
+STEP_VS_DECODE = "decode_step stream vs one decode"
+
+
+@dataclass
+class Runs:
+    """Everything one backend produced for one input."""
+
+    backend: str
+    offline: OfflineRun | None
+    stream: StreamRun | None
+    components: ComponentRun | None = None
+    first_text_logits: np.ndarray | None = None
+    first_function_logits: np.ndarray | None = None
+
+
+# --------------------------------------------------------------------------- input
+
+
+def read_input(audio, sample_rate: int = 16000) -> tuple[np.ndarray, str]:
+    """A path or a 1-D float array -> (float32 samples, display name)."""
+    if isinstance(audio, (str, Path)):
+        from voicechat.audio_input import read_audio_file
+
+        return read_audio_file(str(audio), sample_rate), str(audio)
+    arr = np.asarray(audio)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"audio: expected a path or a 1-D float array at {sample_rate} Hz, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.float32, copy=False), "array"
+
+
+def audio_digest(audio: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(audio, dtype=np.float32).tobytes()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- running a backend
+
+
+def collect_runs(backend: Backend, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
+                 chunk_samples: int = 1280, components: bool = True) -> Runs:
+    off = backend.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
+    st = backend.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples)
+    comp = None
+    checks = getattr(backend, "component_checks", None)
+    if components and callable(checks):
+        comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+    runs = Runs(backend.name, off, st, comp)
+    if off.text_logits is not None and np.asarray(off.text_logits).shape[-1] > 2 and len(off.text_logits):
+        runs.first_text_logits = np.asarray(off.text_logits[0])
+        runs.first_function_logits = None if off.function_logits is None else np.asarray(off.function_logits[0])
+    else:
+        first = getattr(backend, "first_logits", None)
+        if first is not None:
+            runs.first_text_logits, runs.first_function_logits = first
+    return runs
+
+
+def _warmup(backend) -> int:
+    w = getattr(backend, "warmup_samples", None)
+    # api.md: the reference's streaming warm-up covers 8 more samples than lead_in; 2 * lead_in bounds both.
+    return int(w) if w is not None else 2 * int(backend.lead_in)
+
+
+def _concat_stream_audio(st: StreamRun) -> np.ndarray:
+    return np.concatenate([np.asarray(st.audio, np.float32), np.asarray(st.tail, np.float32)])
+
+
+def _first_code_mismatch(a, b) -> int | None:
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(a.shape[0], b.shape[0])
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1:] != b.shape[1:]:
+        return 0
+    bad = np.nonzero((a[:n] != b[:n]).any(axis=1))[0]
+    return int(bad[0]) if bad.size else None
+
+
+# --------------------------------------------------------------------------- self mode
+
+
+def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult]:
+    """Every family of one backend: offline vs streamed, cached vs recompute, step vs decode."""
+    off, st, comp = runs.offline, runs.stream, runs.components
+    c = OFFLINE_VS_STREAMED
+    rows: list[FamilyResult] = []
+    spf, lead = int(backend.samples_per_frame), int(backend.lead_in)
+    warm = _warmup(backend)
+    T, K = len(off.text_ids), len(st.text_ids)
+    extra = T - K
+
+    # log-mel
+    rows.append(compare_frames(MEL, c, "log-mel frames (max abs)", st.mel, off.mel, "mel_abs", frame_unit="mel frame"))
+
+    # FastConformer
+    rows.append(compare_frames(CONFORMER, c, "encoder frames (max abs)", st.encoder, off.encoder, "encoder_abs"))
+    if st.perception_replay_diff is not None:
+        row = compare_value(CONFORMER, "session vs harness replay", "perception + RNNT state (max abs)",
+                            st.perception_replay_diff, 0.0,
+                            note="the recorded streamed mel / encoder frames come from replaying the session's "
+                                 "pushes; equal final states prove they are the session's own")
+        row.justification = "same operations on the same inputs are deterministic"
+        rows.append(row)
+    else:
+        rows.append(not_available(CONFORMER, "session vs harness replay", "perception + RNNT state (max abs)",
+                                  "the backend does not expose its streaming state"))
+
+    # RNNT
+    rows.append(compare_token_frames(RNNT, c, "transcript tokens per frame (common frames)",
+                                     st.transcript_frame_tokens, off.transcript_frame_tokens))
+    rows.append(compare_token_lists(RNNT, c, "session transcript tokens (prefix of offline)",
+                                    st.transcript_tokens, off.transcript_tokens, prefix_ok=extra > 0,
+                                    note=f"offline decodes {extra} more frame(s)" if extra > 0 else ""))
+
+    # Nemotron-H / EAR-TTS through the component checks
+    rows.extend(_component_rows(comp, backend))
+
+    # codec: the session's decode_step stream + tail vs one decode of the same codes
+    decode = getattr(backend, "decode_codes", None)
+    if not callable(decode) or st.codes is None:
+        for m in ("streamed samples vs decode (aligned)", "tail length", "streamed length vs decode length"):
+            rows.append(not_available(CODEC, STEP_VS_DECODE, m, "the backend has no offline decode of given codes"))
+    else:
+        ref = decode(np.asarray(st.codes))
+        streamed = _concat_stream_audio(st)
+        rows.append(compare_aligned_audio(CODEC, STEP_VS_DECODE, "streamed samples vs decode (aligned)", streamed, ref,
+                                          delay=lead, skip=warm, samples_per_frame=spf, tol_name="codec_abs",
+                                          end=len(ref), note=f"{warm} warm-up samples excluded"))
+        rows.append(compare_value(CODEC, STEP_VS_DECODE, "tail length", int(len(st.tail)), lead,
+                                  first_failing_frame=max(K - 1, 0)))
+        rows.append(compare_value(CODEC, STEP_VS_DECODE, "streamed length vs decode length",
+                                  int(len(streamed) - lead), int(len(ref)), first_failing_frame=max(K - 1, 0),
+                                  note="audio + tail - lead_in"))
+
+    # end to end
+    rows.extend(_first_frame_rows(E2E, c, st, off, logits=off))
+    rows.append(compare_ids(E2E, c, "text ids per frame", st.text_ids, off.text_ids, logits=off.text_logits))
+    rows.append(compare_ids(E2E, c, "function ids per frame", st.function_ids, off.function_ids,
+                            logits=off.function_logits))
+    rows.append(compare_codes(E2E, c, "codes per frame", st.codes, off.codes))
+    expected = backend.expected_frames(n_samples) if hasattr(backend, "expected_frames") else None
+    row = compare_value(E2E, c, "frame count (offline, streamed)", f"{T}, {K}",
+                        None if expected is None else f"{expected[0]}, {expected[1]}",
+                        first_failing_frame=min(T, K))
+    if row.status == PASS and extra:
+        row.note = f"offline has {extra} more frame(s): extra_offline_frame ({DIFFERENCES['extra_offline_frame'].spec})"
+    rows.append(row)
+    rows.append(_text_row(E2E, c, "assistant text", st.text, off.text, off.text_ids, st.text_ids,
+                          getattr(backend, "decode_text", None), extra))
+    rows.append(_transcript_row(st, off, getattr(backend, "decode_transcript", None), extra))
+    rows.append(compare_value(E2E, c, "streamed audio length (frames x spf + tail)",
+                              int(len(st.audio) + len(st.tail)), K * spf + lead, first_failing_frame=max(K - 1, 0),
+                              note=f"{K} x {spf} + {lead}"))
+    rows.append(compare_value(E2E, c, "offline audio length (frames x spf)", int(len(off.audio)), T * spf,
+                              first_failing_frame=max(T - 1, 0)))
+    mis = _first_code_mismatch(st.codes, off.codes)
+    last = min(T, K) if mis is None else mis
+    end = K * spf if (mis is None and T == K) else max(0, last * spf - lead)
+    rows.append(compare_aligned_audio(E2E, c, "audio samples (streamed delayed by lead-in)", _concat_stream_audio(st),
+                                      off.audio, delay=lead, skip=warm, samples_per_frame=spf, tol_name="audio_abs",
+                                      end=end, note="; ".join(p for p in (
+                                          f"up to the first code mismatch (frame {mis})" if mis is not None else "",
+                                          f"{warm} warm-up samples excluded") if p)))
+    return rows
+
+
+def _first_frame_rows(family, comparison, a, b, *, logits=None) -> list[FamilyResult]:
+    tl = None if logits is None or logits.text_logits is None else np.asarray(logits.text_logits)[:1]
+    fl = None if logits is None or logits.function_logits is None else np.asarray(logits.function_logits)[:1]
+    return [
+        compare_ids(family, comparison, "first audio frame: text id", np.asarray(a.text_ids)[:1],
+                    np.asarray(b.text_ids)[:1], logits=tl),
+        compare_ids(family, comparison, "first audio frame: function id", np.asarray(a.function_ids)[:1],
+                    np.asarray(b.function_ids)[:1], logits=fl),
+        compare_codes(family, comparison, "first audio frame: codes", np.asarray(a.codes)[:1], np.asarray(b.codes)[:1]),
+    ]
+
+
+def _text_row(family, comparison, metric, stream_text, offline_text, offline_ids, stream_ids, decode_text, extra):
+    row = compare_text(family, comparison, metric, stream_text, offline_text)
+    if row.status != FAIL or extra <= 0 or decode_text is None:
+        return row
+    k = len(stream_ids)
+    if decode_text(offline_ids[:k]) == stream_text:  # (the ids themselves are judged by their own row)
+        return _documented(row, "extra_offline_frame",
+                           f"the offline text of the {k} common frames equals the streamed text; "
+                           f"the offline-only {extra} frame(s) add {offline_text[len(stream_text):]!r}")
+    return row
+
+
+def _transcript_row(st, off, decode_transcript, extra):
+    row = compare_text(E2E, OFFLINE_VS_STREAMED, "user transcript", st.transcript, off.transcript)
+    if row.status != FAIL or extra <= 0 or decode_transcript is None or off.transcript_frame_tokens is None:
+        return row
+    k = len(st.text_ids)
+    common = [t for frame in off.transcript_frame_tokens[:k] for t in frame]
+    if decode_transcript(common) == st.transcript:
+        return _documented(row, "extra_offline_frame",
+                           f"the offline transcript of the {k} common frames equals the streamed one")
+    return row
+
+
+def _documented(row: FamilyResult, difference_id: str, verification: str) -> FamilyResult:
+    if difference_id not in DIFFERENCES:
+        raise KeyError(f"no documented difference {difference_id!r}")
+    row.status = DOCUMENTED
+    row.difference_id = difference_id
+    row.note = "; ".join(p for p in (row.note, f"verified: {verification}") if p)
+    return row
+
+
+def _component_rows(comp: ComponentRun | None, backend) -> list[FamilyResult]:
+    c = CACHED_VS_RECOMPUTE
+    if comp is None:
+        why = "the backend has no component checks"
+        return [not_available(NEMOTRON, c, m, why) for m in ("text logits", "function logits", "text argmax ids",
+                                                              "function argmax ids")] + \
+               [not_available(EAR_TTS, c, m, why) for m in ("backbone hidden", "codes per frame")]
+    p = comp.prompt_positions
+    rows = []
+    pos_note = f"{p} system-prompt positions shown as frames -{p}..-1" if p else ""
+    rows.append(compare_frames(NEMOTRON, c, "text logits", comp.llm_cached_text_logits, comp.llm_recompute_text_logits,
+                               "logits_rel", relative_to_scale=True, frame_offset=-p, note=pos_note))
+    rows.append(compare_frames(NEMOTRON, c, "function logits", comp.llm_cached_function_logits,
+                               comp.llm_recompute_function_logits, "logits_rel", relative_to_scale=True,
+                               frame_offset=-p, note=pos_note))
+    for name, cached, recomputed in (("text argmax ids", comp.llm_cached_text_logits, comp.llm_recompute_text_logits),
+                                     ("function argmax ids", comp.llm_cached_function_logits,
+                                      comp.llm_recompute_function_logits)):
+        if cached is None or recomputed is None:
+            rows.append(not_available(NEMOTRON, c, name, "no logits"))
+            continue
+        cached, recomputed = np.asarray(cached)[p:], np.asarray(recomputed)[p:]
+        rows.append(compare_ids(NEMOTRON, c, name, cached.argmax(-1), recomputed.argmax(-1), logits=recomputed,
+                                note="audio positions"))
+    rows.append(compare_frames(EAR_TTS, c, "backbone hidden", comp.tts_cached_hidden, comp.tts_recompute_hidden,
+                               "tts_hidden_abs", frame_offset=1 - p, note="timeline positions >= 1"))
+    rows.append(compare_codes(EAR_TTS, c, "codes per frame", comp.tts_cached_codes, comp.tts_recompute_codes,
+                              frame_offset=1 - p, note="same seed on both paths"))
+    return rows
+
+
+# --------------------------------------------------------------------------- cross mode
+
+
+def cross_rows(a: Runs, b: Runs, a_backend: Backend, b_backend: Backend, *, system_prompt: str | None,
+               audio: np.ndarray, seed: int, chunk_samples: int) -> list[FamilyResult]:
+    rows: list[FamilyResult] = []
+    spf, lead = int(a_backend.samples_per_frame), int(a_backend.lead_in)
+    frame0_rows = None
+    for path in ("offline", "streamed"):
+        ra = a.offline if path == "offline" else a.stream
+        rb = b.offline if path == "offline" else b.stream
+        c = f"{path}: {a.backend} vs {b.backend}"
+        if ra is None or rb is None:
+            rows.append(not_available(E2E, c, "all", f"a backend has no {path} run"))
+            continue
+        path_rows: list[FamilyResult] = []
+        path_rows.append(compare_frames(MEL, c, "log-mel frames (max abs)", ra.mel, rb.mel, "cross_mel_abs",
+                                        frame_unit="mel frame"))
+        path_rows.append(compare_frames(CONFORMER, c, "encoder frames (max abs)", ra.encoder, rb.encoder,
+                                        "cross_encoder_abs"))
+        path_rows.append(compare_token_lists(RNNT, c, "transcript tokens", ra.transcript_tokens, rb.transcript_tokens))
+        path_rows.append(compare_value(E2E, c, "frame count", len(ra.text_ids), len(rb.text_ids),
+                                       first_failing_frame=min(len(ra.text_ids), len(rb.text_ids))))
+        if path == "offline":
+            if (a.first_text_logits is not None and b.first_text_logits is not None
+                    and np.shape(a.first_text_logits) == np.shape(b.first_text_logits)):
+                path_rows.append(compare_frames(E2E, c, "first audio frame: text logits", a.first_text_logits[None],
+                                                b.first_text_logits[None], "cross_logits_rel", relative_to_scale=True))
+            else:
+                path_rows.append(not_available(E2E, c, "first audio frame: text logits",
+                                               "full first-frame logits from both backends are needed"))
+        logits = ra if ra.text_logits is not None else rb
+        first = _first_frame_rows(E2E, c, ra, rb, logits=logits)
+        path_rows.extend(first)
+        path_rows.append(compare_ids(E2E, c, "text ids per frame", ra.text_ids, rb.text_ids, logits=logits.text_logits))
+        path_rows.append(compare_ids(E2E, c, "function ids per frame", ra.function_ids, rb.function_ids,
+                                     logits=logits.function_logits))
+        frame0 = path == "offline" and _frame0_difference(a, b, system_prompt)
+        codes_row = compare_codes(E2E, c, "codes per frame", ra.codes, rb.codes, skip_frames=(0,) if frame0 else ())
+        path_rows.append(codes_row)
+        path_rows.append(compare_text(E2E, c, "assistant text", ra.text, rb.text))
+        path_rows.append(compare_text(E2E, c, "user transcript", ra.transcript, rb.transcript))
+        path_rows.append(compare_value(E2E, c, "audio length (frames x spf)", int(len(ra.audio)), int(len(rb.audio)),
+                                       first_failing_frame=min(len(ra.text_ids), len(rb.text_ids))))
+        mis = _first_code_mismatch(np.asarray(ra.codes)[1:] if frame0 else ra.codes,
+                                   np.asarray(rb.codes)[1:] if frame0 else rb.codes)
+        mis = None if mis is None else mis + (1 if frame0 else 0)
+        n_common = min(len(ra.text_ids), len(rb.text_ids))
+        end = (n_common if mis is None else mis) * spf - (lead if mis is not None else 0)
+        audio_row = compare_aligned_audio(E2E, c, "audio samples", ra.audio, rb.audio, delay=0, skip=0,
+                                          samples_per_frame=spf, tol_name="audio_abs", end=max(end, 0),
+                                          note=f"up to the first code mismatch (frame {mis})" if mis is not None else "")
+        path_rows.append(audio_row)
+        if path == "offline" and frame0:
+            frame0_rows = (path_rows, first[2], audio_row, codes_row, rb)
+        if path == "streamed":
+            _apply_codec_tail(path_rows, c, ra, rb, lead)
+        rows.extend(path_rows)
+
+    # Order matters: a later frame's code difference explained by the norm rounding must be settled
+    # before the frame-0 entry (which needs every later frame equal or explained) is judged.
+    _apply_xscaling(rows, a_backend)
+    _apply_norm_precision(rows, a, b, a_backend, system_prompt=system_prompt, audio=audio, seed=seed,
+                          chunk_samples=chunk_samples)
+    if frame0_rows is not None:
+        path_rows, first_codes, audio_row, codes_row, rb = frame0_rows
+        at = rows.index(audio_row) + 1
+        extra: list[FamilyResult] = []
+        _apply_frame0(extra, first_codes, audio_row, codes_row, a_backend, rb)
+        rows[at:at] = extra
+    return rows
+
+
+def _frame0_difference(a: Runs, b: Runs, system_prompt) -> bool:
+    """The reference's no-prompt offline frame 0 is an all-zero row and ours is the streamed silence row."""
+    if system_prompt and system_prompt.strip():
+        return False
+    ca, cb = np.asarray(a.offline.codes), np.asarray(b.offline.codes)
+    if ca.shape[0] == 0 or cb.shape[0] == 0 or a.stream is None or len(a.stream.codes) == 0:
+        return False
+    return bool((cb[0] == 0).all() and np.array_equal(ca[0], np.asarray(a.stream.codes)[0])
+                and not np.array_equal(ca[0], cb[0]))
+
+
+def _apply_frame0(rows, first_codes_row, audio_row, codes_row, a_backend, rb: OfflineRun) -> None:
+    diff = DIFFERENCES["frame0_codes_no_prompt"]
+    if codes_row.status in (PASS, DOCUMENTED):
+        codes_row.note = "; ".join(p for p in (codes_row.note, f"frame 0 excluded: {diff.id}") if p)
+        if first_codes_row.status == FAIL:
+            _documented(first_codes_row, diff.id, "their frame 0 is all zeros, ours is the streamed silence row, "
+                                                  "all later frames are equal")
+    decode = getattr(a_backend, "decode_codes", None)
+    if not callable(decode):
+        rows.append(not_available(E2E, audio_row.comparison, "our decode of their codes vs their audio",
+                                  "the primary backend has no offline decode"))
+        return
+    check = compare_aligned_audio(E2E, audio_row.comparison, "our decode of their codes vs their audio",
+                                  decode(np.asarray(rb.codes)), rb.audio, delay=0, skip=0,
+                                  samples_per_frame=int(a_backend.samples_per_frame), tol_name="audio_abs")
+    rows.append(check)
+    if audio_row.status == FAIL and check.status == PASS and first_codes_row.status == DOCUMENTED:
+        _documented(audio_row, diff.id, "the audio difference comes from the frame-0 codes alone: our codec "
+                                        "decodes their codes to their audio within audio_abs")
+
+
+def _apply_codec_tail(rows, comparison, ra: StreamRun, rb: StreamRun, lead: int) -> None:
+    row_len = compare_value(E2E, comparison, "tail length", int(len(ra.tail)), int(len(rb.tail)))
+    row_total = compare_value(E2E, comparison, "total streamed length (audio + tail)",
+                              int(len(ra.audio) + len(ra.tail)), int(len(rb.audio) + len(rb.tail)))
+    if len(rb.tail) == 0 and len(ra.tail) == lead and len(ra.audio) == len(rb.audio):
+        for r in (row_len, row_total):
+            if r.status == FAIL:
+                _documented(r, "codec_tail", f"their tail is empty, ours has lead_in = {lead} samples, the audio "
+                                             "events have equal lengths")
+    rows.extend([row_len, row_total])
+
+
+def _apply_xscaling(rows: list[FamilyResult], a_backend) -> None:
+    if not getattr(a_backend, "encoder_xscaling", False):
+        return
+    offline_ok = all(r.status != FAIL for r in rows if r.comparison.startswith("offline:"))
+    if not offline_ok:
+        return
+    for r in rows:
+        if r.comparison.startswith("streamed:") and r.status == FAIL:
+            _documented(r, "xscaling_streaming", "the checkpoint has encoder.xscaling true and every offline row "
+                                                 "between the implementations passes")
+
+
+def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, audio, seed, chunk_samples) -> None:
+    """Code rows that fail while the ids agree: re-run ours with the reference's norm rounding."""
+    code_metrics = ("codes per frame", "first audio frame: codes")
+    failing = [r for r in rows if r.metric in code_metrics and r.status == FAIL and r.family == E2E]
+    if not failing or not hasattr(a_backend, "reference_rounding") or a_backend.reference_rounding:
+        return
+    rerun = copy.copy(a_backend)
+    rerun.reference_rounding = True
+    cache: dict[str, object] = {}
+    for r in failing:
+        path = "offline" if r.comparison.startswith("offline:") else "streamed"
+        ids_ok = all(x.status != FAIL for x in rows if x.comparison == r.comparison
+                     and x.metric in ("text ids per frame", "function ids per frame"))
+        if not ids_ok:
+            continue
+        if path not in cache:
+            cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed) if path == "offline" else
+                           rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples))
+        ours = np.asarray(cache[path].codes)
+        theirs = np.asarray((b.offline if path == "offline" else b.stream).codes)
+        skip = 1 if (path == "offline" and _frame0_difference(a, b, system_prompt)) else 0
+        if r.metric == "first audio frame: codes" and skip:
+            continue  # frame 0 is the frame0_codes_no_prompt entry's
+        if r.metric == "first audio frame: codes":
+            equal = np.array_equal(ours[:1], theirs[:1])
+        else:
+            equal = ours.shape == theirs.shape and np.array_equal(ours[skip:], theirs[skip:])
+        if equal:
+            _documented(r, "backbone_norm_precision", "with the reference's '1 + w' rounding our codes equal theirs "
+                                                      "exactly")
+            if r.metric == "codes per frame" and not skip:
+                # With the codes equal again, the whole audio can be compared (the regular row stops at the
+                # first code difference).
+                theirs_run = b.offline if path == "offline" else b.stream
+                check = compare_aligned_audio(
+                    E2E, r.comparison, "audio samples with the reference's rounding", cache[path].audio,
+                    theirs_run.audio, delay=0, skip=0, samples_per_frame=int(a_backend.samples_per_frame),
+                    tol_name="audio_abs")
+                rows.insert(rows.index(r) + 1, check)
+        else:
+            k = _first_code_mismatch(ours[skip:], theirs[skip:])
+            r.note = "; ".join(p for p in (r.note, "with the reference's rounding the codes still differ at frame "
+                                                    f"{None if k is None else k + skip}") if p)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def versions() -> dict:
+    import mlx.core as mx
+
+    import voicechat
+
+    return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
+            "mlx": getattr(mx, "__version__", "?"), "numpy": np.__version__, "voicechat": voicechat.__version__}
+
+
+def run_parity(backend: Backend, audio, *, against: Backend | None = None, system_prompt: str | None = None,
+               seed: int = 0, checkpoint: str | None = None, input_name: str | None = None,
+               chunk_samples: int = 1280, components: bool = True, runs: Runs | None = None) -> ParityReport:
+    """Run the parity checks and return a `ParityReport` (not yet written; see `ParityReport.write`).
+
+    `runs` may carry already collected runs of `backend` for this input; the
+    report keeps the primary backend's runs as `report.runs` (not serialised),
+    e.g. for `dump.dump_reference`.
+    """
+    t0 = time.perf_counter()
+    wave, name = read_input(audio)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if runs is None:
+        runs = collect_runs(backend, wave, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples,
+                            components=components)
+    rows = self_rows(runs, backend, wave.size)
+    mode = "self"
+    if against is not None:
+        mode = "cross"
+        b_runs = collect_runs(against, wave, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples,
+                              components=False)
+        rows += cross_rows(runs, b_runs, backend, against, system_prompt=system_prompt, audio=wave, seed=seed,
+                           chunk_samples=chunk_samples)
+    ver = versions()
+    ver[f"backend {backend.name}"] = getattr(backend, "version", "?")
+    if against is not None:
+        ver[f"against {against.name}"] = getattr(against, "version", "?")
+    rate = 16000
+    header = {
+        "title": f"{backend.name} offline vs streamed" + (f"; {backend.name} vs {against.name}" if against else ""),
+        "mode": mode,
+        "checkpoint": checkpoint or getattr(backend, "checkpoint", None),
+        "backend": backend.name,
+        "against": against.name if against is not None else None,
+        "input": f"{input_name or name} ({wave.size} samples, {wave.size / rate:.2f} s, sha256 {audio_digest(wave)})",
+        "input_name": input_name or name,
+        "input_samples": int(wave.size),
+        "input_sha256": audio_digest(wave),
+        "seed": seed,
+        "system_prompt": system_prompt or "",
+        "chunk_samples": chunk_samples,
+        "versions": ver,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "elapsed_s": round(time.perf_counter() - t0, 2),
+        "command": " ".join(sys.argv) if sys.argv and sys.argv[0].endswith("voicechat") else None,
+    }
+    report = ParityReport(header=header, rows=rows)
+    report.runs = runs
+    return report
+
+
+__all__ = ["Runs", "collect_runs", "self_rows", "cross_rows", "run_parity", "read_input", "audio_digest", "versions",
+           "OFFLINE_VS_STREAMED", "CACHED_VS_RECOMPUTE", "STEP_VS_DECODE"]
