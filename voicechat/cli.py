@@ -29,12 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .generate_cli import add_generate_parser
 
     add_generate_parser(sub)
-    try:
-        from harness.cli import add_parity_parser
+    from harness.cli import add_parity_parser
 
-        add_parity_parser(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    add_parity_parser(sub)
     try:
         from bench.cli import add_bench_parser
 
