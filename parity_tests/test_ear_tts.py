@@ -1,6 +1,8 @@
 """EAR-TTS (architecture.md §8): cached steps vs recompute-from-history, the
-sliding window, seeded sampling, the EOS rule, control-code replacement, the
-MoG pass schedule, the char table and input validation.
+sliding window and its ring layout, seeded sampling, the top-p rule, the EOS
+rule, control-code replacement, the MoG pass schedule, the char table, the
+reference-numerics flags (exact comparison against mlx-vlm: test_peers_codes.py)
+and input validation.
 
 Tolerances. Every path computes in float32; the backbone output is RMS-normed,
 so |hidden| is O(1) (~3 at most here). The cached step and the recompute pass
@@ -485,6 +487,176 @@ def test_backbone_norm_flag(model, cfg):
     assert flagged.dtype == mx.float32
     assert mx.abs(flagged - reference).max().item() <= 1e-6
     assert mx.abs(flagged - plain).max().item() > 1e-4
+
+
+# ----------------------------------------------------------------- reference-numerics flags
+
+
+FLAGS = ear_tts_module.REFERENCE_NUMERICS_FLAGS
+
+
+def flag_values() -> list[bool]:
+    return [getattr(ear_tts_module, name) for name in FLAGS]
+
+
+def bf16_copy(model, cfg) -> EarTts:
+    """The same weights stored in bf16 (the published checkpoints' dtype); integer buffers kept."""
+    out = EarTts(cfg, char_table=model.char_table)
+    out.load_weights([(n, w.astype(mx.bfloat16) if mx.issubdtype(w.dtype, mx.floating) else w)
+                      for n, w in tree_flatten(model.parameters())])
+    mx.eval(out.parameters())
+    return out
+
+
+def test_reference_numerics_switch():
+    assert set(FLAGS) == {"BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE", "TEXT_SIDE_IN_WEIGHT_DTYPE",
+                          "RVQ_NORMS_IN_WEIGHT_DTYPE", "MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX"}
+    assert flag_values() == [False] * len(FLAGS)  # this project's float32 behaviour by default
+    with ear_tts_module.reference_numerics():
+        assert flag_values() == [True] * len(FLAGS)
+        with ear_tts_module.reference_numerics(False):
+            assert flag_values() == [False] * len(FLAGS)
+        assert flag_values() == [True] * len(FLAGS)
+    assert flag_values() == [False] * len(FLAGS)
+    with pytest.raises(KeyError):
+        with ear_tts_module.reference_numerics():
+            raise KeyError("restored on errors too")
+    assert flag_values() == [False] * len(FLAGS)
+
+
+def test_reference_numerics_on_float32_weights(model, prompt, silence):
+    """Three flags only round to the weight dtype, a no-op for float32 weights (bit-identical
+    hidden states); the fourth (log(softmax) log-probs) moves values by ~1 ulp, which flips no
+    sampling decision here: the same codes."""
+    plain = run_codes(model, prompt, silence, seed=0, n=20)
+    h_plain = model.step_hidden(warm(model, prompt), 300, eos_id=EOS, silence_codes=silence)
+    with ear_tts_module.reference_numerics():
+        flagged = run_codes(model, prompt, silence, seed=0, n=20)
+        h_flagged = model.step_hidden(warm(model, prompt), 300, eos_id=EOS, silence_codes=silence)
+    assert mx.array_equal(h_plain, h_flagged).item()
+    assert flagged == plain
+
+
+def test_text_side_flag(model, cfg, prompt, silence):
+    """With bf16 weights the flag keeps the char encoder and flag embeddings in bf16 (the reference's
+    activation dtype) and projects the text in bf16; the fused input stays float32. bf16 carries
+    2^-8 relative rounding per op on O(1) values: the two paths differ by more than 1e-3 and less
+    than 0.1 (a wrong formula would move them by O(1))."""
+    bf = bf16_copy(model, cfg)
+    enc, table = bf.embed_subword, bf.char_table
+    ids, mask = [PAD, 300, 13 + 72, 400, 273], [False, True, True, True, True]
+    f32 = enc.embed_host(ids, mask, table)
+    low = enc.embed_host(ids, mask, table, in_weight_dtype=True)
+    assert f32.dtype == mx.float32 and low.dtype == mx.bfloat16
+    diff = mx.abs(low.astype(mx.float32) - f32).max().item()
+    assert 1e-3 < diff < 0.1
+    # The device path (chars padded to max_chars, masked) gives the host path's bf16 values: masked
+    # keys get probability exactly 0 and padded rows are excluded from the pooled sum.
+    for t, tok in enumerate(ids[1:], start=1):
+        dev = enc.embed_device(mx.array(tok, dtype=mx.int32), table, in_weight_dtype=True)
+        assert dev.dtype == mx.bfloat16 and mx.array_equal(dev[0], low[t]).item(), tok
+    prev = prompt[0][-1:]
+    x_plain = bf.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
+    try:
+        ear_tts_module.TEXT_SIDE_IN_WEIGHT_DTYPE = True
+        x_flag = bf.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
+        mx.eval(x_flag)
+    finally:
+        ear_tts_module.TEXT_SIDE_IN_WEIGHT_DTYPE = False
+    assert x_plain.dtype == x_flag.dtype == mx.float32 and x_flag.shape == (2, 1, cfg.hidden_size)
+    assert 1e-4 < mx.abs(x_flag - x_plain).max().item() < 0.1
+
+
+def test_rvq_norm_flag(model, cfg):
+    """quantize_residual with bf16 codebooks: the flag computes ‖e_j‖² in bf16 (the reference). Every
+    flagged choice is optimal up to that rounding (float64 distances, bound 2·max|Δ‖e‖²|), some
+    near ties flip, and without the flag the choice is the float64 optimum except at ties closer
+    than float32 rounding (1e-4 on distances of O(10))."""
+    bf = bf16_copy(model, cfg)
+    books = np.array(bf.rvq_embs.astype(mx.float32), dtype=np.float64)
+    stored = bf.rvq_embs[0]
+    norm_err = np.abs(np.array((stored * stored).sum(axis=-1).astype(mx.float32)) - (books[0] ** 2).sum(-1)).max()
+    assert norm_err > 0
+    rs = np.random.RandomState(5)
+    flips = 0
+    for i in range(200):
+        a, b = rs.choice(cfg.codebook_size, size=2, replace=False)
+        # Midpoints between two codewords: near ties, where the rounding matters.
+        r = 0.5 * (books[0, a] + books[0, b]) + 0.05 * rs.randn(cfg.latent_size)
+        res = mx.array(r[None].astype(np.float32))
+        plain = bf.quantize_residual(res, 0, 1)[0][0].item()
+        try:
+            ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = True
+            flagged = bf.quantize_residual(res, 0, 1)[0][0].item()
+        finally:
+            ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = False
+        dist = (books[0] ** 2).sum(-1) - 2.0 * books[0] @ r.astype(np.float32)
+        assert dist[plain] - dist.min() <= 1e-4
+        assert dist[flagged] - dist.min() <= 2 * norm_err
+        flips += plain != flagged
+    assert flips > 0
+    # Float32 codebooks: ‖e_j‖² in the weight dtype is the float32 one, no change at all.
+    res = mx.random.normal((1, cfg.latent_size), key=mx.random.key(9))
+    codes_plain, rest_plain = model.quantize_residual(res, 0, cfg.num_quantizers)
+    try:
+        ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = True
+        codes_flag, rest_flag = model.quantize_residual(res, 0, cfg.num_quantizers)
+        mx.eval(rest_flag)
+    finally:
+        ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = False
+    assert mx.array_equal(mx.concatenate(codes_plain), mx.concatenate(codes_flag)).item()
+    assert mx.array_equal(rest_plain, rest_flag).item()
+
+
+def test_top_p_keep_rule_and_ties():
+    """Keep a component iff the mass ranked above it is < top_p; ranking by descending probability,
+    equal probabilities ranked higher index first (the reference's order). Dyadic probabilities
+    make every float32 sum exact, so the expected masks are exact."""
+    def expected(p, top_p):
+        keep, mass = [False] * len(p), 0.0
+        for i in sorted(range(len(p)), key=lambda i: (-p[i], -i)):
+            keep[i] = mass < top_p
+            mass += p[i]
+        return keep
+
+    cases = [
+        ([0.25, 0.25, 0.25, 0.25], 0.5),  # tie at the boundary: keep 3 and 2, not 1 and 0
+        ([0.1875, 0.1875, 0.1875, 0.1875, 0.25], 0.5),
+        ([0.5, 0.5], 0.5),
+        ([0.125, 0.5, 0.25, 0.125], 0.95),
+        ([0.0625] * 16, 0.95),
+        ([1.0, 0.0, 0.0], 0.95),
+        ([0.25, 0.25, 0.25, 0.25], 1e-6),  # tiny top_p: only the top-ranked (highest index) survives
+    ]
+    for p, top_p in cases:
+        got = ear_tts_module.top_p_keep(mx.array([[p]], dtype=mx.float32), top_p)
+        assert np.array(got)[0, 0].tolist() == expected(p, top_p), (p, top_p)
+    rs = np.random.RandomState(0)
+    for _ in range(20):
+        p = rs.dirichlet(np.full(32, 0.3)).astype(np.float32)
+        got = ear_tts_module.top_p_keep(mx.array(p[None, None]), 0.95)
+        assert np.array(got)[0, 0].tolist() == expected(p.tolist(), 0.95)
+
+
+def test_sliding_ring_layout_after_warmup(model, cfg, prompt, silence):
+    """A pass longer than the window re-lays the ring in position order from index 0 (the order of
+    the reference's rotating cache, so single-step attention sums run in the same order); the next
+    single step overwrites the oldest entry, index 0, and the ring keeps rotating from there."""
+    w = cfg.sliding_window
+    state = warm(model, prompt)
+    assert state.ring_origin == [PROMPT_FRAMES % w, 0]
+    keys, values = state.ordered_kv(0)
+    assert state.capacity(0) == w
+    assert mx.array_equal(state.keys[0], keys).item() and mx.array_equal(state.values[0], values).item()
+    rng = SessionRandom(0)
+    for n in range(1, w + 3):
+        model.step(state, 300, rng, eos_id=EOS, silence_codes=silence)
+        newest = state.ordered_kv(0)[0][:, :, -1:]
+        index = (n - 1) % w
+        assert mx.array_equal(state.keys[0][:, :, index:index + 1], newest).item(), n
+    fresh = model.make_state()
+    model.backbone(mx.zeros((2, 3, cfg.hidden_size)), fresh)  # shorter than the window: origin stays 0
+    assert fresh.ring_origin == [0, 0] and fresh.capacity(0) == 3
 
 
 # ----------------------------------------------------------------- input validation

@@ -28,8 +28,6 @@ def add_generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    import soundfile as sf
-
     import voicechat
     from voicechat.audio_input import read_audio_file
     from voicechat.errors import ContextLimitError
@@ -77,7 +75,7 @@ def run_generate(args) -> int:
         out = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         if args.profile:
             print(session.profile.table(drop_first=5))
-    sf.write(args.output_audio, out, cfg.output_sample_rate, subtype="FLOAT")
+    write_wav_float32(args.output_audio, out, cfg.output_sample_rate)
     print(f"wrote {args.output_audio}: {out.size} samples at {cfg.output_sample_rate} Hz", file=sys.stderr)
     return 0
 
@@ -90,3 +88,19 @@ def _show(events, pieces) -> None:
             print(f"[user: {e.delta}]", end="", flush=True)
         elif e.kind in ("audio", "audio_tail"):
             pieces.append(e.samples)
+
+
+def write_wav_float32(path, samples: np.ndarray, sample_rate: int) -> None:
+    """Mono 32-bit float WAV with only fmt + data chunks.
+
+    libsndfile adds a PEAK chunk holding a timestamp to float WAVs, so two runs
+    would differ in bytes; this writer makes the file a function of the samples.
+    """
+    import struct
+
+    data = np.asarray(samples, dtype="<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, sample_rate, sample_rate * 4, 4, 32)  # WAVE_FORMAT_IEEE_FLOAT
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE")
+        f.write(b"fmt " + struct.pack("<I", len(fmt)) + fmt)
+        f.write(b"data" + struct.pack("<I", len(data)) + data)

@@ -13,6 +13,13 @@ Two ways to embed a token:
   argmax, still on the device): the chars come from the device table padded to
   `table.max_chars` with a key padding mask, so no host sync is needed. Same
   result up to float32 summation order; costs max_chars encoder rows.
+
+Precision: activations are float32 by default. `in_weight_dtype=True` keeps
+them in the weight dtype instead (bf16 for the published checkpoints): the
+reference (mlx-vlm) runs this whole encoder, the flag embeddings and their sums
+with the activations in the char embedding's dtype (only the norms and the
+attention softmax compute in float32 internally). The EAR-TTS flag
+`TEXT_SIDE_IN_WEIGHT_DTYPE` (ear_tts.py) selects it.
 """
 
 from __future__ import annotations
@@ -157,7 +164,8 @@ class CharSelfAttention(nn.Module):
         scores = (q @ k.transpose(0, 1, 3, 2)) * self.scale
         scores = self.softcap * mx.tanh(scores / self.softcap)
         scores = mx.where(key_valid[:, None, None, :], scores, MASKED_SCORE)
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1)
+        # Softmax in float32, then back to the activation dtype (a no-op in float32).
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(x.dtype)
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(n, length, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -199,7 +207,7 @@ class CharBackbone(nn.Module):
 
 
 class SubwordFlagEmbedding(nn.Module):
-    """cont_emb[is_continuation[id']], id' = pad_tensor for ids >= 131072."""
+    """cont_emb[is_continuation[id']], id' = pad_tensor for ids >= 131072 (in the embedding's dtype)."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -210,11 +218,11 @@ class SubwordFlagEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         ids = mx.where(ids >= FLAG_TABLE_VOCAB, self.pad_tensor, ids)
-        return self.cont_emb(self.is_continuation[ids]).astype(mx.float32)
+        return self.cont_emb(self.is_continuation[ids])
 
 
 class BosEosEmbedding(nn.Module):
-    """special_emb[special_flags[id']], id' = pad_tensor for ids >= 131072."""
+    """special_emb[special_flags[id']], id' = pad_tensor for ids >= 131072 (in the embedding's dtype)."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -224,7 +232,7 @@ class BosEosEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         ids = mx.where(ids >= FLAG_TABLE_VOCAB, self.pad_tensor, ids)
-        return self.special_emb(self.special_flags[ids]).astype(mx.float32)
+        return self.special_emb(self.special_flags[ids])
 
 
 class CharAwareSubwordEncoder(nn.Module):
@@ -241,32 +249,41 @@ class CharAwareSubwordEncoder(nn.Module):
 
     # -- pieces
 
-    def encode_chars(self, char_ids: mx.array, lengths: mx.array) -> mx.array:
-        """(N, L) char ids padded beyond `lengths` (N,) -> (N, hidden) pooled, projected vectors.
+    def activation_dtype(self, in_weight_dtype: bool) -> mx.Dtype:
+        """float32, or with `in_weight_dtype` the char embedding's (float) dtype."""
+        dtype = self.embed_tokens.weight.dtype
+        return dtype if in_weight_dtype and mx.issubdtype(dtype, mx.floating) else mx.float32
+
+    def encode_chars(self, char_ids: mx.array, lengths: mx.array, *, in_weight_dtype: bool = False) -> mx.array:
+        """(N, L) char ids padded beyond `lengths` (N,) -> (N, hidden) pooled, projected vectors,
+        in `activation_dtype(in_weight_dtype)`.
 
         A sequence of length 0 gives the zero vector (as the reference's
         "all sequences empty" case).
         """
         n, length = char_ids.shape
+        act = self.activation_dtype(in_weight_dtype)
         weight = self.embed_tokens.weight
         # The reference multiplies by √hidden rounded to its activation dtype,
         # the embedding table's dtype (34.0 for 1152 in bf16).
-        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=weight.dtype).astype(mx.float32)
-        x = self.embed_tokens(char_ids).astype(mx.float32) * scale
+        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=weight.dtype).astype(act)
+        x = self.embed_tokens(char_ids).astype(act) * scale
         valid = mx.arange(length)[None, :] < lengths[:, None]
         x = self.backbone.encoder(x, valid)
         pooled = mx.where(valid[..., None], x, 0.0).sum(axis=1)
-        pooled = pooled / mx.maximum(lengths, 1).astype(mx.float32)[:, None]
-        return self.proj_embedding(pooled)
+        pooled = pooled / mx.maximum(lengths, 1).astype(act)[:, None]
+        return self.proj_embedding(pooled).astype(act)
 
-    def flag_embeddings(self, ids: mx.array) -> mx.array:
-        """(…) int token ids -> (…, hidden): both flag embeddings, added at every position."""
-        return self.subword_flag_emb(ids) + self.bos_eos_emb(ids)
+    def add_flag_embeddings(self, x: mx.array, ids: mx.array) -> mx.array:
+        """x (…, hidden) + both flag embeddings of the int token ids (…), added at every position
+        in x's dtype, continuation flag first."""
+        x = x + self.subword_flag_emb(ids).astype(x.dtype)
+        return x + self.bos_eos_emb(ids).astype(x.dtype)
 
     # -- whole text-side input
 
-    def embed_host(self, ids, mask, table: CharTable) -> mx.array:
-        """Host token ids (T,) and subword mask (T,) -> (T, hidden).
+    def embed_host(self, ids, mask, table: CharTable, *, in_weight_dtype: bool = False) -> mx.array:
+        """Host token ids (T,) and subword mask (T,) -> (T, hidden) in `activation_dtype(in_weight_dtype)`.
 
         Chars are encoded only where the mask is true (zeros elsewhere); the
         flag embeddings are added everywhere.
@@ -280,27 +297,29 @@ class CharAwareSubwordEncoder(nn.Module):
         active = [t for t in range(len(ids)) if mask[t]]
         seqs = [table.sequence(ids[t]) for t in active]
         hidden = self.cfg.hidden_size
+        act = self.activation_dtype(in_weight_dtype)
         if not seqs or all(len(s) == 0 for s in seqs):
-            chars = mx.zeros((len(ids), hidden))
+            chars = mx.zeros((len(ids), hidden), dtype=act)
         else:
             longest = max(len(s) for s in seqs)
             padded = np.full((len(seqs), longest), table.pad_char_id, dtype=np.int32)
             for r, s in enumerate(seqs):
                 padded[r, : len(s)] = s
             lengths = mx.array(np.array([len(s) for s in seqs], dtype=np.int32))
-            rows = self.encode_chars(mx.array(padded), lengths)
+            rows = self.encode_chars(mx.array(padded), lengths, in_weight_dtype=in_weight_dtype)
             # Scatter: active position t takes its row, the others the extra zero row.
-            rows = mx.concatenate([rows, mx.zeros((1, hidden))], axis=0)
+            rows = mx.concatenate([rows, mx.zeros((1, hidden), dtype=act)], axis=0)
             where = np.full((len(ids),), len(seqs), dtype=np.int32)
             where[active] = np.arange(len(seqs), dtype=np.int32)
             chars = rows[mx.array(where)]
-        return chars + self.flag_embeddings(mx.array(np.array(ids, dtype=np.int32)))
+        return self.add_flag_embeddings(chars, mx.array(np.array(ids, dtype=np.int32)))
 
-    def embed_device(self, token: mx.array, table: CharTable) -> mx.array:
+    def embed_device(self, token: mx.array, table: CharTable, *, in_weight_dtype: bool = False) -> mx.array:
         """One token id as a 0-d int mx.array (mask true) -> (1, hidden), without a host sync.
 
         The id must be < table.num_tokens (not checked: checking needs a sync).
         """
         char_ids = table.device_ids[token].astype(mx.int32)[None]  # (1, max_chars)
         lengths = table.device_lengths[token][None]  # (1,)
-        return self.encode_chars(char_ids, lengths) + self.flag_embeddings(token[None])
+        chars = self.encode_chars(char_ids, lengths, in_weight_dtype=in_weight_dtype)
+        return self.add_flag_embeddings(chars, token[None])

@@ -14,14 +14,29 @@ Paths:
   positions from scratch (`EarTtsBackbone` without a state, causal + sliding
   masks) and uses the last position.
 
-Precision: activations are float32 whatever the weight dtype. One deliberate
-difference from the reference is switchable, see
-`BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE`.
+Precision: activations are float32 whatever the weight dtype. The reference
+(mlx-vlm) rounds differently (mostly to the bf16 weight dtype) in four places
+that move the sampled codes; each is a module-level flag here (default False =
+this project's float32 behaviour, read at call time), and `reference_numerics()`
+switches all of them on for a parity run (codes then equal the reference's):
+
+* `BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE`: "1 + w" of the backbone norms
+  (§12.2 item 6);
+* `TEXT_SIDE_IN_WEIGHT_DTYPE`: the char-aware subword encoder, the flag
+  embeddings, `null_emb`, the text projection of the fusion and the fusion's
+  σ(gate), σ(residual_scale) (the reference keeps the text side in the char
+  embedding's dtype, ~1e-2 on the fused input);
+* `RVQ_NORMS_IN_WEIGHT_DTYPE`: the squared codebook norms ‖e_j‖² of the greedy
+  RVQ distances (up to 0.12 off at the tiny preset: flips near-tie argmins);
+* `MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX`: the component log-probabilities as
+  log(softmax) instead of logits - logsumexp (~1 ulp; matters only at a
+  Gumbel near-tie).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,9 +60,57 @@ from .rng import SessionRandom
 # False = float32 here. A parity harness may set it to True (read at call time)
 # to reproduce the reference's rounding exactly.
 BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = False
+# The reference runs the whole text side (char encoder, flag embeddings,
+# null_emb, text_proj, sigmoid of gate / residual_scale) in the weight dtype.
+TEXT_SIDE_IN_WEIGHT_DTYPE = False
+# The reference computes ‖e_j‖² of the RVQ distances from the stored (bf16)
+# codebooks in that dtype; the -2·r·e_j term is float32 in both.
+RVQ_NORMS_IN_WEIGHT_DTYPE = False
+# The reference takes the MoG component log-probabilities as log(softmax(·)) of
+# the top-p filtered logits; here logits - logsumexp (no underflow to -inf for a
+# kept component of tiny probability). Same values to ~1 ulp, different bits.
+MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX = False
+REFERENCE_NUMERICS_FLAGS = (
+    "BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE",
+    "TEXT_SIDE_IN_WEIGHT_DTYPE",
+    "RVQ_NORMS_IN_WEIGHT_DTYPE",
+    "MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX",
+)
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
 GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
+
+
+def top_p_keep(probs: mx.array, top_p: float) -> mx.array:
+    """Top-p mask over the last axis (§8.6 e): keep a component iff the total probability of
+    the components ranked above it is < top_p.
+
+    Ranking: descending probability; among equal probabilities the higher index
+    ranks first (the reference's ascending sort read from the top). The masses
+    are summed from the top down in ranking order.
+    """
+    order = mx.argsort(probs, axis=-1)[..., ::-1]
+    mass_above = mx.cumsum(mx.take_along_axis(probs, order, axis=-1), axis=-1, inclusive=False)
+    return mx.take_along_axis(mass_above < top_p, mx.argsort(order, axis=-1), axis=-1)
+
+
+@contextmanager
+def reference_numerics(enabled: bool = True):
+    """Set every flag of REFERENCE_NUMERICS_FLAGS to `enabled` while active, then restore them.
+
+    With all of them on, this project's EAR-TTS codes equal the reference's
+    (mlx-vlm) for the same checkpoint, inputs and seed. Anything cached that was
+    computed under other settings (e.g. a model's speaker warm-up) must be
+    recomputed by the caller.
+    """
+    module = globals()
+    saved = {name: module[name] for name in REFERENCE_NUMERICS_FLAGS}
+    try:
+        for name in REFERENCE_NUMERICS_FLAGS:
+            module[name] = bool(enabled)
+        yield
+    finally:
+        module.update(saved)
 
 
 def mog_pass_schedule(num_quantizers: int, num_iterations: int, exponent: float) -> list[int]:
@@ -96,8 +159,15 @@ class EarTtsState:
 
     Per layer K/V buffers (2, kv_heads, capacity, head_dim) holding post-RoPE
     keys. Global layers keep every position (capacity grows in steps of
-    KV_ALLOC_STEP). Sliding layers keep the last `window` positions: position p
-    lives at index p % window (a ring), capacity never exceeds `window`.
+    KV_ALLOC_STEP). Sliding layers keep the last `window` positions in a ring:
+    position p lives at index (p - ring_origin[layer]) % window, capacity never
+    exceeds `window`. ring_origin is 0 until a multi-position pass ends at or
+    beyond the window; such a pass re-lays the ring in position order from index
+    0 (ring_origin = end % window). Attention does not depend on the key order
+    mathematically, but its float32 sums do: this is the order the reference's
+    rotating cache uses, so single steps reduce over the keys in the same order
+    (bit-identical hidden states at the tiny preset, whose window is shorter than
+    the warm-up).
     `offset` = TTS positions consumed (drives RoPE); `previous_codes` (1, Q)
     int32 = the codes the next step embeds.
     """
@@ -112,6 +182,7 @@ class EarTtsState:
         empty = mx.zeros((2, self.num_kv_heads, 0, self.head_dim), dtype=mx.float32)
         self.keys = [empty for _ in self.windows]
         self.values = [empty for _ in self.windows]
+        self.ring_origin = [0 for _ in self.windows]
         self.offset = 0
         self.previous_codes = mx.full((1, self.num_quantizers), self.mask_code, dtype=mx.int32)
 
@@ -121,6 +192,7 @@ class EarTtsState:
         other.__dict__.update(self.__dict__)
         other.windows = list(self.windows)
         other.keys, other.values = list(self.keys), list(self.values)
+        other.ring_origin = list(self.ring_origin)
         return other
 
     # -- bookkeeping
@@ -144,7 +216,7 @@ class EarTtsState:
         w = self.windows[layer]
         if w is None or self.offset <= w:
             return k[:, :, :n], v[:, :, :n]
-        start = self.offset % w  # index of the oldest kept position
+        start = (self.offset - self.ring_origin[layer]) % w  # index of the oldest kept position
         return (
             mx.concatenate([k[:, :, start:], k[:, :, :start]], axis=2),
             mx.concatenate([v[:, :, start:], v[:, :, :start]], axis=2),
@@ -177,7 +249,7 @@ class EarTtsState:
         """
         n, offset, w = k.shape[2], self.offset, self.windows[layer]
         if n == 1:
-            index = offset if w is None else offset % w
+            index = offset if w is None else (offset - self.ring_origin[layer]) % w
             self._ensure_capacity(layer, index + 1)
             self._write(layer, index, k, v)
             valid = self.stored_length(layer, offset + 1)
@@ -188,19 +260,15 @@ class EarTtsState:
         values = mx.concatenate([old_v, v], axis=2)
         mask = attention_mask(offset, n, offset - n_old, w)
         # Keep what the layer must remember: all of it (global) or the last w positions.
-        keep = n if w is None else min(n, w)
-        first = offset + n - keep
-        k_keep, v_keep = k[:, :, n - keep :], v[:, :, n - keep :]
         if w is None:
             self._ensure_capacity(layer, offset + n)
-            self._write(layer, offset, k_keep, v_keep)
+            self._write(layer, offset, k, v)
         else:
-            self._ensure_capacity(layer, min(offset + n, w))
-            index = first % w
-            head = min(keep, w - index)  # the ring may wrap once
-            self._write(layer, index, k_keep[:, :, :head], v_keep[:, :, :head])
-            if head < keep:
-                self._write(layer, 0, k_keep[:, :, head:], v_keep[:, :, head:])
+            # Re-lay the ring in position order from index 0 (see the class docstring).
+            end = offset + n
+            keep = min(end, w)
+            self.keys[layer], self.values[layer] = keys[:, :, -keep:], values[:, :, -keep:]
+            self.ring_origin[layer] = end % w if end >= w else 0
         return keys, values, mask
 
     # -- inspection
@@ -345,7 +413,12 @@ class EarTtsBackbone(nn.Module):
 
 
 class GatedFusion(nn.Module):
-    """fused = norm(σ(r)·(σ(g)⊙audio_proj(audio/Q) + (1 − σ(g))⊙text_proj(text))) (§8.4)."""
+    """fused = norm(σ(r)·(σ(g)⊙audio_proj(audio/Q) + (1 − σ(g))⊙text_proj(text))) (§8.4).
+
+    Float32 throughout, unless `text_in_weight_dtype`: then the text is projected
+    in its own dtype and σ(g), σ(r) are computed in the stored parameters' dtype
+    (the reference's rounding); the sum and the norm are float32 either way.
+    """
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
@@ -355,12 +428,18 @@ class GatedFusion(nn.Module):
         self.residual_scale = mx.zeros(())
         self.final_norm = OnePlusRMSNorm(hidden, eps)
 
-    def __call__(self, audio: mx.array, text: mx.array, num_quantizers: int) -> mx.array:
-        g = mx.sigmoid(self.gate.astype(mx.float32))
-        r = mx.sigmoid(self.residual_scale.astype(mx.float32))
+    def __call__(self, audio: mx.array, text: mx.array, num_quantizers: int, *,
+                 text_in_weight_dtype: bool = False) -> mx.array:
+        if text_in_weight_dtype:
+            g = mx.sigmoid(self.gate).astype(mx.float32)
+            r = mx.sigmoid(self.residual_scale).astype(mx.float32)
+            t = self.text_proj(text)
+        else:
+            g = mx.sigmoid(self.gate.astype(mx.float32))
+            r = mx.sigmoid(self.residual_scale.astype(mx.float32))
+            t = self.text_proj(text.astype(mx.float32))
         a = self.audio_proj(audio.astype(mx.float32) / num_quantizers)
-        t = self.text_proj(text.astype(mx.float32))
-        return self.final_norm(r * (g * a + (1.0 - g) * t))
+        return self.final_norm(r * (g * a + (1.0 - g) * t.astype(mx.float32)))
 
 
 class MogBlock(nn.Module):
@@ -399,13 +478,11 @@ class MogHead(nn.Module):
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
         (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`."""
         logits = self.proj_logits(x)[None].astype(mx.float32)  # (1, 1, P)
-        # Top-p: keep a component iff the mass of the components ranked above it is < top_p.
-        probs = mx.softmax(logits, axis=-1)
-        order = mx.argsort(-probs, axis=-1)
-        mass_above = mx.cumsum(mx.take_along_axis(probs, order, axis=-1), axis=-1, inclusive=False)
-        keep = mx.take_along_axis(mass_above < top_p, mx.argsort(order, axis=-1), axis=-1)
-        filtered = mx.where(keep, logits, -mx.inf)
-        log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+        filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
+        if MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX:
+            log_probs = mx.log(mx.softmax(filtered, axis=-1))  # the reference's rounding
+        else:
+            log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
         # Gumbel-max with the reference's guards.
         u = rng.uniform((1, 1, self.num_predictions))
         gumbel = -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
@@ -551,10 +628,14 @@ class EarTts(nn.Module):
         """embed_code(depthsum(codes)): (..., Q) -> (..., hidden)."""
         return self.embed_code(self.depthsum(codes))
 
-    def _text_pair(self, cond: mx.array) -> mx.array:
-        """(n, hidden) conditional text input -> (2, n, hidden) [conditional, null_emb]."""
-        null = mx.broadcast_to(self.null_emb.astype(mx.float32), cond.shape)
-        return mx.stack([cond, null])
+    def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
+        """Audio side (n, hidden) and conditional text (n, hidden) -> fused backbone input
+        (2, n, hidden) for the guidance pair [conditional text, null_emb]."""
+        in_weight_dtype = TEXT_SIDE_IN_WEIGHT_DTYPE
+        null = self.null_emb if in_weight_dtype else self.null_emb.astype(mx.float32)
+        text = mx.stack([cond, mx.broadcast_to(null, cond.shape)])  # dtypes promote, as in the reference
+        return self.gated_fusion_audio_text(audio[None], text, self.num_quantizers,
+                                            text_in_weight_dtype=in_weight_dtype)
 
     def warmup_inputs(self, prompt_codes, speaker_latent, pad_id: int) -> mx.array:
         """Fused backbone inputs (2, F, hidden) of the speaker-prompt warm-up (§8.5 steps 2–6)."""
@@ -565,8 +646,9 @@ class EarTts(nn.Module):
         # Positions before the first bos (F-1) take the speaker latent; bos_emb is added at F-1.
         audio = mx.concatenate([latent[0, : f - 1], code_emb[f - 1 :] + self.bos_emb.astype(mx.float32)], axis=0)
         mask = [False] * (f - 2) + [True, True]
-        text = self.embed_subword.embed_host([pad_id] * f, mask, self._table())
-        return self.gated_fusion_audio_text(audio[None], self._text_pair(text), self.num_quantizers)
+        text = self.embed_subword.embed_host([pad_id] * f, mask, self._table(),
+                                             in_weight_dtype=TEXT_SIDE_IN_WEIGHT_DTYPE)
+        return self._fuse(audio, text)
 
     def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes) -> mx.array:
         """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3)."""
@@ -576,11 +658,12 @@ class EarTts(nn.Module):
         is_eos = (token if isinstance(token, mx.array) else mx.array(token)) == eos_id
         previous = mx.where(is_eos, silence[None], previous_codes)  # device-side EOS rule, no sync
         audio = self.embed_codes(previous)  # (1, hidden)
+        in_weight_dtype = TEXT_SIDE_IN_WEIGHT_DTYPE
         if isinstance(token, int):
-            text = self.embed_subword.embed_host([token], [True], self._table())
+            text = self.embed_subword.embed_host([token], [True], self._table(), in_weight_dtype=in_weight_dtype)
         else:
-            text = self.embed_subword.embed_device(token, self._table())
-        return self.gated_fusion_audio_text(audio[None], self._text_pair(text), self.num_quantizers)
+            text = self.embed_subword.embed_device(token, self._table(), in_weight_dtype=in_weight_dtype)
+        return self._fuse(audio, text)
 
     def _check_warmup_args(self, prompt_codes, speaker_latent, pad_id):
         codes = self._check_codes(prompt_codes, "prompt_codes", allow_mask=True)
@@ -619,14 +702,25 @@ class EarTts(nn.Module):
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)
             residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale)
-            # Greedy RVQ of the sampled residual over this pass's codebooks.
-            for qi in range(len(assigned), len(assigned) + count):
-                book = self.rvq_embs[qi].astype(mx.float32)  # (C, latent)
-                dist = (book * book).sum(axis=-1) - 2.0 * (residual @ book.T)[0]
-                j = mx.argmin(dist, axis=-1, keepdims=True).astype(mx.int32)  # (1,)
-                residual = residual - book[j]
-                assigned.append(j)
+            codes, _ = self.quantize_residual(residual, len(assigned), count)
+            assigned.extend(codes)
         return mx.concatenate(assigned)
+
+    def quantize_residual(self, residual: mx.array, first: int, count: int) -> tuple[list[mx.array], mx.array]:
+        """Greedy RVQ of `residual` (1, latent) over codebooks first..first+count-1 (§8.6 j):
+        j* = argmin_j ‖e_j‖² − 2·residual·e_j, then residual −= e_j*.
+        Returns ([(1,) int32 code per codebook], the remaining residual (1, latent))."""
+        codes = []
+        for qi in range(first, first + count):
+            stored = self.rvq_embs[qi]
+            book = stored.astype(mx.float32)  # (C, latent)
+            src = stored if RVQ_NORMS_IN_WEIGHT_DTYPE else book
+            norms = (src * src).sum(axis=-1).astype(mx.float32)
+            dist = norms - 2.0 * (residual @ book.T)[0]
+            j = mx.argmin(dist, axis=-1, keepdims=True).astype(mx.int32)  # (1,)
+            residual = residual - book[j]
+            codes.append(j)
+        return codes, residual
 
     # -- cached path
 

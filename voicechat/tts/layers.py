@@ -12,17 +12,19 @@ def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_
 
     `one_plus_in_weight_dtype` rounds 1 + w to the weight dtype first (what the
     reference backbone does with bf16 weights, §12.2 item 6); otherwise 1 + w is
-    formed in float32.
+    formed in float32. The norm itself runs in float32 and the result has x's
+    dtype (a no-op for the float32 activations used everywhere by default; the
+    reference-compatible bf16 text path relies on it).
     """
     if one_plus_in_weight_dtype:
         scale = (1 + weight).astype(mx.float32)
     else:
         scale = 1.0 + weight.astype(mx.float32)
-    return mx.fast.rms_norm(x, scale, eps)
+    return mx.fast.rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)
 
 
 class OnePlusRMSNorm(nn.Module):
-    """RMSNorm with "1 + w" in float32 (the char encoder, MoG head and fusion norms)."""
+    """RMSNorm with "1 + w" in float32 (the char encoder, MoG head and fusion norms); output in x's dtype."""
 
     def __init__(self, dims: int, eps: float):
         super().__init__()
