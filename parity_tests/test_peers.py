@@ -261,9 +261,9 @@ def test_extra_decoding_seconds_adds_frames(vlm4, clip):
 def cross_runs(vlm4, tiny_ckpt_4bit, question_wav):
     """(voicechat, mlx-vlm) x (offline, stream) with a system prompt, and the no-prompt offline pair.
 
-    The project's backend runs with `reference_rounding=True`: the reference computes the
-    EAR-TTS backbone norms' "1 + w" in bf16 (architecture.md §12.2 item 6), which moves the
-    sampled codes; the language path does not depend on it.
+    The project's backend runs with `reference_rounding=True`: the reference rounds parts of
+    EAR-TTS to bf16 (backbone norms' "1 + w", §12.2 item 6; the text side; RVQ norms; MoG
+    log-probabilities), which moves the sampled codes; the language path does not depend on it.
     """
     vc_backend = pytest.importorskip("harness.backends.voicechat_backend")
     vc = vc_backend.VoiceChatBackend(reference_rounding=True)
