@@ -32,12 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     from harness.cli import add_parity_parser
 
     add_parity_parser(sub)
-    try:
-        from bench.cli import add_bench_parser
+    from bench.cli import add_bench_parser
 
-        add_bench_parser(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    add_bench_parser(sub)
     return p
 
 

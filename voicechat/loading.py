@@ -70,8 +70,11 @@ def _check_tensors(model: nn.Module, weights: dict) -> None:
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
 
 
-def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True):
-    """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError."""
+def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True, warmup: bool = True):
+    """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError.
+
+    `warmup=False` skips the EAR-TTS speaker warm-up (it then runs at the first session).
+    """
     from .model import VoiceChatModel
 
     folder = resolve_checkpoint(path_or_repo, revision)
@@ -100,6 +103,10 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)
     model.folder = folder
+    if warmup:
+        # The EAR-TTS speaker warm-up depends only on the weights: do it once here, so creating a
+        # session (when the user is about to speak) costs only a state copy.
+        model.warm_tts_state()
     return model
 
 

@@ -1,0 +1,101 @@
+"""`voicechat bench`: run the benchmark, re-render a run folder, or regenerate docs/performance.md."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+BACKENDS = ("voicechat", "mlx-vlm")
+
+EPILOG = """examples:
+  voicechat bench -m synthetic:small:4 -m synthetic:small:8 --audio question.wav \\
+      --backend voicechat --backend mlx-vlm --out reports/bench/small
+  voicechat bench --update-docs reports/bench/small       # regenerate docs/performance.md
+  voicechat bench --rerender reports/bench/small          # redraw plots and summary.md from the CSVs
+
+exit status: 0 if every run succeeded, 1 if any run failed (failures are in summary.md), 2 on bad arguments."""
+
+
+def add_bench_parser(subparsers) -> None:
+    import argparse
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark streaming sessions: RTF / p50 / p95 tables, plots, physical floor",
+        description="For each checkpoint x backend x input: warm-up, then N runs of a profiled streamed session "
+                    "(backends interleaved), plus the offline path's wall time. Writes frames.csv, runs.csv, "
+                    "summary.csv, summary.md, floor.csv, env.json and PNG plots into --out.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", dest="models", action="append", default=[], metavar="CKPT",
+                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (repeatable)")
+    p.add_argument("--audio", action="append", default=[], metavar="WAV", help="16 kHz mono input (repeatable)")
+    p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
+                   help="implementation to run (repeatable; default voicechat); mlx-vlm needs the peers extra")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")
+    p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)")
+    p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
+                   help="silence streamed after the input, and offline extra decoding (default 3)")
+    p.add_argument("--chunk-samples", type=int, default=1280, help="samples per push_audio call (default 1280)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-p", "--system-prompt", default=None)
+    p.add_argument("--no-offline", dest="offline", action="store_false", help="skip the offline timing")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the bandwidth measurement and the floor table")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--bandwidth-mb", type=float, default=256.0,
+                   help="size of each matrix of the bandwidth measurement (default 256 MB)")
+    p.add_argument("--out", default=None, help="run folder (default reports/bench/<date>-<time>)")
+    p.add_argument("--update-docs", nargs="?", const="", default=None, metavar="RUN_DIR",
+                   help="regenerate the generated section of --docs from RUN_DIR; without RUN_DIR (with -m), "
+                        "from this run's folder when it finishes")
+    p.add_argument("--docs", default="docs/performance.md", help="page --update-docs writes (default %(default)s)")
+    p.add_argument("--rerender", metavar="RUN_DIR", default=None,
+                   help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from .docs import update_docs
+
+    if args.rerender:
+        from .plots import make_plots
+        from .report import render_markdown
+
+        run_dir = Path(args.rerender)
+        make_plots(run_dir)
+        (run_dir / "summary.md").write_text(render_markdown(run_dir))
+        print(f"re-rendered {run_dir}")
+        return 0
+    if args.update_docs and not args.models:
+        changed = update_docs(Path(args.update_docs), Path(args.docs))
+        print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {args.update_docs}")
+        return 0
+    if not args.models:
+        raise ValueError("nothing to do: pass -m CKPT --audio WAV to run, or --update-docs RUN_DIR / --rerender RUN_DIR")
+    if args.update_docs:
+        raise ValueError("--update-docs RUN_DIR cannot be combined with -m; use --update-docs without a folder "
+                         "to update the docs from this run")
+
+    from .runner import BenchOptions, Progress, run_bench
+
+    out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    opts = BenchOptions(
+        checkpoints=list(args.models), audio=list(args.audio), out=out,
+        backends=list(args.backends or ["voicechat"]), runs=args.runs, warmup=args.warmup,
+        drop_first=args.drop_first, extra_decoding_seconds=args.extra_decoding_seconds,
+        chunk_samples=args.chunk_samples, seed=args.seed, system_prompt=args.system_prompt,
+        offline=args.offline, floor=args.floor, bandwidth_mb=args.bandwidth_mb, plots=args.plots)
+    result = run_bench(opts, progress=Progress(enabled=not args.quiet))
+    print((out / "summary.md").read_text())
+    if args.update_docs is not None:
+        changed = update_docs(out, Path(args.docs))
+        print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
+    if not result.ok:
+        print(f"voicechat bench: {result.failed} run(s) failed; see {out / 'summary.md'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["add_bench_parser", "cmd_bench"]

@@ -1,0 +1,264 @@
+"""The physical floor of one streaming frame: weight bytes it must read, over this machine's bandwidth.
+
+Weight bytes per stage come from the loaded model's parameters (architecture.md
+§11.3 says which weights each stage touches per steady-state frame):
+
+* perception: the whole conformer (subsampling + layers) and the projection;
+* rnnt: the prediction network and the joint once (one symbol iteration, the
+  minimum), the prediction embedding as 1 row;
+* language: every Nemotron-H layer, both heads, 3 rows of the token embedding
+  (previous text id, previous function id, and nothing else: the audio
+  embedding comes from perception); plus the Mamba SSM states, read and written
+  once (float32), counted separately as state bytes;
+* tts: the backbone, the char-aware encoder, the gated fusion, `embed_code`
+  once per step plus once per MoG pass, the MoG trunk and its small heads once
+  per effective refinement pass, `proj_mus` 64 (low-rank) rows and one
+  `low_mat` slice per pass, all of `rvq_embs` (each codebook is searched once);
+  `audio_prompt_projection_W` and the speaker latent are not used per frame;
+* codec: the decoder, and one row of each RVQ codebook (`prvq.mus_list`).
+
+Integer lookup tables (subword flags, control codes) are not counted.
+
+Bandwidth: the best effective read rate MLX reaches on this machine for a
+large matrix-vector product in each weight format (bf16, float32, and the
+affine-quantized kernel at 4 and 8 bits via `mx.quantized_matmul`): matrix
+bytes / wall time, best of several repetitions after a warm-up. The floor of a
+stage is the sum over its weight formats of bytes / bandwidth; the ratio
+measured / floor says how far the implementation is from streaming its weights
+at that rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+STAGES = ("perception", "rnnt", "language", "tts", "codec")
+FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
+
+
+@dataclass
+class StageBytes:
+    """Bytes one frame reads in one stage, split by weight format (plus float32 state traffic)."""
+
+    stage: str
+    by_format: dict[str, float] = field(default_factory=lambda: {f: 0.0 for f in FORMATS})
+    state_bytes: float = 0.0  # float32 recurrent state read + written per frame (Mamba SSM)
+
+    @property
+    def weight_bytes(self) -> float:
+        return float(sum(self.by_format.values()))
+
+    def add(self, fmt: str, nbytes: float) -> None:
+        if fmt not in self.by_format:
+            raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+        self.by_format[fmt] += float(nbytes)
+
+
+def _float_format(a: mx.array) -> str | None:
+    if a.dtype == mx.bfloat16:
+        return "bf16"
+    if a.dtype == mx.float16:
+        return "bf16"  # same width; MLX's half kernels read at the same rate to first order
+    if a.dtype == mx.float32:
+        return "f32"
+    return None  # integer buffers: lookups, not streamed
+
+
+def _quantized_modules(model) -> dict[str, int]:
+    """module path -> bits of every quantized module."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            out[path] = int(m.bits)
+    return out
+
+
+def _stage_of(name: str) -> str | None:
+    if name.startswith("stt_model.perception."):
+        return "perception"
+    if name.startswith(("stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")):
+        return "rnnt"
+    if name.startswith(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head.",
+                        "stt_model.embed_tokens.")):
+        return "language"
+    if name.startswith("tts_model.tts_model."):
+        return "tts"
+    if name.startswith("tts_model.audio_codec."):
+        return "codec"
+    return None  # tts_model.control_codes / codec_silence_tokens / audio_prompt_latents
+
+
+def _mog_passes(cfg) -> int:
+    from voicechat.tts.ear_tts import mog_pass_schedule
+
+    t = cfg.tts_config
+    return sum(1 for c in mog_pass_schedule(t.num_quantizers, t.num_iterations, t.exponent) if c > 0)
+
+
+def _per_frame_fraction(name: str, shape: tuple, cfg, passes: int) -> float | None:
+    """How many times (possibly a fraction of the tensor) one frame reads this tensor; None = never."""
+    tts = "tts_model.tts_model."
+    if name.startswith("stt_model.embed_tokens."):
+        return 3.0 / shape[0]  # 3 rows (packed weights, scales and biases are per row)
+    if name == "stt_model.rnnt_decoder.prediction.embed.weight":
+        return 1.0 / shape[0]
+    if name.startswith("tts_model.audio_codec.encoder."):
+        return None  # only used to build the silent prompt codes at load
+    if name.startswith("tts_model.audio_codec.prvq.mus_list."):
+        return 1.0 / shape[0]  # one codebook row per frame
+    if name.startswith("tts_model.audio_codec.prvq.variance_list."):
+        return None  # unused (architecture.md §9.1)
+    if name.startswith(tts):
+        local = name[len(tts):]
+        if local == "audio_prompt_projection_W":
+            return None
+        if local.startswith("embed_code."):
+            return 1.0 + passes
+        if local.startswith("mog_head.proj_mus."):
+            low_rank = cfg.tts_config.mog_head.low_rank
+            return passes * low_rank / shape[0]
+        if local == "mog_head.low_mat":
+            return passes / shape[0]  # one component's (latent, rank) slice per pass
+        if local.startswith("mog_head."):
+            return float(passes)  # trunk, final norm, proj_logits / proj_else / proj_logs
+    return 1.0
+
+
+def frame_weight_bytes(model) -> dict[str, StageBytes]:
+    """Bytes per stage one steady-state streaming frame must read (see the module docstring)."""
+    cfg = model.config
+    passes = _mog_passes(cfg)
+    quantized = _quantized_modules(model)
+    out = {s: StageBytes(s) for s in STAGES}
+    for name, arr in tree_flatten(model.parameters()):
+        stage = _stage_of(name)
+        if stage is None:
+            continue
+        module, _, leaf = name.rpartition(".")
+        if module in quantized and leaf in ("weight", "scales", "biases"):
+            fmt = f"q{quantized[module]}"
+        else:
+            fmt = _float_format(arr)
+            if fmt is None:
+                continue
+        frac = _per_frame_fraction(name, tuple(arr.shape), cfg, passes)
+        if frac is None:
+            continue
+        out[stage].add(fmt, arr.nbytes * frac)
+    # Mamba SSM states: (heads, head_dim, state) float32 per Mamba layer, read and written each frame.
+    t = cfg.text_config
+    n_mamba = t.hybrid_override_pattern.count("M")
+    out["language"].state_bytes = 2.0 * n_mamba * t.mamba_num_heads * t.mamba_head_dim * t.ssm_state_size * 4
+    return out
+
+
+# -- bandwidth
+
+
+def _best_seconds(fn, reps: int) -> float:
+    mx.eval(fn())  # warm-up (allocation, first-use setup)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
+    """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
+
+    Each matrix holds about `target_mb` MB in its format (rows rounded up to a
+    multiple of 64). bf16 is measured with bf16 and with float32 activations
+    (the runtime promotes), and the faster one is the floor's rate. Returns
+    {format: {"gbps", "matrix_mb", "ms", "kernel"}}. Uses a private random
+    key (the global generator is not touched).
+    """
+    if not target_mb > 0 or reps < 1 or cols % 64:
+        raise ValueError(f"measure_bandwidth: need target_mb > 0, reps >= 1, cols % 64 == 0; got "
+                         f"{target_mb}, {reps}, {cols}")
+    key = mx.random.key(0)
+    x32 = mx.random.normal((1, cols), key=key)
+    results: dict[str, dict] = {}
+
+    def rows_for(bytes_per_element: float) -> int:
+        r = int(target_mb * 1e6 / (cols * bytes_per_element))
+        return max(64, (r + 63) // 64 * 64)
+
+    # float32
+    w = mx.random.normal((rows_for(4.0), cols), key=key)
+    mx.eval(w, x32)
+    s = _best_seconds(lambda: x32 @ w.T, reps)
+    results["f32"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3,
+                      "kernel": "f32 x f32 matmul"}
+    del w
+
+    # bf16 (bf16 and float32 activations)
+    w = mx.random.normal((rows_for(2.0), cols), key=key).astype(mx.bfloat16)
+    xb = x32.astype(mx.bfloat16)
+    mx.eval(w, xb)
+    s_bb = _best_seconds(lambda: xb @ w.T, reps)
+    s_bf = _best_seconds(lambda: x32 @ w.T, reps)
+    s, kernel = (s_bb, "bf16 x bf16 matmul") if s_bb <= s_bf else (s_bf, "bf16 weights x f32 activations")
+    results["bf16"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3, "kernel": kernel,
+                       "gbps_bf16_activations": w.nbytes / s_bb / 1e9,
+                       "gbps_f32_activations": w.nbytes / s_bf / 1e9}
+    del w, xb
+
+    # affine quantized, group size 64, float32 scales/biases (as the published checkpoints)
+    for bits in (4, 8):
+        per_el = bits / 8 + 2 * 4 / 64
+        w = mx.random.normal((rows_for(per_el), cols), key=key)
+        q, sc, bi = mx.quantize(w, group_size=64, bits=bits)
+        del w
+        mx.eval(q, sc, bi)
+        nbytes = q.nbytes + sc.nbytes + bi.nbytes
+        s = _best_seconds(lambda: mx.quantized_matmul(x32, q, sc, bi, transpose=True, group_size=64, bits=bits),
+                          reps)
+        results[f"q{bits}"] = {"gbps": nbytes / s / 1e9, "matrix_mb": nbytes / 1e6, "ms": s * 1e3,
+                               "kernel": f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"}
+        del q, sc, bi
+    mx.clear_cache()
+    return results
+
+
+def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
+    """Milliseconds to read the stage's bytes once at the measured rate of each format."""
+    total = 0.0
+    for fmt, nbytes in stage_bytes.by_format.items():
+        if nbytes:
+            total += nbytes / (bandwidth[fmt]["gbps"] * 1e9)
+    if stage_bytes.state_bytes:
+        total += stage_bytes.state_bytes / (bandwidth["f32"]["gbps"] * 1e9)
+    return total * 1e3
+
+
+def floor_table(model, bandwidth: dict[str, dict]) -> list[dict]:
+    """One row per stage (and `total`): weight MB by format, state MB, floor ms."""
+    per_stage = frame_weight_bytes(model)
+    rows = []
+    tot = StageBytes("total")
+    for stage in STAGES:
+        b = per_stage[stage]
+        for fmt, v in b.by_format.items():
+            tot.add(fmt, v)
+        tot.state_bytes += b.state_bytes
+        rows.append(_row(b, bandwidth))
+    rows.append(_row(tot, bandwidth))
+    return rows
+
+
+def _row(b: StageBytes, bandwidth) -> dict:
+    row = {"stage": b.stage, "weight_mb": b.weight_bytes / 1e6, "state_mb": b.state_bytes / 1e6}
+    for fmt in FORMATS:
+        row[f"{fmt}_mb"] = b.by_format[fmt] / 1e6
+    row["floor_ms"] = floor_ms(b, bandwidth)
+    return row
+
+
+__all__ = ["STAGES", "FORMATS", "StageBytes", "frame_weight_bytes", "measure_bandwidth", "floor_ms", "floor_table"]

@@ -1,0 +1,368 @@
+"""The benchmark runner (bench/): run folder contents, failure reporting, docs determinism, floor model.
+
+The runner runs on the tiny 4-bit synthetic checkpoint with a 0.96 s input,
+1 warm-up and 2 measured runs, against this project's backend and a backend
+that raises in the middle of its second measured stream. Statistics in
+summary.csv are checked against an independent recomputation from frames.csv
+(numpy instead of pandas), so a wrong aggregation fails. The micro-benchmarks at
+the end time the per-frame stage functions with pytest-benchmark (no assertions
+on time; CI runs them once with --benchmark-disable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench import BenchOptions, Progress, run_bench
+from bench.docs import BEGIN, END, update_docs
+from bench.floor import FORMATS, frame_weight_bytes, measure_bandwidth
+from bench.report import FLOOR_COLUMNS, FRAME_COLUMNS, RUN_COLUMNS, SUMMARY_COLUMNS, render_markdown
+from harness.backends.voicechat_backend import VoiceChatBackend
+
+FRAME = 1280
+INPUT_FRAMES = 12
+EXTRA_S = 0.24  # 3840 samples of silence: 3 more frames
+STREAM_FRAMES = INPUT_FRAMES + 3
+RUNS, WARMUP, DROP = 2, 1, 2
+STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")
+# Statistics recomputed from frames.csv: the CSV round trip keeps 17 significant
+# digits, so only summation-order rounding (~1e-12 ms) can differ.
+STAT_TOL = 1e-9
+
+
+class FlakyBackend(VoiceChatBackend):
+    """This project's backend, except that its 3rd stream (measured run 2) raises halfway through."""
+
+    name = "flaky"
+
+    def __init__(self, counter: dict):
+        super().__init__()
+        self.counter = counter
+
+    def stream(self, audio, **kw):
+        self.counter["streams"] += 1
+        if self.counter["streams"] == 3:
+            super().stream(audio[: len(audio) // 2], **kw)
+            raise RuntimeError("injected failure halfway through the stream")
+        return super().stream(audio, **kw)
+
+
+@pytest.fixture(scope="module")
+def wav_path(tmp_path_factory, question_wav):
+    import soundfile as sf
+
+    path = tmp_path_factory.mktemp("bench_in") / "clip.wav"
+    sf.write(str(path), question_wav[: INPUT_FRAMES * FRAME], 16000, subtype="FLOAT")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, tiny_ckpt_4bit, wav_path):
+    counter = {"streams": 0}
+
+    def factory(name):
+        return FlakyBackend(counter) if name == "flaky" else VoiceChatBackend()
+
+    out = tmp_path_factory.mktemp("bench_out") / "run"
+    log = io.StringIO()
+    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=out,
+                        backends=["voicechat", "flaky"], runs=RUNS, warmup=WARMUP, drop_first=DROP,
+                        extra_decoding_seconds=EXTRA_S, bandwidth_mb=4.0, heartbeat_s=0)
+    result = run_bench(opts, backend_factory=factory, progress=Progress(stream=log))
+    return {"out": out, "result": result, "log": log.getvalue(), "ckpt": tiny_ckpt_4bit}
+
+
+def test_every_output_file_is_written(bench_run):
+    out = bench_run["out"]
+    for name in ("frames.csv", "runs.csv", "summary.csv", "summary.md", "floor.csv", "env.json",
+                 "frame_times.png", "stage_p50.png", "frame_cdf.png", "floor.png"):
+        p = out / name
+        assert p.is_file() and p.stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+            assert p.stat().st_size > 10_000, f"{name} looks empty"
+
+
+def test_frames_csv_has_one_row_per_frame_per_measured_run(bench_run):
+    frames = pd.read_csv(bench_run["out"] / "frames.csv")
+    assert list(frames.columns) == FRAME_COLUMNS
+    ok = frames[frames.backend == "voicechat"]
+    # voicechat: 2 measured runs; flaky: run 1 only (run 2 failed, its frames are not statistics)
+    assert len(ok) == RUNS * STREAM_FRAMES
+    assert len(frames[frames.backend == "flaky"]) == STREAM_FRAMES
+    for run, f in ok.groupby("run"):
+        assert list(f.frame_index) == list(range(STREAM_FRAMES)), run
+        assert list(f.dropped) == [i < DROP for i in range(STREAM_FRAMES)]
+        stage_sum = f[[f"{s}_ms" for s in STAGES[:-1]]].sum(axis=1)
+        assert (stage_sum <= f.total_ms + 1e-6).all()  # stages are disjoint parts of the frame
+        assert (f[[f"{s}_ms" for s in STAGES]] >= 0).all().all()
+
+
+def test_runs_csv_records_every_run_and_the_failure(bench_run):
+    runs = pd.read_csv(bench_run["out"] / "runs.csv", keep_default_na=False, na_values=[""])
+    assert list(runs.columns) == RUN_COLUMNS
+    assert len(runs) == (WARMUP + RUNS) * 2
+    # interleaved: within each run the backends take turns in the given order
+    assert list(zip(runs.phase, runs.run, runs.backend)) == [
+        ("warmup", 1, "voicechat"), ("warmup", 1, "flaky"), ("measured", 1, "voicechat"), ("measured", 1, "flaky"),
+        ("measured", 2, "voicechat"), ("measured", 2, "flaky")]
+    failed = runs[runs.status != "ok"]
+    assert len(failed) == 1
+    row = failed.iloc[0]
+    assert (row.backend, row.phase, row.run) == ("flaky", "measured", 2)
+    assert "streaming" in row.error and "RuntimeError" in row.error and "injected failure" in row.error
+    good = runs[runs.status == "ok"]
+    assert (good.frames == STREAM_FRAMES).all()
+    assert (good.offline_frames > 0).all() and (good.offline_wall_s > 0).all()
+    assert (good.load_s > 0).all() and (good.create_s >= 0).all() and (good.mlx_peak_mb > 0).all()
+    assert (good.rss_peak_mb > 0).all()
+    assert bench_run["result"].failed == 1 and not bench_run["result"].ok
+    log = bench_run["log"]
+    assert "FAILED" in log and "injected failure" in log and "measured 2/2" in log
+
+
+def test_summary_matches_an_independent_recomputation(bench_run):
+    out = bench_run["out"]
+    summary = pd.read_csv(out / "summary.csv", keep_default_na=False, na_values=[""])
+    assert list(summary.columns) == SUMMARY_COLUMNS
+    assert list(summary.backend) == ["voicechat", "flaky"]
+    frames = pd.read_csv(out / "frames.csv")
+    for _, s in summary.iterrows():
+        kept = frames[(frames.backend == s.backend) & ~frames.dropped]
+        assert s.frames == len(kept)
+        for st in STAGES:
+            v = kept[f"{st}_ms"].to_numpy(float)
+            assert math.isclose(s[f"{st}_mean_ms"], float(np.mean(v)), rel_tol=STAT_TOL)
+            assert math.isclose(s[f"{st}_p50_ms"], float(np.percentile(v, 50)), rel_tol=STAT_TOL)
+            assert math.isclose(s[f"{st}_p95_ms"], float(np.percentile(v, 95)), rel_tol=STAT_TOL)
+            assert math.isclose(s[f"{st}_max_ms"], float(np.max(v)), rel_tol=STAT_TOL)
+        assert math.isclose(s.rtf, np.mean(kept.total_ms) / 80.0, rel_tol=STAT_TOL)
+        assert math.isclose(s.frames_per_second, 1000.0 / np.mean(kept.total_ms), rel_tol=STAT_TOL)
+    vc, fl = summary.iloc[0], summary.iloc[1]
+    assert (vc.status, vc.runs_ok, vc.runs_failed) == ("ok", 2, 0)
+    assert (fl.status, fl.runs_ok, fl.runs_failed) == ("partial", 1, 1)
+    assert "injected failure" in fl.errors and not isinstance(vc.errors, str)
+    assert vc.baseline == fl.baseline == "voicechat"
+    assert vc.rtf_vs_baseline == 1.0
+    assert math.isclose(fl.total_p50_vs_baseline, fl.total_p50_ms / vc.total_p50_ms, rel_tol=STAT_TOL)
+    md = (out / "summary.md").read_text()
+    assert "## Failures" in md and "injected failure" in md
+    assert "| flaky | partial |" in md
+    assert "## Backend ratios" in md and "flaky / voicechat" in md
+
+
+def test_floor_csv_and_env_json(bench_run):
+    out = bench_run["out"]
+    floor = pd.read_csv(out / "floor.csv")
+    assert list(floor.columns) == FLOOR_COLUMNS
+    assert len(floor) == 2 * len(STAGES)  # per backend x stage (5 stages + total)
+    assert (floor.floor_ms > 0).all()
+    for be, f in floor.groupby("backend"):
+        f = f.set_index("stage")
+        parts = f.loc[list(STAGES[:-1])]
+        assert math.isclose(f.loc["total", "floor_ms"], parts.floor_ms.sum(), rel_tol=1e-9)
+        assert math.isclose(f.loc["total", "weight_mb"], parts.weight_mb.sum(), rel_tol=1e-9)
+        np.testing.assert_allclose(f.p50_over_floor, f.measured_p50_ms / f.floor_ms, rtol=1e-9)
+    env = json.loads((out / "env.json").read_text())
+    for key in ("date", "machine", "os", "python", "mlx", "packages", "git_revision", "checkpoints", "method",
+                "bandwidth"):
+        assert key in env, key
+    assert env["machine"]["cpu_count"] >= 1 and env["mlx"]["version"] == mx.__version__
+    assert env["packages"]["mlx"] and env["packages"]["numpy"] == np.__version__
+    ck = env["checkpoints"][0]
+    cfg = bench_run["ckpt"] / "config.json"
+    assert ck["config_sha256"] == hashlib.sha256(cfg.read_bytes()).hexdigest()
+    assert ck["index_sha256"] and ck["synthetic"] is False  # given as a folder, not as synthetic:...
+    m = env["method"]
+    assert (m["runs"], m["warmup"], m["drop_first"], m["extra_decoding_seconds"]) == (RUNS, WARMUP, DROP, EXTRA_S)
+    assert m["inputs"][0]["streamed_frames"] == STREAM_FRAMES
+    assert set(env["bandwidth"]) == set(FORMATS) and all(v["gbps"] > 0 for v in env["bandwidth"].values())
+
+
+def test_docs_generation_is_deterministic(bench_run, tmp_path):
+    run_dir = bench_run["out"]
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text(f"# Performance\n\nhand-written intro\n\n{BEGIN}\nstale\n{END}\n\nhand-written outro\n")
+    assert update_docs(run_dir, page)
+    first = page.read_bytes()
+    assert not update_docs(run_dir, page)  # same folder: nothing to change
+    assert page.read_bytes() == first
+    text = first.decode()
+    assert text.startswith("# Performance\n\nhand-written intro\n\n" + BEGIN)
+    assert text.endswith(END + "\n\nhand-written outro\n") and "stale" not in text
+    # Same folder into another page at the same relative place: byte-identical.
+    other = tmp_path / "copy" / "docs" / "performance.md"
+    other.parent.mkdir(parents=True)
+    other.write_text(f"# Performance\n\nhand-written intro\n\n{BEGIN}\n{END}\n\nhand-written outro\n")
+    (tmp_path / "copy" / "run").symlink_to(run_dir, target_is_directory=True)
+    (tmp_path / "run").symlink_to(run_dir, target_is_directory=True)
+    update_docs(tmp_path / "copy" / "run", other)
+    update_docs(tmp_path / "run", page)
+    assert other.read_bytes() == page.read_bytes()
+    # What the section says: machine, checkpoint, method, date; links to the plots next to the data.
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["machine"]["cpu"] in text and env["date"] in text
+    assert "2 measured run(s)" in text and "first 2 frames" in text and "0.24 s of silence" in text
+    assert "](../run/frame_times.png)" in page.read_text()
+    assert render_markdown(run_dir) == render_markdown(run_dir)
+
+
+def test_docs_page_without_markers_is_refused(bench_run, tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\nno markers here\n")
+    with pytest.raises(ValueError, match="no generated section"):
+        update_docs(bench_run["out"], page)
+    assert page.read_text() == "# Performance\n\nno markers here\n"
+
+
+def test_cli_exit_status_and_errors(monkeypatch, tiny_ckpt_4bit, wav_path, tmp_path, capsys):
+    import bench.runner
+    from voicechat.cli import main
+
+    counter = {"streams": 0}
+    monkeypatch.setattr(bench.runner, "_default_factory", lambda name: FlakyBackend(counter))
+    out = tmp_path / "cli_run"
+    argv = ["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--runs", "2", "--warmup", "0",
+            "--drop-first", "0", "--extra-decoding-seconds", "0", "--no-floor", "--no-plots", "--no-offline",
+            "--quiet", "--out", str(out)]
+    counter["streams"] = 1  # the 2nd stream of this run is the flaky backend's 3rd call: it fails
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "1 run(s) failed" in captured.err and "## Failures" in captured.out
+    assert pd.read_csv(out / "summary.csv").status.tolist() == ["partial"]
+    assert main(["bench"]) == 2  # nothing to do
+    assert main(["bench", "--update-docs", str(tmp_path / "missing")]) == 2
+    assert main(["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--runs", "0"]) == 2
+    assert main(["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(tmp_path / "nope.wav"), "--quiet",
+                 "--out", str(tmp_path / "x")]) == 2
+
+
+# -- floor model
+
+
+def test_frame_weight_bytes_by_an_independent_count(tiny_model_4bit, tiny_ckpt_8bit):
+    import voicechat
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(tiny_model_4bit.parameters()))
+    b = frame_weight_bytes(tiny_model_4bit)
+
+    def total(prefixes):
+        return sum(v.nbytes for k, v in params.items() if k.startswith(prefixes))
+
+    # language: every LLM tensor, both heads, 3 of the V embedding rows (weights + scales + biases)
+    v = tiny_model_4bit.config.text_config.vocab_size
+    expect = total(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head.")) + \
+        total("stt_model.embed_tokens.") * 3 / v
+    assert math.isclose(b["language"].weight_bytes, expect, rel_tol=1e-12)
+    assert b["language"].by_format["q4"] > 0 and b["language"].by_format["q8"] == 0
+    assert b["language"].state_bytes > 0
+    # perception: all of it, once
+    assert math.isclose(b["perception"].weight_bytes, total("stt_model.perception."), rel_tol=1e-12)
+    # codec: the decoder plus one row of each codebook; the encoder is not used per frame
+    mus = [k for k in params if k.startswith("tts_model.audio_codec.prvq.mus_list.")]
+    expect = total("tts_model.audio_codec.decoder.") + sum(params[k].nbytes / params[k].shape[0] for k in mus)
+    assert math.isclose(b["codec"].weight_bytes, expect, rel_tol=1e-12)
+    # tts: more than the backbone (MoG passes), less than 5x everything
+    tts_all = total("tts_model.tts_model.")
+    assert total("tts_model.tts_model.backbone.") < b["tts"].weight_bytes < 5 * tts_all
+    # 8-bit reads more language bytes than 4-bit, the rest is identical
+    b8 = frame_weight_bytes(voicechat.load(tiny_ckpt_8bit))
+    assert b8["language"].by_format["q8"] > b["language"].by_format["q4"]
+    for s in ("perception", "rnnt", "tts", "codec"):
+        assert math.isclose(b8[s].weight_bytes, b[s].weight_bytes, rel_tol=1e-12)
+
+
+def test_measure_bandwidth_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="target_mb"):
+        measure_bandwidth(0)
+    r = measure_bandwidth(2.0, reps=2)
+    assert set(r) == set(FORMATS)
+    for fmt, v in r.items():
+        assert v["gbps"] > 0 and v["matrix_mb"] >= 1.9, fmt
+
+
+# -- micro-benchmarks of the per-frame stage functions (timings are not asserted)
+
+
+@pytest.fixture()
+def warm_session(tiny_model_4bit, question_wav):
+    """A streaming session after two frames, so every stage is past its position-0 special case."""
+    s = tiny_model_4bit.create_streaming_session()
+    s.push_audio(question_wav[: 2 * FRAME])
+    return s
+
+
+def test_bench_perception_frame(benchmark, warm_session, question_wav):
+    frame = question_wav[2 * FRAME: 3 * FRAME]
+
+    def run():
+        enc, emb = warm_session.perception.push_frame(frame)
+        mx.eval(enc, emb)
+        return enc, emb
+
+    enc, emb = benchmark(run)
+    cfg = warm_session.config
+    assert enc.shape == (cfg.audio_config.encoder.d_model,) and emb.shape == (cfg.text_config.hidden_size,)
+
+
+def test_bench_rnnt_step(benchmark, warm_session, question_wav):
+    enc, _ = warm_session.perception.push_frame(question_wav[2 * FRAME: 3 * FRAME])
+    mx.eval(enc)
+    tokens = benchmark(lambda: warm_session.rnnt.step(enc))
+    assert isinstance(tokens, list)
+
+
+def test_bench_language_step(benchmark, warm_session, question_wav):
+    _, emb = warm_session.perception.push_frame(question_wav[2 * FRAME: 3 * FRAME])
+    mx.eval(emb)
+
+    def run():
+        out = warm_session.timeline.language_step(emb)
+        mx.eval(out[0], out[1])
+        return out
+
+    text_id, function_id, _, _ = benchmark(run)
+    assert text_id.dtype == mx.int32 and function_id.dtype == mx.int32
+
+
+def test_bench_tts_step(benchmark, warm_session):
+    text_id = mx.array(warm_session.text_ids[-1], dtype=mx.int32)
+    function_id = mx.array(warm_session.function_ids[-1], dtype=mx.int32)
+
+    def run():
+        codes = warm_session.timeline.tts_step(text_id, function_id)
+        mx.eval(codes)
+        return codes
+
+    codes = benchmark(run)
+    assert codes.shape == (warm_session.config.tts_config.num_quantizers,)
+
+
+def test_bench_codec_decode_step(benchmark, warm_session):
+    codec, state = warm_session.codec, warm_session.codec_state
+    codes = mx.zeros((warm_session.config.tts_config.num_quantizers,), dtype=mx.int32)
+
+    def run():
+        audio = codec.decode_step(codes, state)
+        mx.eval(audio, state.arrays())
+        return audio
+
+    audio = benchmark(run)
+    assert audio.shape == (codec.samples_per_frame,)
+
+
+def test_bench_whole_frame(benchmark, warm_session, question_wav):
+    frame = question_wav[2 * FRAME: 3 * FRAME]
+    events = benchmark(lambda: warm_session.push_audio(frame))
+    audio = [e for e in events if e.kind == "audio"]
+    assert len(audio) == 1 and audio[0].samples.shape == (warm_session.codec.samples_per_frame,)
