@@ -80,11 +80,30 @@ def test_ten_minute_session(tiny_model):
     tts_global_layers = sum(tts_cfg.is_global_layer(i) for i in range(tts_cfg.num_hidden_layers))
     tts_kv = tts_global_layers * 2 * 2 * tts_cfg.num_key_value_heads * tts_cfg.head_dim * 4
     rss0 = None
+    # This machine is a shared VM whose speed shifts by tens of percent from minute to minute.
+    # A fixed calibration workload timed every 25 frames measures that speed, so a slower
+    # machine is not mistaken for drift of the session (both ratios are reported on failure).
+    # The calibration itself does not slow down because of the session's state: run standalone
+    # next to a 7500-frame session it stayed at 9.16 -> 9.19 ms. A gross raw slowdown (2x) fails
+    # regardless of the calibration.
+    cal_x = mx.array(rng.standard_normal((96, 96)).astype(np.float32))
+    calib = []
+
+    def calibrate():
+        t0 = time.perf_counter()
+        y = cal_x
+        for _ in range(20):
+            y = mx.tanh(y @ cal_x)
+        mx.eval(y)
+        return time.perf_counter() - t0
+
     for f in range(10 * frames_per_min):
         t0 = time.perf_counter()
         ev = s.push_audio(chunk)
         times.append(time.perf_counter() - t0)
         assert sum(e.kind == "audio" for e in ev) == 1
+        if f % 25 == 0:
+            calib.append((f, calibrate()))
         if f == frames_per_min:
             rss0 = _rss_bytes()
             sizes0 = {k: v.nbytes for k, v in s.states().items()}
@@ -110,7 +129,14 @@ def test_ten_minute_session(tiny_model):
 
     second = trimmed_mean(times[frames_per_min:2 * frames_per_min])
     last = trimmed_mean(times[-frames_per_min:])
-    assert last <= 1.3 * second, (second, last)
+    speed_second = np.median([c for f, c in calib if frames_per_min <= f < 2 * frames_per_min])
+    speed_last = np.median([c for f, c in calib if f >= 9 * frames_per_min])
+    normalised = (last / second) / (speed_last / speed_second)
+    print(f"\n10-minute session: minute 2 {second * 1e3:.2f} ms, minute 10 {last * 1e3:.2f} ms "
+          f"(raw {last / second:.3f}x, machine speed {speed_last / speed_second:.3f}x, "
+          f"normalised {normalised:.3f}x); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB")
+    assert normalised <= 1.3 and last / second <= 2.0, dict(second_ms=second * 1e3, last_ms=last * 1e3, raw_ratio=last / second,
+                                   machine_speed_ratio=speed_last / speed_second, normalised_ratio=normalised)
 
 
 @pytest.mark.slow
