@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from .audio.conformer import ConformerStream
 from .audio.mel import StreamingLogMel
-from .audio.rnnt import RnntStream, RnntText, RnntTranscript
 from .audio_input import as_mono_float32, check_sample_rate
 from .errors import SessionClosedError, WrongThreadError
 
@@ -34,11 +33,7 @@ class AsrStreamSession:
         pre = cfg.audio_config.preprocessor
         self.mel = StreamingLogMel(pre, lookahead_samples=pre.n_fft // 2)
         self.conformer = ConformerStream(model.stt_model.perception.encoder)
-        rnnt_text = RnntText(list(cfg.rnnt_vocabulary))
-        st = model.stt_model
-        self.rnnt = RnntStream(st.rnnt_decoder, st.rnnt_joint, cfg.audio_config.max_symbols,
-                               skip_ids=rnnt_text.special_ids)
-        self._transcript = RnntTranscript(rnnt_text)
+        self.rnnt, self._transcript = model.rnnt_transcriber()
         self.tokens: list[int] = []
         self.samples_seen = 0
         self.frames = 0
@@ -57,7 +52,9 @@ class AsrStreamSession:
             raise SessionClosedError("the ASR session is finished; create a new one")
 
     def _decode(self, mel: mx.array, final: bool, t_push: float) -> str:
-        enc = self.conformer.push(mel, final=final) if (mel.shape[0] or final) else mel[:0]
+        if not mel.shape[0] and not final:
+            return ""
+        enc = self.conformer.push(mel, final=final)
         delta_all = ""
         for i in range(enc.shape[0]):
             t0 = time.perf_counter()

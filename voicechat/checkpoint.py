@@ -40,6 +40,12 @@ def _is_codec_upsampler(key: str, cfg: VoiceChatConfig) -> bool:
     return n < (b + 1) * stages and n % (b + 1) == 0
 
 
+def _is_stt_conv1d(key: str, w) -> bool:
+    """Conv1d kernels stored (O, I, K) raw / (O, K, I) in MLX: conformer convs and the Mamba conv."""
+    return w.ndim == 3 and (key.startswith(PERCEPTION_PREFIX) or
+                            (key.startswith("stt_model.llm.") and ".conv1d.weight" in key))
+
+
 def is_raw_layout(weights: dict) -> bool:
     """True for raw (NeMo) names, False for MLX-layout names; mixed raises."""
     raw = any(k.startswith(PREPROCESSOR_PREFIX) or "weight_ih_l" in k or "._control_codes" in k
@@ -84,8 +90,7 @@ def sanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
             continue
         if key.startswith(PERCEPTION_PREFIX) and w.ndim == 4:
             w = w.transpose(0, 2, 3, 1)
-        elif w.ndim == 3 and (key.startswith(PERCEPTION_PREFIX) or
-                              (key.startswith("stt_model.llm.") and ".conv1d.weight" in key)):
+        elif _is_stt_conv1d(key, w):
             w = w.transpose(0, 2, 1)
         out[key] = w
     for layer, parts in sorted(lstm_bias.items()):
@@ -128,9 +133,8 @@ def unsanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
             continue
         if key.startswith(PERCEPTION_PREFIX) and w.ndim == 4:
             w = w.transpose(0, 3, 1, 2)
-        elif w.ndim == 3 and (key.startswith(PERCEPTION_PREFIX) or
-                              (key.startswith("stt_model.llm.") and ".conv1d.weight" in key)):
-            w = w.transpose(0, 2, 1)
+        elif _is_stt_conv1d(key, w):
+            w = w.transpose(0, 2, 1)  # (0, 2, 1) is its own inverse
         out[key] = w
     return out
 

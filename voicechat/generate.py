@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .audio.mel import log_mel
-from .audio.rnnt import RnntText, greedy_decode
+from .audio.rnnt import greedy_decode
 from .audio_input import load_audio
 from .speech_output import AudioChunk, ChunkedSpeechOutput
 from .timeline import Timeline
@@ -79,10 +79,9 @@ def offline_perception(model, audio, *, extra_decoding_seconds: float = 0.0,
 
 def offline_transcript(model, encoder_frames: mx.array) -> tuple[list[int], str]:
     """Greedy RNNT over all encoder frames -> (tokens, text)."""
-    cfg = model.config
     st = model.stt_model
-    text = RnntText(list(cfg.rnnt_vocabulary))
-    tokens = greedy_decode(st.rnnt_decoder, st.rnnt_joint, encoder_frames, cfg.audio_config.max_symbols,
+    text = model.rnnt_text()
+    tokens = greedy_decode(st.rnnt_decoder, st.rnnt_joint, encoder_frames, model.config.audio_config.max_symbols,
                            skip_ids=text.special_ids)
     return tokens, text.decode(tokens)
 

@@ -122,6 +122,22 @@ class VoiceChatModel(nn.Module):
             self._warm_tts = state
         return self._warm_tts.copy()
 
+    def rnnt_transcriber(self):
+        """A fresh RNNT stream and its incremental transcript (shared by the session and ASR)."""
+        from .audio.rnnt import RnntStream, RnntTranscript
+
+        text = self.rnnt_text()
+        st = self.stt_model
+        stream = RnntStream(st.rnnt_decoder, st.rnnt_joint, self.config.audio_config.max_symbols,
+                            skip_ids=text.special_ids)
+        return stream, RnntTranscript(text)
+
+    def rnnt_text(self):
+        """The RNNT piece decoder over the inline `rnnt_vocabulary`."""
+        from .audio.rnnt import RnntText
+
+        return RnntText(list(self.config.rnnt_vocabulary))
+
     def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
         """Text and function logits (float32) of the given final hidden states."""
         return (self.stt_model.lm_head(hidden).astype(mx.float32),

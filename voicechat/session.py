@@ -22,7 +22,6 @@ import numpy as np
 
 from .audio.conformer import ConformerStream, PerceptionFallback
 from .audio.mel import StreamingLogMel
-from .audio.rnnt import RnntStream, RnntText, RnntTranscript
 from .audio_input import as_mono_float32, check_sample_rate
 from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
@@ -84,11 +83,7 @@ class VoiceChatStreamingSession:
         else:
             self.max_frames = None
         self.perception = StreamingPerception(model, use_cache=use_perception_cache)
-        st = model.stt_model
-        rnnt_text = RnntText(list(cfg.rnnt_vocabulary))
-        self.rnnt = RnntStream(st.rnnt_decoder, st.rnnt_joint, cfg.audio_config.max_symbols,
-                               skip_ids=rnnt_text.special_ids)
-        self.transcript = RnntTranscript(rnnt_text)
+        self.rnnt, self.transcript = model.rnnt_transcriber()
         self.timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
         self.prompt_positions = self.timeline.start(system_prompt)
         codec = model.tts_model.audio_codec
