@@ -74,36 +74,14 @@ def test_ten_minute_session(tiny_model):
     rng = np.random.default_rng(0)
     s = tiny_model.create_streaming_session()
     chunk = (0.05 * rng.standard_normal(cfg.frame_samples)).astype(np.float32)
-    times, sizes = [], {}
     llm_kv = s.timeline.state.llm.kv_bytes_per_position
     tts_cfg = cfg.tts_config
     tts_global_layers = sum(tts_cfg.is_global_layer(i) for i in range(tts_cfg.num_hidden_layers))
     tts_kv = tts_global_layers * 2 * 2 * tts_cfg.num_key_value_heads * tts_cfg.head_dim * 4
     rss0 = None
-    # This machine is a shared VM whose speed shifts by tens of percent from minute to minute.
-    # A fixed calibration workload timed every 25 frames measures that speed, so a slower
-    # machine is not mistaken for drift of the session (both ratios are reported on failure).
-    # The calibration itself does not slow down because of the session's state: run standalone
-    # next to a 7500-frame session it stayed at 9.16 -> 9.19 ms. A gross raw slowdown (2x) fails
-    # regardless of the calibration.
-    cal_x = mx.array(rng.standard_normal((96, 96)).astype(np.float32))
-    calib = []
-
-    def calibrate():
-        t0 = time.perf_counter()
-        y = cal_x
-        for _ in range(20):
-            y = mx.tanh(y @ cal_x)
-        mx.eval(y)
-        return time.perf_counter() - t0
-
     for f in range(10 * frames_per_min):
-        t0 = time.perf_counter()
         ev = s.push_audio(chunk)
-        times.append(time.perf_counter() - t0)
         assert sum(e.kind == "audio" for e in ev) == 1
-        if f % 25 == 0:
-            calib.append((f, calibrate()))
         if f == frames_per_min:
             rss0 = _rss_bytes()
             sizes0 = {k: v.nbytes for k, v in s.states().items()}
@@ -121,22 +99,28 @@ def test_ten_minute_session(tiny_model):
     assert growth == pytest.approx(n * (llm_kv + tts_kv), rel=0.01)
     rss_growth = _rss_bytes() - rss0
     assert rss_growth - growth < 50 * 2**20, rss_growth
-    # Mean frame time with the slowest 5% of frames trimmed in both minutes: one-off pauses
-    # (other processes on a shared machine, allocator growth) are not drift.
-    def trimmed_mean(ts):
+    # Drift: frames at minute 10 vs frames at minute 2, timed side by side. This machine is a
+    # shared VM whose speed shifts by tens of percent from one minute to the next, so the two
+    # minutes are not compared across time: a second session is brought to minute 2 and the two
+    # sessions then alternate frame by frame, so any change of machine speed hits both alike.
+    young = tiny_model.create_streaming_session()
+    for _ in range(2 * frames_per_min):
+        young.push_audio(chunk)
+    t_old, t_young = [], []
+    for _ in range(300):
+        for sess, out in ((s, t_old), (young, t_young)):
+            t0 = time.perf_counter()
+            sess.push_audio(chunk)
+            out.append(time.perf_counter() - t0)
+
+    def trimmed_mean(ts):  # the slowest 5% (one-off pauses) are not drift
         ts = np.sort(np.asarray(ts))
         return float(np.mean(ts[: int(len(ts) * 0.95)]))
 
-    second = trimmed_mean(times[frames_per_min:2 * frames_per_min])
-    last = trimmed_mean(times[-frames_per_min:])
-    speed_second = np.median([c for f, c in calib if frames_per_min <= f < 2 * frames_per_min])
-    speed_last = np.median([c for f, c in calib if f >= 9 * frames_per_min])
-    normalised = (last / second) / (speed_last / speed_second)
-    print(f"\n10-minute session: minute 2 {second * 1e3:.2f} ms, minute 10 {last * 1e3:.2f} ms "
-          f"(raw {last / second:.3f}x, machine speed {speed_last / speed_second:.3f}x, "
-          f"normalised {normalised:.3f}x); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB")
-    assert normalised <= 1.3 and last / second <= 2.0, dict(second_ms=second * 1e3, last_ms=last * 1e3, raw_ratio=last / second,
-                                   machine_speed_ratio=speed_last / speed_second, normalised_ratio=normalised)
+    second, last = trimmed_mean(t_young), trimmed_mean(t_old)
+    print(f"\n10-minute session: frame at minute 2 {second * 1e3:.2f} ms, at minute 10 {last * 1e3:.2f} ms "
+          f"({last / second:.3f}x, side by side); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB")
+    assert last <= 1.3 * second, (second, last)
 
 
 @pytest.mark.slow
