@@ -37,6 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from voicechat.parallel import cpu_streams, secondary_stream
+
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
 
@@ -170,8 +172,25 @@ def _best_seconds(fn, reps: int) -> float:
     return best
 
 
+def _rows_split(fn, *mats):
+    """fn over the two row halves of `mats`, the second on the second CPU stream, as the
+    runtime splits its large products (voicechat.parallel); plain fn(*mats) on one stream."""
+    stream = secondary_stream()
+    if stream is None:
+        return fn(*mats)
+    half = mats[0].shape[0] // 2
+    lo = fn(*(m[:half] for m in mats))
+    with mx.stream(stream):
+        hi = fn(*(m[half:] for m in mats))
+    return mx.concatenate([lo, hi], axis=-1)
+
+
 def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
     """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
+
+    The product runs the way the runtime runs its large products: split in two
+    row halves on two CPU streams when `voicechat.parallel.cpu_streams()` is 2
+    (each entry records "streams").
 
     Each matrix holds about `target_mb` MB in its format (rows rounded up to a
     multiple of 64). bf16 is measured with bf16 and with float32 activations
@@ -193,7 +212,7 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
     # float32
     w = mx.random.normal((rows_for(4.0), cols), key=key)
     mx.eval(w, x32)
-    s = _best_seconds(lambda: x32 @ w.T, reps)
+    s = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
     results["f32"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3,
                       "kernel": "f32 x f32 matmul"}
     del w
@@ -202,8 +221,8 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
     w = mx.random.normal((rows_for(2.0), cols), key=key).astype(mx.bfloat16)
     xb = x32.astype(mx.bfloat16)
     mx.eval(w, xb)
-    s_bb = _best_seconds(lambda: xb @ w.T, reps)
-    s_bf = _best_seconds(lambda: x32 @ w.T, reps)
+    s_bb = _best_seconds(lambda: _rows_split(lambda m: xb @ m.T, w), reps)
+    s_bf = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
     s, kernel = (s_bb, "bf16 x bf16 matmul") if s_bb <= s_bf else (s_bf, "bf16 weights x f32 activations")
     results["bf16"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3, "kernel": kernel,
                        "gbps_bf16_activations": w.nbytes / s_bb / 1e9,
@@ -218,12 +237,15 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
         del w
         mx.eval(q, sc, bi)
         nbytes = q.nbytes + sc.nbytes + bi.nbytes
-        s = _best_seconds(lambda: mx.quantized_matmul(x32, q, sc, bi, transpose=True, group_size=64, bits=bits),
-                          reps)
+        s = _best_seconds(lambda: _rows_split(
+            lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits), q, sc, bi),
+            reps)
         results[f"q{bits}"] = {"gbps": nbytes / s / 1e9, "matrix_mb": nbytes / 1e6, "ms": s * 1e3,
                                "kernel": f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"}
         del q, sc, bi
     mx.clear_cache()
+    for entry in results.values():
+        entry["streams"] = cpu_streams()
     return results
 
 

@@ -282,6 +282,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
                f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
                f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else ""))
+    if mlx.get("voicechat_cpu_streams") is not None:
+        out.append(f"- **CPU streams per frame** (this project; `VOICECHAT_CPU_STREAMS`): "
+                   f"{mlx['voicechat_cpu_streams']}; the reference runs on one stream")
     la0, la1 = m.get("load_average_start"), m.get("load_average_end")
     if la0 or la1:
         out.append(f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
@@ -387,9 +390,10 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                    "float32), divided by the read rate MLX reaches on this machine for a large matrix-vector "
                    "product in the same format:")
         out.append("")
-        out.append(_table(["format", "GB/s", "matrix", "kernel"],
-                          [[k, _fmt(v["gbps"], 2), _fmt(v["matrix_mb"], 0, " MB"), v["kernel"]]
-                           for k, v in bw.items()], "lrrl"))
+        out.append(_table(["format", "GB/s", "matrix", "kernel", "CPU streams"],
+                          [[k, _fmt(v["gbps"], 2), _fmt(v["matrix_mb"], 0, " MB"), v["kernel"],
+                            str(v.get("streams", 1))]
+                           for k, v in bw.items()], "lrrlr"))
         out.append("")
         rows = []
         for _, f in floor.iterrows():

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
+from .parallel import prepare_linears
 from .tokenizer import TextTokenizer
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -100,6 +101,9 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
             raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
     model.update(tree_unflatten(list(weights.items())))
     mx.eval(model.parameters())
+    # Float32 copies of 16-bit dense weights; large products split across two CPU streams.
+    prepare_linears(model)
+    model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)
     model.folder = folder

@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import CodecConfig
+from ..parallel import split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
 MAX_MAGNITUDE = 100.0
@@ -156,12 +157,30 @@ class ConvNeXtBlock(nn.Module):
         for j in range(1, k):
             y = y + padded[j : j + length] * w[:, j, 0]
         y = y + _f32(self.dwconv.bias)
-        y = mx.fast.layer_norm(y, _f32(self.norm.weight), _f32(self.norm.bias), LAYER_NORM_EPS)
-        # 1x1 convs as matmuls; weight (O, 1, I). bf16 weights promote to float32.
-        y = y @ self.pwconv1.weight[:, 0, :].T + self.pwconv1.bias
-        y = nn.gelu(y)
-        y = y @ self.pwconv2.weight[:, 0, :].T + self.pwconv2.bias
+        # The rest is row-wise: its two halves run on two CPU streams (voicechat.parallel).
+        y = split_rows(self._pointwise_part, y)
         return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
+
+    def _float32_params(self) -> dict[str, mx.array]:
+        """The row-wise part's parameters in float32, converted once per weights (lazily: the
+        first use evaluates them) instead of at every call, and by each of the two row halves."""
+        params = (self.norm.weight, self.norm.bias, self.pwconv1.weight, self.pwconv1.bias,
+                  self.pwconv2.weight, self.pwconv2.bias)
+        key = tuple(id(p) for p in params)
+        cached = self.__dict__.get("_f32_params")
+        if cached is None or cached[0] != key:
+            nw, nb, w1, b1, w2, b2 = (_f32(p) for p in params)
+            # 1x1 conv weights (O, 1, I) as (O, I) matrices.
+            cached = (key, {"norm_w": nw, "norm_b": nb, "w1": w1[:, 0, :], "b1": b1, "w2": w2[:, 0, :], "b2": b2})
+            self.__dict__["_f32_params"] = cached
+        return cached[1]
+
+    def _pointwise_part(self, y: mx.array) -> mx.array:
+        p = self._float32_params()
+        y = mx.fast.layer_norm(y, p["norm_w"], p["norm_b"], LAYER_NORM_EPS)
+        y = y @ p["w1"].T + p["b1"]
+        y = nn.gelu(y)
+        return y @ p["w2"].T + p["b2"]
 
 
 def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:

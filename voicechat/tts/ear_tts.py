@@ -54,6 +54,7 @@ from .layers import (
     one_plus_rms_norm,
 )
 from .rng import SessionRandom
+from ..parallel import split_rows
 
 # The reference forms "1 + w" of the backbone norms in the weight dtype (bf16
 # rounding, §12.2 item 6); HF/NeMo and the reference's other norms use float32.
@@ -698,7 +699,8 @@ class EarTts(nn.Module):
             rest = self.num_quantizers - len(assigned)
             codes = mx.concatenate(assigned + [mx.full((rest,), self.mask_code, dtype=mx.int32)])[None]
             e = self.embed_codes(codes)  # (1, hidden)
-            feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
+            # Row-wise: the conditional and unconditional rows run on two CPU streams.
+            feats = split_rows(self.mog_head.trunk, mx.concatenate([e + cond, e + uncond], axis=0))
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)
             residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale)
@@ -711,16 +713,30 @@ class EarTts(nn.Module):
         j* = argmin_j ‖e_j‖² − 2·residual·e_j, then residual −= e_j*.
         Returns ([(1,) int32 code per codebook], the remaining residual (1, latent))."""
         codes = []
+        books, all_norms = self.rvq_books()
         for qi in range(first, first + count):
-            stored = self.rvq_embs[qi]
-            book = stored.astype(mx.float32)  # (C, latent)
-            src = stored if RVQ_NORMS_IN_WEIGHT_DTYPE else book
-            norms = (src * src).sum(axis=-1).astype(mx.float32)
+            book, norms = books[qi], all_norms[qi]  # (C, latent), (C,)
             dist = norms - 2.0 * (residual @ book.T)[0]
             j = mx.argmin(dist, axis=-1, keepdims=True).astype(mx.int32)  # (1,)
             residual = residual - book[j]
             codes.append(j)
         return codes, residual
+
+    def rvq_books(self) -> tuple[mx.array, mx.array]:
+        """(float32 codebooks (Q, C, latent), squared norms ‖e_j‖² (Q, C) float32), made once per
+        weights and RVQ_NORMS_IN_WEIGHT_DTYPE setting: they are constants, and a TTS step would
+        otherwise convert and square every codebook again (31 x C x latent per step)."""
+        key = (id(self.rvq_embs), RVQ_NORMS_IN_WEIGHT_DTYPE)
+        cached = self.__dict__.get("_rvq_books")
+        if cached is None or cached[0] != key:
+            stored = self.rvq_embs
+            books = stored.astype(mx.float32)
+            src = stored if RVQ_NORMS_IN_WEIGHT_DTYPE else books
+            norms = (src * src).sum(axis=-1).astype(mx.float32)
+            mx.eval(books, norms)
+            cached = (key, books, norms)
+            self.__dict__["_rvq_books"] = cached
+        return cached[1], cached[2]
 
     # -- cached path
 

@@ -1,0 +1,210 @@
+"""Two CPU streams per frame: split the large matrix products of a frame across cores.
+
+MLX's CPU backend runs the operations of one stream on one thread, so a frame
+evaluated on the default stream keeps one core busy however many the machine
+has. A second CPU stream gets a thread of its own. This module splits the
+frame's large products in two halves, one per stream, and joins them:
+
+* `ParallelQuantizedLinear` / `ParallelLinear`: the output rows of a weight in
+  two halves (views of the stored weight, no copy), `concatenate` of the two
+  products. Each output element is the same dot product over the same inputs
+  in the same order, so the result is bit-identical to the unsplit layer
+  (tested); only layers with at least `MIN_SPLIT_MACS` multiply-adds per input
+  row are split, because each split costs one cross-stream hand-over (~0.1 ms
+  on the benchmark machine).
+* `split_rows(fn, x)`: a row-wise function (LayerNorm, 1x1 convs, GELU) over
+  the two halves of its input rows; used by the codec's ConvNeXt blocks.
+
+The number of streams is `cpu_streams()`: 2 on a CPU device with at least two
+cores, else 1; the environment variable `VOICECHAT_CPU_STREAMS` (1 or 2) or
+`set_cpu_streams(n)` overrides it. With 1 stream every layer runs unsplit.
+On a GPU device the split is off by default (one GPU serves both streams).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ENV_VAR = "VOICECHAT_CPU_STREAMS"
+# A split pays when the product is long compared with one cross-stream
+# hand-over: 1M multiply-adds take ~0.5 ms in MLX's CPU 4-bit kernel here.
+MIN_SPLIT_MACS = 1 << 20
+
+_override: int | None = None
+_local = threading.local()
+
+
+def _parse(value, where: str) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = 0
+    if n not in (1, 2):
+        raise ValueError(f"{where} must be 1 or 2 (CPU streams per frame), got {value!r}")
+    return n
+
+
+def default_cpu_streams() -> int:
+    """2 on a CPU device with >= 2 cores, 1 otherwise (or `VOICECHAT_CPU_STREAMS`)."""
+    env = os.environ.get(ENV_VAR)
+    if env is not None and env != "":
+        return _parse(env, ENV_VAR)
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return 1
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+def cpu_streams() -> int:
+    """How many CPU streams a frame uses now (1 = everything on the default stream)."""
+    return _override if _override is not None else default_cpu_streams()
+
+
+def set_cpu_streams(n: int | None) -> None:
+    """Force 1 or 2 streams for this process; None restores the default."""
+    global _override
+    _override = None if n is None else _parse(n, "set_cpu_streams(n)")
+
+
+def secondary_stream():
+    """The second CPU stream of the calling thread, or None when running on one stream."""
+    if cpu_streams() < 2:
+        return None
+    stream = getattr(_local, "stream", None)
+    if stream is None:
+        stream = mx.new_stream(mx.cpu)
+        _local.stream = stream
+    return stream
+
+
+class _WeightViews:
+    """Row views of a layer's weights at `split` (kept off the parameter tree)."""
+
+    def __init__(self, key, parts):
+        self.key = key
+        self.parts = parts
+
+
+def _row_halves(layer: nn.Module, names: tuple[str, ...]) -> tuple[dict, dict]:
+    split = layer["weight"].shape[0] // 2
+    lo = {n: layer[n][:split] for n in names if n in layer}
+    hi = {n: layer[n][split:] for n in names if n in layer}
+    return lo, hi
+
+
+def _halves_of(layer: nn.Module, names: tuple[str, ...]):
+    # Rebuilt whenever the weight array is replaced (e.g. `model.update`).
+    key = id(layer["weight"])
+    cached = layer.__dict__.get("_halves")
+    if cached is None or cached.key != key:
+        cached = _WeightViews(key, _row_halves(layer, names))
+        layer.__dict__["_halves"] = cached
+    return cached.parts
+
+
+class ParallelQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose output rows are computed in two halves on two CPU streams."""
+
+    _names = ("weight", "scales", "biases", "bias")
+
+    def _half(self, x, part, stream):
+        y = mx.quantized_matmul(x, part["weight"], scales=part["scales"], biases=part.get("biases"),
+                                transpose=True, group_size=self.group_size, bits=self.bits,
+                                mode=self.mode, stream=stream)
+        return y + part["bias"] if "bias" in part else y
+
+    def __call__(self, x):
+        stream = secondary_stream()
+        if stream is None:
+            return super().__call__(x)
+        lo, hi = _halves_of(self, self._names)
+        return mx.concatenate([self._half(x, lo, None), self._half(x, hi, stream)], axis=-1)
+
+
+class FastLinear(nn.Linear):
+    """`nn.Linear` for float32 activations against 16-bit weights, and for large products.
+
+    * A bf16 / f16 weight fed float32 inputs is converted to float32 by MLX on
+      every call (the weight is promoted); `FastLinear` keeps that float32 copy,
+      made once by `prepare_linears`, so a frame does not convert weights again.
+      The product is the same (the conversion is exact).
+    * Large products are split across two CPU streams like `ParallelQuantizedLinear`.
+    """
+
+    _names = ("weight", "bias")
+
+    def _weights(self, x) -> dict:
+        w = self["weight"]
+        copy = self.__dict__.get("_float32")
+        if copy is not None and copy.key == id(w) and x.dtype == mx.float32:
+            return copy.parts
+        return {n: self[n] for n in self._names if n in self}
+
+    def _product(self, x, part, stream):
+        if "bias" in part:
+            return mx.addmm(part["bias"], x, part["weight"].T, stream=stream)
+        return mx.matmul(x, part["weight"].T, stream=stream)
+
+    def __call__(self, x):
+        weights = self._weights(x)
+        stream = secondary_stream() if self.__dict__.get("_split", False) else None
+        if stream is None:
+            return self._product(x, weights, None)
+        split = weights["weight"].shape[0] // 2
+        lo = {n: a[:split] for n, a in weights.items()}
+        hi = {n: a[split:] for n, a in weights.items()}
+        return mx.concatenate([self._product(x, lo, None), self._product(x, hi, stream)], axis=-1)
+
+
+def _macs(layer: nn.Module) -> int:
+    w = layer["weight"]
+    if isinstance(layer, nn.QuantizedLinear):
+        return w.shape[0] * (w.shape[1] * 32 // layer.bits)
+    return w.shape[0] * w.shape[1]
+
+
+def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
+                    float32_copies: bool = True) -> dict[str, list[str]]:
+    """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters,
+    bit-identical results); returns the paths that split and that got float32 copies.
+
+    Split: >= `min_split_macs` multiply-adds per input row and >= 2 output rows; whether a
+    call splits is decided per call by `cpu_streams()`. Float32 copies: dense layers with a
+    16-bit weight (made and evaluated here, so their memory is taken at load). Calling it
+    again re-decides both for every layer."""
+    split, copied = [], []
+    for path, layer in module.named_modules():
+        if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
+            continue
+        big = layer["weight"].shape[0] >= 2 and _macs(layer) >= min_split_macs
+        if big:
+            split.append(path)
+        if isinstance(layer, nn.QuantizedLinear):
+            layer.__class__ = ParallelQuantizedLinear if big else nn.QuantizedLinear
+            continue
+        layer.__class__ = FastLinear
+        layer.__dict__["_split"] = big
+        layer.__dict__.pop("_float32", None)
+        w = layer["weight"]
+        if float32_copies and w.dtype in (mx.bfloat16, mx.float16):
+            parts = {n: layer[n].astype(mx.float32) for n in FastLinear._names if n in layer}
+            mx.eval(parts)
+            layer.__dict__["_float32"] = _WeightViews(id(w), parts)
+            copied.append(path)
+    return {"split": split, "float32": copied}
+
+
+def split_rows(fn, x: mx.array) -> mx.array:
+    """fn over the rows of x (axis 0), the second half on the second stream; fn must be row-wise."""
+    stream = secondary_stream()
+    rows = x.shape[0]
+    if stream is None or rows < 2:
+        return fn(x)
+    half = rows // 2
+    lo = fn(x[:half])
+    with mx.stream(stream):
+        hi = fn(x[half:])
+    return mx.concatenate([lo, hi], axis=0)
