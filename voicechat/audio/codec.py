@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import CodecConfig
+from ..constants import derived
 from ..parallel import split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
@@ -152,11 +153,12 @@ class ConvNeXtBlock(nn.Module):
         padded = mx.concatenate([history, x], axis=0)
         # Depthwise causal conv as k shifted multiply-adds (same result as the
         # grouped Conv1d, without its per-channel dispatch); weight (C, k, 1).
-        w = _f32(self.dwconv.weight)
-        y = padded[0:length] * w[:, 0, 0]
+        taps, bias = derived(self, "dw_taps", (self.dwconv.weight, self.dwconv.bias),
+                             lambda w, b: ([_f32(w)[:, j, 0] for j in range(k)], _f32(b)))
+        y = padded[0:length] * taps[0]
         for j in range(1, k):
-            y = y + padded[j : j + length] * w[:, j, 0]
-        y = y + _f32(self.dwconv.bias)
+            y = y + padded[j : j + length] * taps[j]
+        y = y + bias
         # The rest is row-wise: its two halves run on two CPU streams (voicechat.parallel).
         y = split_rows(self._pointwise_part, y)
         return x + _f32(y), padded[padded.shape[0] - (k - 1) :]

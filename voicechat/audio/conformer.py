@@ -23,6 +23,7 @@ blocking and reduction orders differ at the ~1e-7 level per operation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -30,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
+from ..constants import derived
 from .mel import as_waveform, log_mel
 
 _MASK_VALUE = -1e30  # additive mask on the position term (architecture.md §5.1)
@@ -133,6 +135,19 @@ class ConvSubsampling(nn.Module):
 # --------------------------------------------------------------------------- blocks
 
 
+@functools.lru_cache(maxsize=512)
+def _step_index_and_mask(n_heads: int, n: int, lc: int, left: int) -> tuple[mx.array, mx.array]:
+    """Streaming attention constants for n new frames after lc cached ones (a window of `left`):
+    the index of each (query, key) distance in the positional table, clipped to 0..left,
+    (H, n, lc+n) int32, and the additive mask (n, lc+n) float32 (0 inside the window).
+    Built on the host once per shape: they are the same for every layer and every steady frame."""
+    dist = (np.arange(n)[:, None] + lc) - np.arange(lc + n)[None, :]  # query - key
+    allowed = (dist >= 0) & (dist <= left)
+    idx = np.broadcast_to(np.clip(dist, 0, left)[None], (n_heads, n, lc + n)).astype(np.int32)
+    mask = np.where(allowed, np.float32(0.0), np.float32(_MASK_VALUE)).astype(np.float32)
+    return mx.array(idx), mx.array(mask)
+
+
 class FeedForward(nn.Module):
     def __init__(self, d: int, hidden: int, bias: bool):
         super().__init__()
@@ -171,7 +186,7 @@ class RelPositionAttention(nn.Module):
         return self._heads(self.linear_pos(pe))
 
     def _attend(self, q, keys, values, bd, mask) -> mx.array:
-        u = self.pos_bias_u.astype(mx.float32)[:, None, :]
+        u = derived(self, "pos_bias_u", (self.pos_bias_u,), lambda b: b.astype(mx.float32)[:, None, :])
         ac = (q + u) @ keys.transpose(0, 2, 1)
         scores = (ac + (bd + mask)) * (1.0 / math.sqrt(self.head_dim))
         weights = mx.softmax(scores, axis=-1)
@@ -213,12 +228,10 @@ class RelPositionAttention(nn.Module):
             values = mx.concatenate([v_cache, self.linear_v(x)])
             cache_rows = (keys, values)
         q = self._heads(self.linear_q(x))
-        bd_dist = (q + self.pos_bias_v.astype(mx.float32)[:, None, :]) @ pos_proj.transpose(0, 2, 1)
-        dist = (mx.arange(n)[:, None] + lc) - mx.arange(lc + n)[None, :]  # query - key
-        allowed = (dist >= 0) & (dist <= left)
-        idx = mx.broadcast_to(mx.clip(dist, 0, left)[None], (self.n_heads, n, lc + n))
+        pos_bias_v = derived(self, "pos_bias_v", (self.pos_bias_v,), lambda b: b.astype(mx.float32)[:, None, :])
+        bd_dist = (q + pos_bias_v) @ pos_proj.transpose(0, 2, 1)
+        idx, mask = _step_index_and_mask(self.n_heads, n, lc, left)
         bd = mx.take_along_axis(bd_dist, idx, axis=-1)
-        mask = mx.where(allowed, 0.0, _MASK_VALUE).astype(mx.float32)
         out = self._attend(q, self._heads(keys), self._heads(values), bd, mask)
         return out, cache_rows[0], cache_rows[1]
 
@@ -249,7 +262,8 @@ class ConvModule(nn.Module):
 
     def depthwise(self, din: mx.array) -> mx.array:
         """Valid depthwise conv over time: (L, d) -> (L - kernel + 1, d), fixed tap order."""
-        w = self.depthwise_conv.weight[:, :, 0].T.astype(mx.float32)  # (kernel, d)
+        w = derived(self, "depthwise_taps", (self.depthwise_conv.weight,),
+                    lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)])  # kernel x (d,)
         n = din.shape[0] - self.kernel + 1
         out = din[0:n] * w[0]
         for j in range(1, self.kernel):

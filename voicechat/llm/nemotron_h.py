@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from ..constants import derived
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
 KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
@@ -42,7 +43,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight.astype(x.dtype), self.eps)
+        dtype = x.dtype
+        weight = derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
+        return mx.fast.rms_norm(x, weight, self.eps)
 
 
 class DepthwiseCausalConv1d(nn.Module):
@@ -64,13 +67,20 @@ class DepthwiseCausalConv1d(nn.Module):
         """padded: (1, K-1+L, C) = previous K-1 inputs followed by L new ones -> (1, L, C)."""
         k = self.kernel_size
         length = padded.shape[1] - (k - 1)
-        taps = self.weight[:, :, 0].astype(padded.dtype)  # (C, K)
-        out = padded[:, 0:length, :] * taps[:, 0]
+        dtype = padded.dtype
+        params = (self.weight, self.bias) if "bias" in self else (self.weight,)
+        taps, bias = derived(self, f"taps_{dtype}", params, lambda *p: self._taps(dtype, *p))
+        out = padded[:, 0:length, :] * taps[0]
         for j in range(1, k):
-            out = out + padded[:, j : j + length, :] * taps[:, j]
-        if "bias" in self:
-            out = out + self.bias.astype(padded.dtype)
+            out = out + padded[:, j : j + length, :] * taps[j]
+        if bias is not None:
+            out = out + bias
         return out
+
+    def _taps(self, dtype, weight, bias=None):
+        """Per-tap weight columns (C,) and the bias in the activation dtype."""
+        w = weight[:, :, 0].astype(dtype)  # (C, K)
+        return [w[:, j] for j in range(self.kernel_size)], None if bias is None else bias.astype(dtype)
 
 
 def _segment_sums(log_decay: mx.array) -> mx.array:
@@ -274,10 +284,11 @@ class Mamba2Mixer(nn.Module):
         b = xbc[..., self.d_inner : self.d_inner + gs].reshape(1, length, self.n_groups, self.state_size)
         c = xbc[..., self.d_inner + gs :].reshape(1, length, self.n_groups, self.state_size)
 
-        dt = nn.softplus(dt + self.dt_bias.astype(mx.float32))
+        dt_bias, a = derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
+                             lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+        dt = nn.softplus(dt + dt_bias)
         dt = mx.clip(dt, self.dt_min, self.dt_max)  # (1, L, heads)
-        a = -mx.exp(self.A_log.astype(mx.float32))  # (heads,)
-        return z, x_ssm, b, c, dt, a
+        return z, x_ssm, b, c, dt, a  # a = -exp(A_log): (heads,)
 
     def _heads_of_groups(self, t: mx.array, axis: int) -> mx.array:
         """Group g serves the contiguous heads [g·H/G, (g+1)·H/G) (clarifications)."""
@@ -289,7 +300,7 @@ class Mamba2Mixer(nn.Module):
         u = y * nn.silu(z)
         u = u.reshape(1, length, self.n_groups, self.d_inner // self.n_groups)
         u = mx.fast.rms_norm(u, None, self.eps).reshape(1, length, self.d_inner)
-        u = u * self.norm.weight.astype(mx.float32)
+        u = u * derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
         return self.out_proj(u).astype(mx.float32)
 
     # -- the two paths
@@ -305,7 +316,7 @@ class Mamba2Mixer(nn.Module):
         ssm = decay * state.ssm + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
         state.ssm = ssm
         y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
-        y = y + self.D.astype(mx.float32)[:, None] * x_h
+        y = y + derived(self, "D_column", (self.D,), lambda d: d.astype(mx.float32)[:, None]) * x_h
         return self._gated_norm_out(y.reshape(1, 1, self.d_inner), z)
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:

@@ -52,8 +52,10 @@ from .layers import (
     check_value_range,
     is_integer_dtype,
     one_plus_rms_norm,
+    one_plus_scale,
 )
 from .rng import SessionRandom
+from ..constants import derived
 from ..parallel import split_rows
 
 # The reference forms "1 + w" of the backbone norms in the weight dtype (bf16
@@ -334,9 +336,9 @@ class BackboneRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return one_plus_rms_norm(
-            x, self.weight, self.eps, one_plus_in_weight_dtype=BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE
-        )
+        flag = BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE  # read at call time (reference_numerics)
+        scale = derived(self, f"scale_{flag}", (self.weight,), lambda w: one_plus_scale(w, flag))
+        return one_plus_rms_norm(x, self.weight, self.eps, one_plus_in_weight_dtype=flag, scale=scale)
 
 
 class BackboneAttention(nn.Module):

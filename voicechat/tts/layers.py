@@ -6,8 +6,18 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..constants import derived
 
-def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_weight_dtype: bool = False) -> mx.array:
+
+def one_plus_scale(weight: mx.array, one_plus_in_weight_dtype: bool = False) -> mx.array:
+    """The float32 scale 1 + w of `one_plus_rms_norm` (see there for the rounding flag)."""
+    if one_plus_in_weight_dtype:
+        return (1 + weight).astype(mx.float32)
+    return 1.0 + weight.astype(mx.float32)
+
+
+def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_weight_dtype: bool = False,
+                      scale: mx.array | None = None) -> mx.array:
     """Gemma RMSNorm: x / sqrt(mean(x²) + eps) · (1 + w).
 
     `one_plus_in_weight_dtype` rounds 1 + w to the weight dtype first (what the
@@ -16,10 +26,8 @@ def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_
     dtype (a no-op for the float32 activations used everywhere by default; the
     reference-compatible bf16 text path relies on it).
     """
-    if one_plus_in_weight_dtype:
-        scale = (1 + weight).astype(mx.float32)
-    else:
-        scale = 1.0 + weight.astype(mx.float32)
+    if scale is None:  # callers with a module pass the scale made once (voicechat.constants)
+        scale = one_plus_scale(weight, one_plus_in_weight_dtype)
     return mx.fast.rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)
 
 
@@ -32,7 +40,8 @@ class OnePlusRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return one_plus_rms_norm(x, self.weight, self.eps)
+        scale = derived(self, "scale", (self.weight,), one_plus_scale)
+        return one_plus_rms_norm(x, self.weight, self.eps, scale=scale)
 
 
 class GeluGatedMLP(nn.Module):

@@ -1,0 +1,169 @@
+"""Two CPU streams per frame (voicechat.parallel): every split is bit-identical to the unsplit op.
+
+Why exact equality is the right tolerance: a split changes only which thread
+computes which output rows (or input rows); each output element is still the
+same dot product over the same inputs in the same order, and a 16-bit weight
+converted to float32 once is the same float32 value MLX would convert it to on
+every call. Any difference at all would mean the split changed the arithmetic.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import voicechat
+from voicechat import parallel
+from voicechat.parallel import FastLinear, ParallelQuantizedLinear, prepare_linears, split_rows
+from voicechat.tts import ear_tts
+
+
+@pytest.fixture
+def two_streams():
+    parallel.set_cpu_streams(2)
+    yield
+    parallel.set_cpu_streams(None)
+
+
+def _same(a: mx.array, b: mx.array) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(1, 256), (3, 256), (2, 1, 256)])
+def test_parallel_quantized_linear_is_bit_identical(two_streams, bits, shape):
+    mx.random.seed(3)
+    plain = nn.Linear(256, 322, bias=True)  # odd split: 161 / 161 rows; bias included
+    plain.bias = mx.random.normal((322,))
+    plain = nn.QuantizedLinear.from_linear(plain, group_size=64, bits=bits)
+    x = mx.random.normal(shape)
+    want = plain(x)
+    prepare_linears(plain, min_split_macs=0)
+    assert isinstance(plain, ParallelQuantizedLinear)
+    assert parallel.secondary_stream() is not None
+    _same(plain(x), want)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fast_linear_is_bit_identical(two_streams, dtype, bias):
+    mx.random.seed(4)
+    layer = nn.Linear(96, 131, bias=bias)
+    layer.update({k: v.astype(dtype) for k, v in layer.parameters().items()})
+    x32 = mx.random.normal((5, 96))
+    x16 = x32.astype(mx.bfloat16)
+    want32, want16 = layer(x32), layer(x16)
+    report = prepare_linears(layer, min_split_macs=0)
+    assert isinstance(layer, FastLinear) and report["split"] == [""]
+    assert report["float32"] == ([""] if dtype == mx.bfloat16 else [])
+    _same(layer(x32), want32)  # float32 copy + split
+    _same(layer(x16), want16)  # 16-bit input: the stored weight, result stays bf16
+    parallel.set_cpu_streams(1)
+    _same(layer(x32), want32)  # one stream: unsplit, float32 copy
+
+
+def test_fast_linear_follows_replaced_weights(two_streams):
+    """A cached float32 copy must never outlive the weight it was made from."""
+    mx.random.seed(5)
+    layer = nn.Linear(64, 48, bias=False)
+    layer.weight = layer.weight.astype(mx.bfloat16)
+    prepare_linears(layer, min_split_macs=0)
+    x = mx.random.normal((2, 64))
+    before = layer(x)
+    new_w = (mx.random.normal((48, 64)) * 3).astype(mx.bfloat16)
+    layer.update({"weight": new_w})
+    reference = x @ new_w.astype(mx.float32).T
+    after = layer(x)
+    _same(after, reference)
+    assert not np.array_equal(np.array(after), np.array(before))
+
+
+def test_parallel_quantized_linear_follows_replaced_weights(two_streams):
+    mx.random.seed(6)
+    layer = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4)
+    prepare_linears(layer, min_split_macs=0)
+    x = mx.random.normal((1, 128))
+    layer(x)
+    other = nn.QuantizedLinear.from_linear(nn.Linear(128, 64, bias=False), group_size=64, bits=4)
+    layer.update(other.parameters())
+    _same(layer(x), other(x))
+
+
+def test_prepare_linears_threshold_and_redecision():
+    mx.random.seed(7)
+    tree = nn.Sequential(nn.Linear(16, 8), nn.QuantizedLinear(2048, 1024, group_size=64, bits=4))
+    report = prepare_linears(tree)  # default threshold: 2048 * 1024 MACs >= 1M, 16 * 8 below
+    assert report["split"] == ["layers.1"]
+    assert type(tree.layers[1]) is ParallelQuantizedLinear
+    report = prepare_linears(tree, min_split_macs=1 << 30)  # re-decided: nothing splits now
+    assert report["split"] == [] and type(tree.layers[1]) is nn.QuantizedLinear
+    assert tree.layers[0].__dict__["_split"] is False
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+def test_split_rows_is_bit_identical(two_streams, rows):
+    mx.random.seed(8)
+    w = mx.random.normal((48, 40)).astype(mx.bfloat16)
+
+    def rowwise(y):
+        return nn.gelu(mx.fast.layer_norm(y, None, None, 1e-5) @ w.T)
+
+    x = mx.random.normal((rows, 40))
+    _same(split_rows(rowwise, x), rowwise(x))
+
+
+def test_cpu_streams_validation(monkeypatch):
+    with pytest.raises(ValueError, match=r"set_cpu_streams\(n\) must be 1 or 2.*got 3"):
+        parallel.set_cpu_streams(3)
+    monkeypatch.setenv(parallel.ENV_VAR, "four")
+    with pytest.raises(ValueError, match="VOICECHAT_CPU_STREAMS must be 1 or 2.*'four'"):
+        parallel.cpu_streams()
+    monkeypatch.setenv(parallel.ENV_VAR, "1")
+    assert parallel.cpu_streams() == 1 and parallel.secondary_stream() is None
+    parallel.set_cpu_streams(2)  # the explicit setting wins over the environment
+    try:
+        assert parallel.cpu_streams() == 2 and parallel.secondary_stream() is not None
+    finally:
+        parallel.set_cpu_streams(None)
+
+
+def test_rvq_books_follow_the_norm_flag(tiny_model):
+    """The cached codebooks / norms equal a direct computation, per RVQ_NORMS_IN_WEIGHT_DTYPE."""
+    tts = tiny_model.tts_model.tts_model
+    stored = tts.rvq_embs
+    books, norms = tts.rvq_books()
+    _same(books, stored.astype(mx.float32))
+    _same(norms, (stored.astype(mx.float32) ** 2).sum(axis=-1))
+    with ear_tts.reference_numerics():
+        _, norms16 = tts.rvq_books()
+        _same(norms16, (stored * stored).sum(axis=-1).astype(mx.float32))
+    _, again = tts.rvq_books()
+    _same(again, norms)
+
+
+def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav):
+    """Every Linear of the tiny model split (threshold 0) and the codec rows split: the streamed
+    session's ids, codes and audio equal the one-stream run bit for bit, and so does offline."""
+    model = voicechat.load(tiny_ckpt)
+    report = prepare_linears(model, min_split_macs=0)
+    assert len(report["split"]) > 50
+    audio = question_wav[: 1280 * 12]
+    runs = {}
+    try:
+        for n in (1, 2):
+            parallel.set_cpu_streams(n)
+            s = model.create_streaming_session()
+            events = s.push_audio(audio) + s.flush()
+            pcm = np.concatenate([e.samples for e in events if e.kind in ("audio", "audio_tail")])
+            codes = np.stack([e.audio_codes for e in events if e.kind == "audio"])
+            offline = model.generate(audio)
+            runs[n] = (s.text_ids, s.function_ids, codes, pcm, np.array(offline.audio))
+    finally:
+        parallel.set_cpu_streams(None)
+    one, two = runs[1], runs[2]
+    assert one[0] == two[0] and one[1] == two[1]
+    for a, b in zip(one[2:], two[2:]):
+        assert a.shape == b.shape and np.array_equal(a, b)
