@@ -37,17 +37,19 @@ FRAME_COLUMNS = ["checkpoint", "backend", "input", "run", "frame_index",
 RUN_COLUMNS = ["checkpoint", "backend", "input", "phase", "run", "status", "error", "load_s", "create_s",
                "first_audio_s", "first_text_s", "stream_wall_s", "frames", "total_mean_ms", "total_p50_ms", "rtf",
                "offline_wall_s", "offline_frames", "offline_rtf", "mlx_peak_mb", "rss_peak_mb", "rss_peak_scope",
-               "offline_mlx_peak_mb"]
+               "offline_mlx_peak_mb", "asr_mean_ms", "asr_p50_ms"]
 FLOOR_BASE_COLUMNS = ["checkpoint", "stage", "weight_mb", "state_mb", "bf16_mb", "f32_mb", "q4_mb", "q8_mb",
                       "floor_ms"]
 FLOOR_COLUMNS = ["checkpoint", "backend", *FLOOR_BASE_COLUMNS[1:], "measured_mean_ms", "measured_p50_ms",
                  "p50_over_floor"]
-PER_RUN_MEDIANS = ("load_s", "create_s", "first_audio_s", "first_text_s", "offline_wall_s", "offline_rtf")
+PER_RUN_MEDIANS = ("load_s", "create_s", "first_audio_s", "first_text_s", "offline_wall_s", "offline_rtf",
+                   "asr_mean_ms", "asr_p50_ms")
 SUMMARY_COLUMNS = (
     ["checkpoint", "backend", "synthetic", "status", "runs_ok", "runs_failed", "warmup_failed", "inputs",
      "frames", "dropped_per_run"]
     + [f"{s}_{k}_ms" for s in STAGES for k in ("mean", "p50", "p95", "max")]
-    + ["rtf", "frames_per_second", *PER_RUN_MEDIANS, "mlx_peak_mb", "rss_peak_mb", "floor_ms",
+    + ["rtf", "frames_per_second", *PER_RUN_MEDIANS, "first_frame_ms", "first_frame_over_p50",
+       "mlx_peak_mb", "rss_peak_mb", "floor_ms",
        "total_p50_over_floor", "baseline", "rtf_vs_baseline"]
     + [f"{s}_p50_vs_baseline" for s in STAGES]
     + ["errors"]
@@ -118,7 +120,12 @@ def summarize(frames: pd.DataFrame, runs: pd.DataFrame, floor: pd.DataFrame, env
             row["rtf"] = mean_total / FRAME_MS
             row["frames_per_second"] = 1000.0 / mean_total if mean_total and mean_total > 0 else math.nan
             for k in PER_RUN_MEDIANS:
-                row[k] = _median(ok[k]) if len(ok) else math.nan
+                row[k] = _median(ok[k]) if k in ok and len(ok) else math.nan
+            # The first frame after session creation (frame 0 of each measured run; median over runs).
+            meas_runs = set(measured.run) if "run" in measured else set()
+            first = f[(f.frame_index == 0) & f.run.isin(meas_runs)] if "run" in f and len(f) else f.iloc[0:0]
+            row["first_frame_ms"] = _median(first.total_ms) if len(first) else math.nan
+            row["first_frame_over_p50"] = _ratio(row["first_frame_ms"], row["total_p50_ms"])
             row["mlx_peak_mb"] = _max(ok.mlx_peak_mb) if len(ok) else math.nan
             row["rss_peak_mb"] = _max(ok.rss_peak_mb) if len(ok) else math.nan
             fl = floor[(floor.checkpoint == ck) & (floor.stage == "total")] if len(floor) else floor
@@ -343,6 +350,20 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                "first push to the return of the push that produced the first `Audio` / assistant text event. "
                "MLX peak: `mx.get_peak_memory()` over load + stream; RSS peak: the process's resident-set peak "
                "over the same span.")
+    out.append("")
+
+    rows = [[f"`{s.checkpoint}`", s.backend, _ms(s.first_frame_ms), _ms(s.total_p50_ms),
+             _fmt(s.first_frame_over_p50, 2, "×"), _ms(s.asr_mean_ms), _ms(s.asr_p50_ms)]
+            for _, s in summary.iterrows()]
+    out.append(f"{h}# First frame and ASR session")
+    out.append("")
+    out.append(_table(["checkpoint", "backend", "first frame ms", "steady p50 ms", "first / p50",
+                       "ASR mean ms/frame", "ASR p50 ms/frame"], rows, "llrrrrr"))
+    out.append("")
+    out.append("*First frame*: the profiled frame 0 right after `create_streaming_session` (median over the "
+               "measured runs). *ASR*: a transcript-only streaming session (`create_asr_session`: log-mel, "
+               "cache-aware conformer, RNNT) over the same input in 1280-sample steps, wall time per step after "
+               "the dropped frames; empty where the backend has none.")
     out.append("")
 
     out.append(f"{h}# Per-stage frame time (ms)")

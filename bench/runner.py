@@ -30,6 +30,7 @@ import numpy as np
 
 STAGE_KEYS = ("perception_ms", "rnnt_ms", "language_ms", "tts_ms", "codec_ms", "total_ms")
 FRAME_MS = 80.0
+FRAME_SAMPLES = 1280  # one 80 ms frame at 16 kHz
 
 
 @dataclass
@@ -214,7 +215,7 @@ def run_once(backend_factory: Callable[[str], object], backend_name: str, folder
                first_text_s=math.nan, stream_wall_s=math.nan, frames=0, total_mean_ms=math.nan,
                total_p50_ms=math.nan, rtf=math.nan, offline_wall_s=math.nan, offline_frames=0,
                offline_rtf=math.nan, mlx_peak_mb=math.nan, rss_peak_mb=math.nan, rss_peak_scope="",
-               offline_mlx_peak_mb=math.nan)
+               offline_mlx_peak_mb=math.nan, asr_mean_ms=math.nan, asr_p50_ms=math.nan)
     frames: list[dict] = []
     backend = None
     step = "creating the backend"
@@ -244,6 +245,11 @@ def run_once(backend_factory: Callable[[str], object], backend_name: str, folder
         if totals:
             rec.update(total_mean_ms=float(np.mean(totals)), total_p50_ms=float(np.percentile(totals, 50)),
                        rtf=float(np.mean(totals)) / FRAME_MS)
+        if hasattr(backend, "asr_frame_ms"):  # backends with a transcript-only streaming session
+            step = "ASR session"
+            asr = backend.asr_frame_ms(stream_wave, chunk_samples=FRAME_SAMPLES)[opts.drop_first:]
+            if asr:
+                rec.update(asr_mean_ms=float(np.mean(asr)), asr_p50_ms=float(np.percentile(asr, 50)))
         if opts.offline:
             step = "offline generation"
             mx.reset_peak_memory()

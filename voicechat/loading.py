@@ -111,6 +111,7 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
         # The EAR-TTS speaker warm-up depends only on the weights: do it once here, so creating a
         # session (when the user is about to speak) costs only a state copy.
         model.warm_tts_state()
+        model.warm_runtime()
     return model
 
 

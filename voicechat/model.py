@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .audio.codec import Codec
 from .audio.conformer import Perception
@@ -121,6 +122,15 @@ class VoiceChatModel(nn.Module):
             mx.eval(state.arrays())
             self._warm_tts = state
         return self._warm_tts.copy()
+
+    def warm_runtime(self, frames: int = 2) -> None:
+        """Run `frames` silent frames through a throwaway streaming session (needs >= 2 to reach a
+        TTS step) so per-weights constants, float32 copies and the second CPU stream exist before
+        the first real session: its first frame then costs what a steady frame does. Touches no
+        state of later sessions (each has its own caches and random generator)."""
+        session = self.create_streaming_session()
+        session.push_audio(np.zeros(frames * self.config.frame_samples, dtype=np.float32))
+        session.cancel()
 
     def rnnt_transcriber(self):
         """A fresh RNNT stream and its incremental transcript (shared by the session and ASR)."""

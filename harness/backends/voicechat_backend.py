@@ -313,6 +313,22 @@ class VoiceChatBackend(Backend):
             self._record_intermediates(run, wave, states, len(session.text_ids))
         return run
 
+    def asr_frame_ms(self, audio: np.ndarray, *, chunk_samples: int = 1280) -> list[float]:
+        """Wall milliseconds of each `step` of a streaming ASR session fed `chunk_samples` at a time
+        (transcript only: log-mel, cache-aware conformer, RNNT), each push's text on the host."""
+        from voicechat.audio_input import load_audio
+
+        model = self._require()
+        wave = load_audio(audio, model.config.input_sample_rate, allow_empty=False)
+        session = model.create_asr_session()
+        times = []
+        for start in range(0, wave.size - chunk_samples + 1, chunk_samples):
+            t0 = time.perf_counter()
+            session.step(wave[start:start + chunk_samples])
+            times.append((time.perf_counter() - t0) * 1000.0)
+        session.finish()
+        return times
+
     def _record_intermediates(self, run: StreamRun, wave: np.ndarray, states: dict, frames: int) -> None:
         """Replay the session's perception pushes to record the streamed mel / encoder frames."""
         from voicechat.audio.conformer import ConformerStream
