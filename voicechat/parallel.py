@@ -48,14 +48,24 @@ def _parse(value, where: str) -> int:
     return n
 
 
+_default_cache: tuple | None = None  # (env value, device, result): asked several times per layer
+
+
 def default_cpu_streams() -> int:
     """2 on a CPU device with >= 2 cores, 1 otherwise (or `VOICECHAT_CPU_STREAMS`)."""
+    global _default_cache
     env = os.environ.get(ENV_VAR)
+    device = mx.default_device()
+    if _default_cache is not None and _default_cache[0] == env and _default_cache[1] == device:
+        return _default_cache[2]
     if env is not None and env != "":
-        return _parse(env, ENV_VAR)
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return 1
-    return 2 if (os.cpu_count() or 1) >= 2 else 1
+        n = _parse(env, ENV_VAR)
+    elif device.type != mx.DeviceType.cpu:
+        n = 1
+    else:
+        n = 2 if (os.cpu_count() or 1) >= 2 else 1
+    _default_cache = (env, device, n)
+    return n
 
 
 def cpu_streams() -> int:
