@@ -104,6 +104,7 @@ def checkpoint_info(spec: str, folder: Path) -> dict:
 def environment(checkpoints: list[dict] | None = None, *, date: datetime | None = None) -> dict:
     import mlx.core as mx
 
+    from voicechat.compiled import compile_enabled
     from voicechat.parallel import cpu_streams
 
     date = date or datetime.now(timezone.utc)
@@ -127,7 +128,8 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "mlx": {"version": getattr(mx, "__version__", None), "default_device": str(mx.default_device()),
-                "metal_available": metal, "voicechat_cpu_streams": cpu_streams()},
+                "metal_available": metal, "voicechat_cpu_streams": cpu_streams(),
+                "voicechat_compile": compile_enabled()},
         "packages": package_versions(),
         "git_revision": git_revision(),
         "checkpoints": checkpoints or [],

@@ -167,3 +167,46 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav):
     assert one[0] == two[0] and one[1] == two[1]
     for a, b in zip(one[2:], two[2:]):
         assert a.shape == b.shape and np.array_equal(a, b)
+
+
+# -- compiled pieces (voicechat.compiled)
+
+
+def test_compile_flag_validation(monkeypatch):
+    from voicechat import compiled
+
+    monkeypatch.setenv(compiled.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="VOICECHAT_COMPILE must be 0 or 1, got 'yes'"):
+        compiled.compile_enabled()
+    monkeypatch.setenv(compiled.ENV_VAR, "0")
+    assert compiled.compile_enabled() is False
+    with pytest.raises(TypeError, match="set_compile expects True, False or None"):
+        compiled.set_compile("on")
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams):
+    """Mamba step core, conformer feed-forward halves and the TTS post-attention block, compiled
+    vs not: the streamed session's ids, codes and audio are bit-identical, and offline too."""
+    from voicechat import compiled
+
+    model = voicechat.load(tiny_ckpt)
+    audio = question_wav[: 1280 * 12]
+    runs = {}
+    parallel.set_cpu_streams(streams)
+    try:
+        for enabled in (False, True):
+            compiled.set_compile(enabled)
+            s = model.create_streaming_session()
+            events = s.push_audio(audio) + s.flush()
+            pcm = np.concatenate([e.samples for e in events if e.kind in ("audio", "audio_tail")])
+            codes = np.stack([e.audio_codes for e in events if e.kind == "audio"])
+            runs[enabled] = (s.text_ids, s.function_ids, codes, pcm, np.array(model.generate(audio).audio))
+    finally:
+        compiled.set_compile(None)
+        parallel.set_cpu_streams(None)
+    plain, fused = runs[False], runs[True]
+    assert plain[0] == fused[0] and plain[1] == fused[1]
+    for a, b in zip(plain[2:], fused[2:]):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    assert any(is_compiled for (_, is_compiled) in compiled._compiled)  # compiled pieces were built

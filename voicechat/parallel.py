@@ -158,6 +158,13 @@ class FastLinear(nn.Linear):
             return mx.addmm(part["bias"], x, part["weight"].T, stream=stream)
         return mx.matmul(x, part["weight"].T, stream=stream)
 
+    def unsplit_weights(self, x) -> dict | None:
+        """The weights a call on `x` would use, or None when the call would split across streams
+        (callers that fuse the product into a compiled piece must then call the layer)."""
+        if self.__dict__.get("_split", False) and secondary_stream() is not None:
+            return None
+        return self._weights(x)
+
     def __call__(self, x):
         weights = self._weights(x)
         stream = secondary_stream() if self.__dict__.get("_split", False) else None

@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
+from ..compiled import layer_norm, layer_weights, linear, norm_params, piece
 from ..constants import derived
 from .mel import as_waveform, log_mel
 
@@ -146,6 +147,13 @@ def _step_index_and_mask(n_heads: int, n: int, lc: int, left: int) -> tuple[mx.a
     idx = np.broadcast_to(np.clip(dist, 0, left)[None], (n_heads, n, lc + n)).astype(np.int32)
     mask = np.where(allowed, np.float32(0.0), np.float32(_MASK_VALUE)).astype(np.float32)
     return mx.array(idx), mx.array(mask)
+
+
+def _feed_forward_core(eps, x, norms, weights):
+    """The compiled piece of `ConformerLayer._feed_forward` (the same operations)."""
+    h = nn.silu(linear(layer_norm(x, norms[0], eps[0]), weights[0]))
+    y = x + 0.5 * linear(h, weights[1])
+    return layer_norm(y, norms[1], eps[1]) if len(norms) > 1 else y
 
 
 class FeedForward(nn.Module):
@@ -304,16 +312,33 @@ class ConformerLayer(nn.Module):
         return self.norm_out(x)
 
     def step(self, x, k_cache, v_cache, conv_cache, pos_proj, left):
-        """Streaming block; returns (out, new_k_cache, new_v_cache, new_conv_cache)."""
-        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        """Streaming block; returns (out, new_k_cache, new_v_cache, new_conv_cache).
+
+        The two feed-forward halves (with their norms, residuals and the output norm) have
+        fixed shapes and run as compiled pieces (voicechat.compiled) when their layers do not
+        split across streams; same operations either way."""
+        x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
         att, keys, values = self.self_attn.step(self.norm_self_att(x), k_cache, v_cache, pos_proj, left)
         x = x + att
         din = mx.concatenate([conv_cache, self.conv.glu_input(self.norm_conv(x))])
         x = x + self.conv.finish(self.conv.depthwise(din))
-        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
-        return self.norm_out(x), keys[keep:], values[max(0, values.shape[0] - left):], \
+        return x, keys[keep:], values[max(0, values.shape[0] - left):], \
             din[din.shape[0] - (self.conv.kernel - 1) :]
+
+    @staticmethod
+    def _feed_forward(x, norm, ff, out_norm):
+        """x + 0.5 ff(norm(x)), then out_norm if given."""
+        weights = layer_weights((ff.linear1, ff.linear2), x)
+        if weights is None:
+            y = x + 0.5 * ff(norm(x))
+            return out_norm(y) if out_norm is not None else y
+        norms = [norm_params(norm)] + ([norm_params(out_norm)] if out_norm is not None else [])
+        eps = (norm.eps, out_norm.eps if out_norm is not None else None)
+        key = ("conformer_ff", eps, tuple(tuple(sorted(n)) for n in norms), tuple(tuple(sorted(w)) for w in weights))
+        core = piece(key, lambda: functools.partial(_feed_forward_core, eps))
+        return core(x, norms, weights)
 
 
 # --------------------------------------------------------------------------- encoder

@@ -19,12 +19,14 @@ promote to float32 in MLX); the SSM state is always float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from ..compiled import piece
 from ..constants import derived
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
@@ -225,6 +227,41 @@ class NemotronHState:
 # --------------------------------------------------------------------------- mixers
 
 
+def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, norm_w, *taps_and_bias):
+    """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
+    recurrence, the gated grouped RMSNorm. The same operations, in the same order, as the
+    sequence path's pieces (`_project`, `_gated_norm_out`). -> (u, new conv state, new SSM state)."""
+    (pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max,
+     has_bias, conv_dtype) = dims
+    taps = taps_and_bias[:k]
+    conv_bias = taps_and_bias[k] if has_bias else None
+    z = zxbcdt[..., pad : pad + d_inner]
+    xbc = zxbcdt[..., pad + d_inner : pad + d_inner + conv_dim]
+    dt = zxbcdt[..., pad + d_inner + conv_dim :]
+    padded = mx.concatenate([conv_state.astype(xbc.dtype), xbc], axis=1)
+    new_conv = padded[:, -(k - 1) :, :].astype(conv_state.dtype)
+    out = padded[:, 0:1, :] * taps[0]
+    for j in range(1, k):
+        out = out + padded[:, j : j + 1, :] * taps[j]
+    if conv_bias is not None:
+        out = out + conv_bias
+    xbc = nn.silu(out)
+    gs = groups * state_size
+    x_h = xbc[..., :d_inner].reshape(1, 1, heads, head_dim)[:, 0]  # (1, H, P)
+    b = xbc[..., d_inner : d_inner + gs].reshape(1, 1, groups, state_size)
+    c = xbc[..., d_inner + gs :].reshape(1, 1, groups, state_size)
+    b_h = mx.repeat(b[:, 0], heads // groups, axis=1)  # (1, H, N): group g serves contiguous heads
+    c_h = mx.repeat(c[:, 0], heads // groups, axis=1)
+    dt = mx.clip(nn.softplus(dt + dt_bias), dt_min, dt_max)[:, 0]  # (1, H)
+    decay = mx.exp(dt * a)[:, :, None, None]
+    ssm = decay * ssm_state + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
+    y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
+    y = y + d_col * x_h
+    u = y.reshape(1, 1, d_inner) * nn.silu(z)
+    u = mx.fast.rms_norm(u.reshape(1, 1, groups, d_inner // groups), None, eps).reshape(1, 1, d_inner)
+    return u * norm_w, new_conv, ssm
+
+
 class Mamba2Mixer(nn.Module):
     """Mamba-2 selective SSM mixer (§7.2)."""
 
@@ -306,18 +343,33 @@ class Mamba2Mixer(nn.Module):
     # -- the two paths
 
     def step(self, x: mx.array, state: MambaLayerState) -> mx.array:
-        """One position (1, 1, hidden) through the plain recurrence."""
-        z, x_ssm, b, c, dt, a = self._project(x, state)
-        x_h = x_ssm[:, 0]  # (1, H, P)
-        b_h = self._heads_of_groups(b[:, 0], axis=1)  # (1, H, N)
-        c_h = self._heads_of_groups(c[:, 0], axis=1)
-        dt = dt[:, 0]  # (1, H)
-        decay = mx.exp(dt * a)[:, :, None, None]
-        ssm = decay * state.ssm + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
-        state.ssm = ssm
-        y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
-        y = y + derived(self, "D_column", (self.D,), lambda d: d.astype(mx.float32)[:, None]) * x_h
-        return self._gated_norm_out(y.reshape(1, 1, self.d_inner), z)
+        """One position (1, 1, hidden) through the plain recurrence.
+
+        Everything between in_proj and out_proj is `_step_core`, one fixed-shape
+        function of arrays (compiled, see voicechat.compiled)."""
+        zxbcdt = self.in_proj(x).astype(mx.float32)
+        self._check_in_proj(zxbcdt)
+        conv = self.conv1d
+        params = (conv.weight, conv.bias) if "bias" in conv else (conv.weight,)
+        taps, conv_bias = derived(conv, "taps_core", params, lambda *p: conv._taps(mx.float32, *p))
+        dt_bias, a = derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
+                             lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+        d_col = derived(self, "D_column", (self.D,), lambda d: d.astype(mx.float32)[:, None])
+        norm_w = derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
+        dims = (zxbcdt.shape[-1] - self.proj_width, self.d_inner, self.conv_dim, self.conv_kernel,
+                self.num_heads, self.head_dim, self.n_groups, self.state_size, self.eps,
+                self.dt_min, self.dt_max, conv_bias is not None, str(state.conv.dtype))
+        core = piece(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
+        extra = (conv_bias,) if conv_bias is not None else ()
+        u, state.conv, state.ssm = core(zxbcdt, state.conv, state.ssm, dt_bias, a, d_col, norm_w, *taps, *extra)
+        return self.out_proj(u).astype(mx.float32)
+
+    def _check_in_proj(self, zxbcdt: mx.array) -> None:
+        if zxbcdt.shape[-1] < self.proj_width:
+            raise ValueError(
+                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
+                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
+            )
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
         """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""

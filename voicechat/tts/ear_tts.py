@@ -35,6 +35,7 @@ switches all of them on for a parity run (codes then equal the reference's):
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from .layers import (
     one_plus_scale,
 )
 from .rng import SessionRandom
+from ..compiled import layer_weights, linear, piece
 from ..constants import derived
 from ..parallel import split_rows
 
@@ -335,10 +337,25 @@ class BackboneRMSNorm(nn.Module):
         self.weight = mx.zeros((dims,))
         self.eps = eps
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def scale(self) -> mx.array:
+        """The float32 1 + w, made once per weight and BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE."""
         flag = BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE  # read at call time (reference_numerics)
-        scale = derived(self, f"scale_{flag}", (self.weight,), lambda w: one_plus_scale(w, flag))
-        return one_plus_rms_norm(x, self.weight, self.eps, one_plus_in_weight_dtype=flag, scale=scale)
+        return derived(self, f"scale_{flag}", (self.weight,), lambda w: one_plus_scale(w, flag))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return one_plus_rms_norm(x, self.weight, self.eps, scale=self.scale())
+
+
+def _post_attention_core(eps, x, attn, scales, weights):
+    """BackboneLayer after the attention (the same operations as the uncompiled path):
+    h = x + norm(attn); h + norm(down(gelu_tanh(gate(norm(h))) * up(norm(h))))."""
+    def norm(v, i):
+        return mx.fast.rms_norm(v.astype(mx.float32), scales[i], eps[i]).astype(v.dtype)
+
+    h = x + norm(attn, 0)
+    u = norm(h, 1)
+    y = linear(nn.gelu_approx(linear(u, weights[0])) * linear(u, weights[1]), weights[2])
+    return h + norm(y, 2)
 
 
 class BackboneAttention(nn.Module):
@@ -389,8 +406,19 @@ class BackboneLayer(nn.Module):
         self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
 
     def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), state))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        attn = self.self_attn(self.input_layernorm(x), state)
+        mlp = self.mlp
+        weights = layer_weights((mlp.gate_proj, mlp.up_proj, mlp.down_proj), x)
+        if weights is None:  # a product splits across streams: the layers run it
+            h = x + self.post_attention_layernorm(attn)
+            return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
+        # Fixed shapes from here on: one compiled piece (voicechat.compiled), same operations.
+        norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+        scales = [n.scale() for n in norms]
+        eps = tuple(n.eps for n in norms)
+        core = piece(("tts_post_attention", eps, tuple(tuple(sorted(w)) for w in weights)),
+                     lambda: functools.partial(_post_attention_core, eps))
+        return core(x, attn, scales, weights)
 
 
 class EarTtsBackbone(nn.Module):

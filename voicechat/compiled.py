@@ -1,0 +1,92 @@
+"""Fixed-shape pieces of a frame compiled with `mx.compile` (fused elementwise kernels).
+
+On MLX's CPU backend every operation is dispatched on its own, and the "fast"
+ops (rms_norm, rope, attention) run as their compositions of primitive ops, so
+a frame at small widths costs thousands of dispatches. `mx.compile` fuses
+chains of elementwise operations into one generated kernel each. The pieces
+compiled here are pure functions of arrays (parameters are passed in, never
+captured, so replaced weights are always seen), their results are bit-identical
+to the uncompiled functions (tested: fusion does not change the float32 operation
+sequence), and one compiled function serves every layer with the same static
+dimensions.
+
+`VOICECHAT_COMPILE=0` (or `set_compile(False)`) runs them uncompiled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import mlx.core as mx
+
+ENV_VAR = "VOICECHAT_COMPILE"
+
+_override: bool | None = None
+_compiled: dict = {}
+
+
+def compile_enabled() -> bool:
+    """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off)."""
+    if _override is not None:
+        return _override
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env in ("", "1"):
+        return True
+    if env == "0":
+        return False
+    raise ValueError(f"{ENV_VAR} must be 0 or 1, got {env!r}")
+
+
+def set_compile(enabled: bool | None) -> None:
+    """Force compiled (True) or uncompiled (False) pieces for this process; None restores the default."""
+    global _override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_compile expects True, False or None, got {enabled!r}")
+    _override = enabled
+
+
+def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
+    """The function `make()` builds for `key` (static dimensions), compiled when enabled.
+
+    Both versions are cached per key, so a layer stack shares one trace."""
+    compiled = compile_enabled()
+    entry = _compiled.get((key, compiled))
+    if entry is None:
+        fn = make()
+        entry = mx.compile(fn) if compiled else fn
+        _compiled[(key, compiled)] = entry
+    return entry
+
+
+def linear(x: mx.array, w: dict) -> mx.array:
+    """x @ W.T (+ b), the same operations `FastLinear` runs for the weights dict `w`."""
+    if "bias" in w:
+        return mx.addmm(w["bias"], x, w["weight"].T)
+    return mx.matmul(x, w["weight"].T)
+
+
+def layer_weights(layers, x: mx.array) -> list[dict] | None:
+    """Each FastLinear's weights for input `x`, or None if any of them would split across
+    streams now (or is not a FastLinear): the caller then runs its uncompiled path."""
+    out = []
+    for layer in layers:
+        get = getattr(layer, "unsplit_weights", None)
+        w = get(x) if get is not None else None
+        if w is None:
+            return None
+        out.append(w)
+    return out
+
+
+def norm_params(norm) -> dict:
+    """weight / bias of an nn.LayerNorm as `mx.fast.layer_norm` receives them."""
+    return {k: norm[k] for k in ("weight", "bias") if k in norm}
+
+
+def layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
+    return mx.fast.layer_norm(x, p.get("weight"), p.get("bias"), eps)
+
+
+__all__ = ["ENV_VAR", "compile_enabled", "set_compile", "piece", "linear", "layer_weights", "norm_params",
+           "layer_norm"]
