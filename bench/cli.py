@@ -6,7 +6,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-BACKENDS = ("voicechat", "mlx-vlm")
+BACKENDS = ("voicechat", "voicechat-serial", "mlx-vlm")
 
 EPILOG = """examples:
   voicechat bench -m synthetic:small:4 -m synthetic:small:8 --audio question.wav \\
@@ -30,7 +30,8 @@ def add_bench_parser(subparsers) -> None:
                    help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (repeatable)")
     p.add_argument("--audio", action="append", default=[], metavar="WAV", help="16 kHz mono input (repeatable)")
     p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
-                   help="implementation to run (repeatable; default voicechat); mlx-vlm needs the peers extra")
+                   help="implementation to run (repeatable; default voicechat); voicechat-serial = this project on one "
+                        "CPU stream, nothing compiled; mlx-vlm needs the peers extra")
     p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")
     p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)")

@@ -210,3 +210,28 @@ def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams):
     for a, b in zip(plain[2:], fused[2:]):
         assert a.shape == b.shape and np.array_equal(a, b)
     assert any(is_compiled for (_, is_compiled) in compiled._compiled)  # compiled pieces were built
+
+
+def test_serial_backend_matches_and_restores_settings(tiny_ckpt, question_wav):
+    """The benchmark's `voicechat-serial` backend (one stream, nothing compiled) gives the same
+    streamed ids, codes and audio as `voicechat`, and leaves the process settings as it found them."""
+    from harness.backends import get_backend
+    from voicechat import compiled
+
+    audio = question_wav[: 1280 * 8]
+    parallel.set_cpu_streams(2)
+    compiled.set_compile(True)
+    try:
+        runs = {}
+        for name in ("voicechat", "voicechat-serial"):
+            backend = get_backend(name)
+            backend.load(str(tiny_ckpt))
+            runs[name] = backend.stream(audio, profile=True)
+            assert backend.asr_frame_ms(audio)  # per-step times, one per whole frame
+            assert parallel.cpu_streams() == 2 and compiled.compile_enabled() is True
+    finally:
+        parallel.set_cpu_streams(None)
+        compiled.set_compile(None)
+    a, b = runs["voicechat"], runs["voicechat-serial"]
+    assert np.array_equal(a.text_ids, b.text_ids) and np.array_equal(a.codes, b.codes)
+    assert np.array_equal(a.audio, b.audio)

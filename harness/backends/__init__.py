@@ -8,11 +8,15 @@ def get_backend(name: str) -> "Backend":
         from .voicechat_backend import VoiceChatBackend
 
         return VoiceChatBackend()
+    if name == "voicechat-serial":
+        from .voicechat_backend import SerialVoiceChatBackend
+
+        return SerialVoiceChatBackend()
     if name == "mlx-vlm":
         from .mlx_vlm_backend import MlxVlmBackend
 
         return MlxVlmBackend()
-    raise ValueError(f"unknown backend {name!r}; expected 'voicechat' or 'mlx-vlm'")
+    raise ValueError(f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial' or 'mlx-vlm'")
 
 
 __all__ = ["Backend", "OfflineRun", "StreamRun", "get_backend"]

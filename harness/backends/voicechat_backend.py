@@ -492,3 +492,39 @@ def _state_diff(replay: dict, session: dict) -> float:
 
 
 __all__ = ["VoiceChatBackend"]
+
+
+class SerialVoiceChatBackend(VoiceChatBackend):
+    """This project on one CPU stream with nothing compiled (`voicechat-serial`): the benchmark
+    runs it beside `voicechat` to measure what the two-stream split and the compiled pieces give
+    (voicechat.parallel, voicechat.compiled). Results are bit-identical to `voicechat`."""
+
+    name = "voicechat-serial"
+
+    @contextlib.contextmanager
+    def _serial(self):
+        from voicechat import compiled, parallel
+
+        saved = (parallel._override, compiled._override)
+        parallel.set_cpu_streams(1)
+        compiled.set_compile(False)
+        try:
+            yield
+        finally:
+            parallel._override, compiled._override = saved
+
+    def load(self, checkpoint: str):
+        with self._serial():
+            return super().load(checkpoint)
+
+    def stream(self, *args, **kwargs):
+        with self._serial():
+            return super().stream(*args, **kwargs)
+
+    def offline(self, *args, **kwargs):
+        with self._serial():
+            return super().offline(*args, **kwargs)
+
+    def asr_frame_ms(self, *args, **kwargs):
+        with self._serial():
+            return super().asr_frame_ms(*args, **kwargs)

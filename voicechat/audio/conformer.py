@@ -149,6 +149,31 @@ def _step_index_and_mask(n_heads: int, n: int, lc: int, left: int) -> tuple[mx.a
     return mx.array(idx), mx.array(mask)
 
 
+def _depthwise(din, taps, bias):
+    n = din.shape[0] - len(taps) + 1
+    out = din[0:n] * taps[0]
+    for j in range(1, len(taps)):
+        out = out + din[j : j + n] * taps[j]
+    return out + bias if bias is not None else out
+
+
+def _pointwise(x, p):
+    y = x @ p["weight"].T
+    return y + p["bias"] if "bias" in p else y
+
+
+def _glu_core(eps, x, norms, p1):
+    """GLU(pointwise_conv1(norm_conv(x))) (the same operations as ConvModule.glu_input)."""
+    a, b = mx.split(_pointwise(layer_norm(x, norms[0], eps[0]), p1), 2, axis=-1)
+    return a * mx.sigmoid(b)
+
+
+def _conv_out_core(eps, x, din, taps, bias, norms, p2):
+    """x + pointwise_conv2(silu(norm(depthwise(din)))) (the same operations as the module)."""
+    dw = _depthwise(din, taps, bias[0] if bias else None)
+    return x + _pointwise(nn.silu(layer_norm(dw, norms[1], eps[1])), p2)
+
+
 def _feed_forward_core(eps, x, norms, weights):
     """The compiled piece of `ConformerLayer._feed_forward` (the same operations)."""
     h = nn.silu(linear(layer_norm(x, norms[0], eps[0]), weights[0]))
@@ -263,6 +288,20 @@ class ConvModule(nn.Module):
         y = x @ conv.weight[:, 0, :].T
         return y + conv.bias if "bias" in conv else y
 
+    def pointwise_weights(self) -> tuple[dict, dict]:
+        """{"weight": (O, I) matrix, "bias"?} of the two 1x1 convs as stored (views, no copy)."""
+        def weights(conv):
+            return derived(conv, "pointwise", (conv.weight,) + ((conv.bias,) if "bias" in conv else ()),
+                           lambda w, *b: {"weight": w[:, 0, :], **({"bias": b[0]} if b else {})})
+
+        return weights(self.pointwise_conv1), weights(self.pointwise_conv2)
+
+    def taps(self) -> tuple[list, mx.array | None]:
+        """The depthwise taps (kernel x (d,) float32) and the bias (or None)."""
+        w = derived(self, "depthwise_taps", (self.depthwise_conv.weight,),
+                    lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)])
+        return w, (self.depthwise_conv.bias if "bias" in self.depthwise_conv else None)
+
     def glu_input(self, xn: mx.array) -> mx.array:
         """GLU(pointwise_conv1(xn)): the depthwise conv's input, (n, d)."""
         a, b = mx.split(self._pointwise(self.pointwise_conv1, xn), 2, axis=-1)
@@ -270,15 +309,8 @@ class ConvModule(nn.Module):
 
     def depthwise(self, din: mx.array) -> mx.array:
         """Valid depthwise conv over time: (L, d) -> (L - kernel + 1, d), fixed tap order."""
-        w = derived(self, "depthwise_taps", (self.depthwise_conv.weight,),
-                    lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)])  # kernel x (d,)
-        n = din.shape[0] - self.kernel + 1
-        out = din[0:n] * w[0]
-        for j in range(1, self.kernel):
-            out = out + din[j : j + n] * w[j]
-        if "bias" in self.depthwise_conv:
-            out = out + self.depthwise_conv.bias
-        return out
+        w, bias = self.taps()
+        return _depthwise(din, w, bias)
 
     def finish(self, dw: mx.array) -> mx.array:
         return self._pointwise(self.pointwise_conv2, nn.silu(self.batch_norm(dw)))
@@ -320,8 +352,17 @@ class ConformerLayer(nn.Module):
         x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
         att, keys, values = self.self_attn.step(self.norm_self_att(x), k_cache, v_cache, pos_proj, left)
         x = x + att
-        din = mx.concatenate([conv_cache, self.conv.glu_input(self.norm_conv(x))])
-        x = x + self.conv.finish(self.conv.depthwise(din))
+        conv = self.conv
+        p1, p2 = conv.pointwise_weights()
+        norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
+        eps = (self.norm_conv.eps, conv.batch_norm.eps)
+        key = (eps, tuple(tuple(sorted(n)) for n in norms), tuple(sorted(p1)), tuple(sorted(p2)))
+        glu = piece(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
+        din = mx.concatenate([conv_cache, glu(x, norms, p1)])
+        taps, bias = conv.taps()
+        finish = piece(("conformer_conv_out", conv.kernel, bias is not None) + key,
+                       lambda: functools.partial(_conv_out_core, eps))
+        x = finish(x, din, taps, [] if bias is None else [bias], norms, p2)
         x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
         return x, keys[keep:], values[max(0, values.shape[0] - left):], \
@@ -460,9 +501,18 @@ class ConformerStream:
         self.refresh_constants()
 
     def refresh_constants(self) -> None:
-        left = self.encoder.left_context
-        pe = relative_positional_encoding(mx.arange(left + 1, dtype=mx.float32), self.cfg.d_model)
-        self.pos_proj = [layer.self_attn.positional_projection(pe) for layer in self.encoder.layers]
+        """Per layer Wpos . pe for distances 0..left: made once per weights and shared by every
+        stream of the model (voicechat.constants), so creating a session does not project again."""
+        left, d = self.encoder.left_context, self.cfg.d_model
+
+        def projection(attn):
+            def make(_weight):
+                pe = relative_positional_encoding(mx.arange(left + 1, dtype=mx.float32), d)
+                return attn.positional_projection(pe)
+
+            return derived(attn, f"pos_proj_{left}", (attn.linear_pos.weight,), make)
+
+        self.pos_proj = [projection(layer.self_attn) for layer in self.encoder.layers]
         mx.eval(self.pos_proj)
 
     def reset(self) -> None:

@@ -346,6 +346,35 @@ class BackboneRMSNorm(nn.Module):
         return one_plus_rms_norm(x, self.weight, self.eps, scale=self.scale())
 
 
+def _qkv_core(dims, x, scales, weights, offset):
+    """BackboneAttention up to the cache (the same operations as the uncompiled path):
+    q / k / v projections, the q / k norms ("1 + w"), RoPE at `offset` (int32 scalar array)."""
+    heads, kv_heads, head_dim, base, q_eps, k_eps, _ = dims
+    b, n, _ = x.shape
+
+    def norm(t, i, eps):
+        return mx.fast.rms_norm(t.astype(mx.float32), scales[i], eps).astype(t.dtype)
+
+    q = norm(linear(x, weights[0]).reshape(b, n, heads, head_dim), 0, q_eps).transpose(0, 2, 1, 3)
+    k = norm(linear(x, weights[1]).reshape(b, n, kv_heads, head_dim), 1, k_eps).transpose(0, 2, 1, 3)
+    v = linear(x, weights[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    q = mx.fast.rope(q, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
+    k = mx.fast.rope(k, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
+    return q, k, v
+
+
+def _mog_trunk_core(eps, x, scales, weights):
+    """MogHead.trunk (the same operations): per block x + norm(mlp(norm(x))), then the final norm."""
+    def norm(v, i):
+        return mx.fast.rms_norm(v.astype(mx.float32), scales[i], eps[i]).astype(v.dtype)
+
+    for blk in range(len(weights)):
+        w = weights[blk]
+        u = norm(x, 2 * blk)
+        x = x + norm(linear(nn.gelu_approx(linear(u, w[0])) * linear(u, w[1]), w[2]), 2 * blk + 1)
+    return norm(x, len(scales) - 1)
+
+
 def _post_attention_core(eps, x, attn, scales, weights):
     """BackboneLayer after the attention (the same operations as the uncompiled path):
     h = x + norm(attn); h + norm(down(gelu_tanh(gate(norm(h))) * up(norm(h))))."""
@@ -380,11 +409,22 @@ class BackboneAttention(nn.Module):
     def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
         b, n, _ = x.shape
         offset = 0 if state is None else state.offset
-        q = self.q_norm(self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        weights = layer_weights((self.q_proj, self.k_proj, self.v_proj), x)
+        if weights is None:  # a product splits across streams: the layers run it
+            q = self.q_norm(self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
+            k = self.k_norm(self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+            v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+            q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+            k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        else:  # the same operations as one compiled piece; the offset is an input (no retrace per step)
+            dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base, self.q_norm.eps,
+                    self.k_norm.eps, tuple(tuple(sorted(w)) for w in weights))
+            core = piece(("tts_qkv",) + dims, lambda: functools.partial(_qkv_core, dims))
+            q, k, v = core(x, [self.q_norm.scale(), self.k_norm.scale()], weights, mx.array(offset, dtype=mx.int32))
+        return self.attend(q, k, v, state, b, n)
+
+    def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
+        """Cache update, attention and o_proj for roped q (B, H, n, D), k, v (B, KV, n, D)."""
         if state is None:
             keys, values = k, v
             mask = attention_mask(0, n, 0, self.window) if n > 1 else None
@@ -501,9 +541,17 @@ class MogHead(nn.Module):
         self.min_log_std = float(m.min_log_std)
 
     def trunk(self, x: mx.array) -> mx.array:
-        for block in self.mlp_stack:
-            x = block(x)
-        return x
+        blocks, final = self.mlp_stack[:-1], self.mlp_stack[-1]
+        weights = [layer_weights((b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj), x) for b in blocks]
+        if any(w is None for w in weights):  # a product splits across streams: the layers run it
+            for block in self.mlp_stack:
+                x = block(x)
+            return x
+        norms = [n for b in blocks for n in (b.pre_norm, b.post_norm)] + [final]
+        eps = tuple(n.eps for n in norms)
+        core = piece(("mog_trunk", eps, tuple(tuple(sorted(w)) for ws in weights for w in ws)),
+                     lambda: functools.partial(_mog_trunk_core, eps))
+        return core(x, [n.scale() for n in norms], weights)
 
     def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float) -> mx.array:
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform

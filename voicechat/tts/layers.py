@@ -39,9 +39,12 @@ class OnePlusRMSNorm(nn.Module):
         self.weight = mx.zeros((dims,))  # 1 + 0: identity scale at init
         self.eps = eps
 
+    def scale(self) -> mx.array:
+        """The float32 1 + w, made once per weight."""
+        return derived(self, "scale", (self.weight,), one_plus_scale)
+
     def __call__(self, x: mx.array) -> mx.array:
-        scale = derived(self, "scale", (self.weight,), one_plus_scale)
-        return one_plus_rms_norm(x, self.weight, self.eps, scale=scale)
+        return one_plus_rms_norm(x, self.weight, self.eps, scale=self.scale())
 
 
 class GeluGatedMLP(nn.Module):
