@@ -268,7 +268,6 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     env, summary, runs, floor = d["env"], d["summary"], d["runs"], d["floor"]
     method = env["method"]
     h = "#" * level
-    ckinfo = {c["spec"]: c for c in env["checkpoints"]}
     out: list[str] = []
     date = env.get("date", "n/a")
     out.append(f"{h} {title or 'VoiceChat MLX benchmark'}: {date[:10]}")

@@ -15,6 +15,8 @@ dimensions.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Callable
 
@@ -46,6 +48,18 @@ def set_compile(enabled: bool | None) -> None:
     _override = enabled
 
 
+@contextlib.contextmanager
+def compile_set(enabled: bool | None):
+    """`set_compile(enabled)` inside a with-block; the previous setting (default or forced) after."""
+    global _override
+    saved = _override
+    set_compile(enabled)
+    try:
+        yield
+    finally:
+        _override = saved
+
+
 def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
     """The function `make()` builds for `key` (static dimensions), compiled when enabled.
 
@@ -59,11 +73,10 @@ def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
     return entry
 
 
-def linear(x: mx.array, w: dict) -> mx.array:
-    """x @ W.T (+ b), the same operations `FastLinear` runs for the weights dict `w`."""
-    if "bias" in w:
-        return mx.addmm(w["bias"], x, w["weight"].T)
-    return mx.matmul(x, w["weight"].T)
+def structure(trees) -> tuple:
+    """The key sets of a list of dicts (e.g. which layers have a bias): part of a piece's key,
+    since the compiled trace depends on them."""
+    return tuple(tuple(sorted(t)) for t in trees)
 
 
 def layer_weights(layers, x: mx.array) -> list[dict] | None:
@@ -79,6 +92,18 @@ def layer_weights(layers, x: mx.array) -> list[dict] | None:
     return out
 
 
+def linear_piece(name: str, fn: Callable, static: tuple, layers, x: mx.array, *arrays):
+    """fn(static, x, *arrays, ws) for a piece around linear layers (`ws[i]` is applied with
+    `voicechat.parallel.apply`): compiled over the layers' weight dicts, or, when one of them
+    would split across streams now, run uncompiled over the layers themselves. One definition
+    of the piece serves both; `static` (hashable) holds its dimensions and epsilons."""
+    weights = layer_weights(layers, x)
+    if weights is None:
+        return fn(static, x, *arrays, list(layers))
+    core = piece((name, static, structure(weights)), lambda: functools.partial(fn, static))
+    return core(x, *arrays, weights)
+
+
 def norm_params(norm) -> dict:
     """weight / bias of an nn.LayerNorm as `mx.fast.layer_norm` receives them."""
     return {k: norm[k] for k in ("weight", "bias") if k in norm}
@@ -88,5 +113,5 @@ def layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
     return mx.fast.layer_norm(x, p.get("weight"), p.get("bias"), eps)
 
 
-__all__ = ["ENV_VAR", "compile_enabled", "set_compile", "piece", "linear", "layer_weights", "norm_params",
-           "layer_norm"]
+__all__ = ["ENV_VAR", "compile_enabled", "set_compile", "compile_set", "piece", "structure", "layer_weights",
+           "linear_piece", "norm_params", "layer_norm"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import mlx.core as mx
 import mlx.nn as nn
 
 
@@ -32,10 +31,4 @@ def derived(module: nn.Module, name: str, params: tuple, fn: Callable[..., objec
     return hit[1]
 
 
-def clear_derived(module: nn.Module) -> None:
-    """Drop every cached value under `module` (they are rebuilt on next use)."""
-    for _, m in module.named_modules():
-        m.__dict__.pop("_derived", None)
-
-
-__all__ = ["derived", "clear_derived"]
+__all__ = ["derived"]

@@ -5,7 +5,7 @@ evaluated on the default stream keeps one core busy however many the machine
 has. A second CPU stream gets a thread of its own. This module splits the
 frame's large products in two halves, one per stream, and joins them:
 
-* `ParallelQuantizedLinear` / `ParallelLinear`: the output rows of a weight in
+* `ParallelQuantizedLinear` / `FastLinear`: the output rows of a weight in
   two halves (views of the stored weight, no copy), `concatenate` of the two
   products. Each output element is the same dot product over the same inputs
   in the same order, so the result is bit-identical to the unsplit layer
@@ -23,11 +23,14 @@ On a GPU device the split is off by default (one GPU serves both streams).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .constants import derived
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
@@ -79,6 +82,18 @@ def set_cpu_streams(n: int | None) -> None:
     _override = None if n is None else _parse(n, "set_cpu_streams(n)")
 
 
+@contextlib.contextmanager
+def cpu_streams_set(n: int | None):
+    """`set_cpu_streams(n)` inside a with-block; the previous setting (default or forced) after."""
+    global _override
+    saved = _override
+    set_cpu_streams(n)
+    try:
+        yield
+    finally:
+        _override = saved
+
+
 def secondary_stream():
     """The second CPU stream of the calling thread, or None when running on one stream."""
     if cpu_streams() < 2:
@@ -90,29 +105,28 @@ def secondary_stream():
     return stream
 
 
-class _WeightViews:
-    """Row views of a layer's weights at `split` (kept off the parameter tree)."""
-
-    def __init__(self, key, parts):
-        self.key = key
-        self.parts = parts
-
-
-def _row_halves(layer: nn.Module, names: tuple[str, ...]) -> tuple[dict, dict]:
-    split = layer["weight"].shape[0] // 2
-    lo = {n: layer[n][:split] for n in names if n in layer}
-    hi = {n: layer[n][split:] for n in names if n in layer}
-    return lo, hi
+def linear(x: mx.array, w: dict, stream=None) -> mx.array:
+    """x @ W.T (+ b) for a weights dict {"weight", "bias"?}: what `FastLinear` runs."""
+    if "bias" in w:
+        return mx.addmm(w["bias"], x, w["weight"].T, stream=stream)
+    return mx.matmul(x, w["weight"].T, stream=stream)
 
 
-def _halves_of(layer: nn.Module, names: tuple[str, ...]):
-    # Rebuilt whenever the weight array is replaced (e.g. `model.update`).
-    key = id(layer["weight"])
-    cached = layer.__dict__.get("_halves")
-    if cached is None or cached.key != key:
-        cached = _WeightViews(key, _row_halves(layer, names))
-        layer.__dict__["_halves"] = cached
-    return cached.parts
+def apply(x: mx.array, w) -> mx.array:
+    """A linear layer on x: `w` is the layer itself (it may split across streams) or the
+    weights dict a compiled piece received for it (`FastLinear.unsplit_weights`)."""
+    return w(x) if isinstance(w, nn.Module) else linear(x, w)
+
+
+def _row_halves(layer: nn.Module, weights: dict) -> tuple[dict, dict]:
+    """Row views of `weights` at half the output rows, made once per weight arrays."""
+    names = tuple(weights)
+
+    def halves(*arrays):
+        split = arrays[0].shape[0] // 2
+        return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
+
+    return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)
 
 
 class ParallelQuantizedLinear(nn.QuantizedLinear):
@@ -130,7 +144,7 @@ class ParallelQuantizedLinear(nn.QuantizedLinear):
         stream = secondary_stream()
         if stream is None:
             return super().__call__(x)
-        lo, hi = _halves_of(self, self._names)
+        lo, hi = _row_halves(self, {n: self[n] for n in self._names if n in self})
         return mx.concatenate([self._half(x, lo, None), self._half(x, hi, stream)], axis=-1)
 
 
@@ -147,16 +161,12 @@ class FastLinear(nn.Linear):
     _names = ("weight", "bias")
 
     def _weights(self, x) -> dict:
-        w = self["weight"]
-        copy = self.__dict__.get("_float32")
-        if copy is not None and copy.key == id(w) and x.dtype == mx.float32:
-            return copy.parts
-        return {n: self[n] for n in self._names if n in self}
-
-    def _product(self, x, part, stream):
-        if "bias" in part:
-            return mx.addmm(part["bias"], x, part["weight"].T, stream=stream)
-        return mx.matmul(x, part["weight"].T, stream=stream)
+        stored = {n: self[n] for n in self._names if n in self}
+        if x.dtype == mx.float32 and self.__dict__.get("_float32_copies") \
+                and stored["weight"].dtype in (mx.bfloat16, mx.float16):
+            return derived(self, "float32", tuple(stored.values()),
+                           lambda *a: {n: v.astype(mx.float32) for n, v in zip(stored, a)})
+        return stored
 
     def unsplit_weights(self, x) -> dict | None:
         """The weights a call on `x` would use, or None when the call would split across streams
@@ -169,11 +179,9 @@ class FastLinear(nn.Linear):
         weights = self._weights(x)
         stream = secondary_stream() if self.__dict__.get("_split", False) else None
         if stream is None:
-            return self._product(x, weights, None)
-        split = weights["weight"].shape[0] // 2
-        lo = {n: a[:split] for n, a in weights.items()}
-        hi = {n: a[split:] for n, a in weights.items()}
-        return mx.concatenate([self._product(x, lo, None), self._product(x, hi, stream)], axis=-1)
+            return linear(x, weights)
+        lo, hi = _row_halves(self, weights)
+        return mx.concatenate([linear(x, lo), linear(x, hi, stream)], axis=-1)
 
 
 def _macs(layer: nn.Module) -> int:
@@ -204,12 +212,9 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
             continue
         layer.__class__ = FastLinear
         layer.__dict__["_split"] = big
-        layer.__dict__.pop("_float32", None)
-        w = layer["weight"]
-        if float32_copies and w.dtype in (mx.bfloat16, mx.float16):
-            parts = {n: layer[n].astype(mx.float32) for n in FastLinear._names if n in layer}
-            mx.eval(parts)
-            layer.__dict__["_float32"] = _WeightViews(id(w), parts)
+        layer.__dict__["_float32_copies"] = float32_copies
+        if float32_copies and layer["weight"].dtype in (mx.bfloat16, mx.float16):
+            mx.eval(layer._weights(mx.zeros((1,), dtype=mx.float32)))  # make the copy now, at load
             copied.append(path)
     return {"split": split, "float32": copied}
 

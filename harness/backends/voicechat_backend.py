@@ -491,9 +491,6 @@ def _state_diff(replay: dict, session: dict) -> float:
     return worst
 
 
-__all__ = ["VoiceChatBackend"]
-
-
 class SerialVoiceChatBackend(VoiceChatBackend):
     """This project on one CPU stream with nothing compiled (`voicechat-serial`): the benchmark
     runs it beside `voicechat` to measure what the two-stream split and the compiled pieces give
@@ -503,15 +500,11 @@ class SerialVoiceChatBackend(VoiceChatBackend):
 
     @contextlib.contextmanager
     def _serial(self):
-        from voicechat import compiled, parallel
+        from voicechat.compiled import compile_set
+        from voicechat.parallel import cpu_streams_set
 
-        saved = (parallel._override, compiled._override)
-        parallel.set_cpu_streams(1)
-        compiled.set_compile(False)
-        try:
+        with cpu_streams_set(1), compile_set(False):
             yield
-        finally:
-            parallel._override, compiled._override = saved
 
     def load(self, checkpoint: str):
         with self._serial():
@@ -528,3 +521,6 @@ class SerialVoiceChatBackend(VoiceChatBackend):
     def asr_frame_ms(self, *args, **kwargs):
         with self._serial():
             return super().asr_frame_ms(*args, **kwargs)
+
+
+__all__ = ["VoiceChatBackend", "SerialVoiceChatBackend"]

@@ -166,16 +166,13 @@ class ConvNeXtBlock(nn.Module):
     def _float32_params(self) -> dict[str, mx.array]:
         """The row-wise part's parameters in float32, converted once per weights (lazily: the
         first use evaluates them) instead of at every call, and by each of the two row halves."""
-        params = (self.norm.weight, self.norm.bias, self.pwconv1.weight, self.pwconv1.bias,
-                  self.pwconv2.weight, self.pwconv2.bias)
-        key = tuple(id(p) for p in params)
-        cached = self.__dict__.get("_f32_params")
-        if cached is None or cached[0] != key:
+        def make(*params):
             nw, nb, w1, b1, w2, b2 = (_f32(p) for p in params)
             # 1x1 conv weights (O, 1, I) as (O, I) matrices.
-            cached = (key, {"norm_w": nw, "norm_b": nb, "w1": w1[:, 0, :], "b1": b1, "w2": w2[:, 0, :], "b2": b2})
-            self.__dict__["_f32_params"] = cached
-        return cached[1]
+            return {"norm_w": nw, "norm_b": nb, "w1": w1[:, 0, :], "b1": b1, "w2": w2[:, 0, :], "b2": b2}
+
+        return derived(self, "float32_params", (self.norm.weight, self.norm.bias, self.pwconv1.weight,
+                                                self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias), make)
 
     def _pointwise_part(self, y: mx.array) -> mx.array:
         p = self._float32_params()

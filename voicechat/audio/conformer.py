@@ -31,8 +31,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
-from ..compiled import layer_norm, layer_weights, linear, norm_params, piece
+from ..compiled import layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
+from ..parallel import apply
 from .mel import as_waveform, log_mel
 
 _MASK_VALUE = -1e30  # additive mask on the position term (architecture.md §5.1)
@@ -158,26 +159,34 @@ def _depthwise(din, taps, bias):
 
 
 def _pointwise(x, p):
+    """1x1 conv as a product; p = {"weight": (O, I) matrix, "bias"?} (ConvModule.pointwise_weights)."""
     y = x @ p["weight"].T
     return y + p["bias"] if "bias" in p else y
 
 
-def _glu_core(eps, x, norms, p1):
-    """GLU(pointwise_conv1(norm_conv(x))) (the same operations as ConvModule.glu_input)."""
-    a, b = mx.split(_pointwise(layer_norm(x, norms[0], eps[0]), p1), 2, axis=-1)
+def _glu(x, p1):
+    """GLU(pointwise_conv1(x)): the depthwise conv's input."""
+    a, b = mx.split(_pointwise(x, p1), 2, axis=-1)
     return a * mx.sigmoid(b)
 
 
+def _glu_core(eps, x, norms, p1):
+    """The streaming piece before the conv cache: GLU(pointwise_conv1(norm_conv(x)))."""
+    return _glu(layer_norm(x, norms[0], eps[0]), p1)
+
+
 def _conv_out_core(eps, x, din, taps, bias, norms, p2):
-    """x + pointwise_conv2(silu(norm(depthwise(din)))) (the same operations as the module)."""
+    """The streaming piece after the conv cache: x + pointwise_conv2(silu(norm(depthwise(din))))."""
     dw = _depthwise(din, taps, bias[0] if bias else None)
     return x + _pointwise(nn.silu(layer_norm(dw, norms[1], eps[1])), p2)
 
 
-def _feed_forward_core(eps, x, norms, weights):
-    """The compiled piece of `ConformerLayer._feed_forward` (the same operations)."""
-    h = nn.silu(linear(layer_norm(x, norms[0], eps[0]), weights[0]))
-    y = x + 0.5 * linear(h, weights[1])
+def _feed_forward_core(static, x, norms, ff):
+    """x + 0.5 linear2(silu(linear1(norm(x)))), then the output norm if `norms` has two entries;
+    static = (norm eps, output norm eps, norm structure)."""
+    eps = static
+    h = nn.silu(apply(layer_norm(x, norms[0], eps[0]), ff[0]))
+    y = x + 0.5 * apply(h, ff[1])
     return layer_norm(y, norms[1], eps[1]) if len(norms) > 1 else y
 
 
@@ -283,11 +292,6 @@ class ConvModule(nn.Module):
         self.batch_norm = nn.LayerNorm(d)  # a LayerNorm despite the name (conv_norm_type)
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=bias)
 
-    @staticmethod
-    def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
-        y = x @ conv.weight[:, 0, :].T
-        return y + conv.bias if "bias" in conv else y
-
     def pointwise_weights(self) -> tuple[dict, dict]:
         """{"weight": (O, I) matrix, "bias"?} of the two 1x1 convs as stored (views, no copy)."""
         def weights(conv):
@@ -304,8 +308,7 @@ class ConvModule(nn.Module):
 
     def glu_input(self, xn: mx.array) -> mx.array:
         """GLU(pointwise_conv1(xn)): the depthwise conv's input, (n, d)."""
-        a, b = mx.split(self._pointwise(self.pointwise_conv1, xn), 2, axis=-1)
-        return a * mx.sigmoid(b)
+        return _glu(xn, self.pointwise_weights()[0])
 
     def depthwise(self, din: mx.array) -> mx.array:
         """Valid depthwise conv over time: (L, d) -> (L - kernel + 1, d), fixed tap order."""
@@ -313,7 +316,7 @@ class ConvModule(nn.Module):
         return _depthwise(din, w, bias)
 
     def finish(self, dw: mx.array) -> mx.array:
-        return self._pointwise(self.pointwise_conv2, nn.silu(self.batch_norm(dw)))
+        return _pointwise(nn.silu(self.batch_norm(dw)), self.pointwise_weights()[1])
 
     def __call__(self, xn: mx.array) -> mx.array:
         g = self.glu_input(xn)
@@ -356,7 +359,7 @@ class ConformerLayer(nn.Module):
         p1, p2 = conv.pointwise_weights()
         norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
         eps = (self.norm_conv.eps, conv.batch_norm.eps)
-        key = (eps, tuple(tuple(sorted(n)) for n in norms), tuple(sorted(p1)), tuple(sorted(p2)))
+        key = (eps, structure(norms), structure((p1, p2)))
         glu = piece(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
         din = mx.concatenate([conv_cache, glu(x, norms, p1)])
         taps, bias = conv.taps()
@@ -370,16 +373,10 @@ class ConformerLayer(nn.Module):
 
     @staticmethod
     def _feed_forward(x, norm, ff, out_norm):
-        """x + 0.5 ff(norm(x)), then out_norm if given."""
-        weights = layer_weights((ff.linear1, ff.linear2), x)
-        if weights is None:
-            y = x + 0.5 * ff(norm(x))
-            return out_norm(y) if out_norm is not None else y
+        """x + 0.5 ff(norm(x)), then out_norm if given (one piece, voicechat.compiled)."""
         norms = [norm_params(norm)] + ([norm_params(out_norm)] if out_norm is not None else [])
-        eps = (norm.eps, out_norm.eps if out_norm is not None else None)
-        key = ("conformer_ff", eps, tuple(tuple(sorted(n)) for n in norms), tuple(tuple(sorted(w)) for w in weights))
-        core = piece(key, lambda: functools.partial(_feed_forward_core, eps))
-        return core(x, norms, weights)
+        static = (norm.eps, out_norm.eps if out_norm is not None else None, structure(norms))
+        return linear_piece("conformer_ff", _feed_forward_core, static, (ff.linear1, ff.linear2), x, norms)
 
 
 # --------------------------------------------------------------------------- encoder

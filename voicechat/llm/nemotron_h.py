@@ -67,22 +67,49 @@ class DepthwiseCausalConv1d(nn.Module):
 
     def __call__(self, padded: mx.array) -> mx.array:
         """padded: (1, K-1+L, C) = previous K-1 inputs followed by L new ones -> (1, L, C)."""
-        k = self.kernel_size
-        length = padded.shape[1] - (k - 1)
-        dtype = padded.dtype
-        params = (self.weight, self.bias) if "bias" in self else (self.weight,)
-        taps, bias = derived(self, f"taps_{dtype}", params, lambda *p: self._taps(dtype, *p))
-        out = padded[:, 0:length, :] * taps[0]
-        for j in range(1, k):
-            out = out + padded[:, j : j + length, :] * taps[j]
-        if bias is not None:
-            out = out + bias
-        return out
+        taps, bias = self.taps(padded.dtype)
+        return _tap_sum(padded, taps, bias, padded.shape[1] - (self.kernel_size - 1))
 
-    def _taps(self, dtype, weight, bias=None):
-        """Per-tap weight columns (C,) and the bias in the activation dtype."""
-        w = weight[:, :, 0].astype(dtype)  # (C, K)
-        return [w[:, j] for j in range(self.kernel_size)], None if bias is None else bias.astype(dtype)
+    def taps(self, dtype) -> tuple[list[mx.array], mx.array | None]:
+        """Per-tap weight columns (C,) and the bias (or None) in `dtype`, made once per weights."""
+        def make(weight, bias=None):
+            w = weight[:, :, 0].astype(dtype)  # (C, K)
+            return [w[:, j] for j in range(self.kernel_size)], None if bias is None else bias.astype(dtype)
+
+        params = (self.weight, self.bias) if "bias" in self else (self.weight,)
+        return derived(self, f"taps_{dtype}", params, make)
+
+
+def _tap_sum(padded: mx.array, taps: list[mx.array], bias: mx.array | None, length: int) -> mx.array:
+    """The K-tap causal sum over padded (1, K-1+L, C) -> (1, L, C), taps in a fixed order."""
+    out = padded[:, 0:length, :] * taps[0]
+    for j in range(1, len(taps)):
+        out = out + padded[:, j : j + length, :] * taps[j]
+    return out + bias if bias is not None else out
+
+
+def _split_projection(zxbcdt: mx.array, pad: int, d_inner: int, conv_dim: int):
+    """in_proj output -> (z, xBC, dt), skipping `pad` leading padding columns (§7.2)."""
+    z = zxbcdt[..., pad : pad + d_inner]
+    xbc = zxbcdt[..., pad + d_inner : pad + d_inner + conv_dim]
+    return z, xbc, zxbcdt[..., pad + d_inner + conv_dim :]
+
+
+def _append_conv_state(conv_state: mx.array, xbc: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """-> (the K-1 cached inputs followed by xbc, the new conv state: its last K-1 rows)."""
+    padded = mx.concatenate([conv_state.astype(xbc.dtype), xbc], axis=1)
+    return padded, padded[:, -(k - 1) :, :].astype(conv_state.dtype)
+
+
+def _time_steps(dt: mx.array, dt_bias: mx.array, dt_min: float, dt_max: float) -> mx.array:
+    return mx.clip(nn.softplus(dt + dt_bias), dt_min, dt_max)
+
+
+def _gated_norm(y: mx.array, z: mx.array, groups: int, eps: float, norm_w: mx.array) -> mx.array:
+    """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (1, L, d)."""
+    length, d = y.shape[1], y.shape[2]
+    u = (y * nn.silu(z)).reshape(1, length, groups, d // groups)
+    return mx.fast.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
 
 
 def _segment_sums(log_decay: mx.array) -> mx.array:
@@ -229,37 +256,26 @@ class NemotronHState:
 
 def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, norm_w, *taps_and_bias):
     """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
-    recurrence, the gated grouped RMSNorm. The same operations, in the same order, as the
-    sequence path's pieces (`_project`, `_gated_norm_out`). -> (u, new conv state, new SSM state)."""
-    (pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max,
-     has_bias, conv_dtype) = dims
+    recurrence, the gated grouped RMSNorm; the sequence path (`_project`, `_gated_norm_out`)
+    shares every helper but the recurrence. -> (u, new conv state, new SSM state)."""
+    pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max, has_bias = dims
     taps = taps_and_bias[:k]
     conv_bias = taps_and_bias[k] if has_bias else None
-    z = zxbcdt[..., pad : pad + d_inner]
-    xbc = zxbcdt[..., pad + d_inner : pad + d_inner + conv_dim]
-    dt = zxbcdt[..., pad + d_inner + conv_dim :]
-    padded = mx.concatenate([conv_state.astype(xbc.dtype), xbc], axis=1)
-    new_conv = padded[:, -(k - 1) :, :].astype(conv_state.dtype)
-    out = padded[:, 0:1, :] * taps[0]
-    for j in range(1, k):
-        out = out + padded[:, j : j + 1, :] * taps[j]
-    if conv_bias is not None:
-        out = out + conv_bias
-    xbc = nn.silu(out)
+    z, xbc, dt = _split_projection(zxbcdt, pad, d_inner, conv_dim)
+    padded, new_conv = _append_conv_state(conv_state, xbc, k)
+    xbc = nn.silu(_tap_sum(padded, taps, conv_bias, 1))
     gs = groups * state_size
     x_h = xbc[..., :d_inner].reshape(1, 1, heads, head_dim)[:, 0]  # (1, H, P)
     b = xbc[..., d_inner : d_inner + gs].reshape(1, 1, groups, state_size)
     c = xbc[..., d_inner + gs :].reshape(1, 1, groups, state_size)
     b_h = mx.repeat(b[:, 0], heads // groups, axis=1)  # (1, H, N): group g serves contiguous heads
     c_h = mx.repeat(c[:, 0], heads // groups, axis=1)
-    dt = mx.clip(nn.softplus(dt + dt_bias), dt_min, dt_max)[:, 0]  # (1, H)
+    dt = _time_steps(dt, dt_bias, dt_min, dt_max)[:, 0]  # (1, H)
     decay = mx.exp(dt * a)[:, :, None, None]
     ssm = decay * ssm_state + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
     y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
     y = y + d_col * x_h
-    u = y.reshape(1, 1, d_inner) * nn.silu(z)
-    u = mx.fast.rms_norm(u.reshape(1, 1, groups, d_inner // groups), None, eps).reshape(1, 1, d_inner)
-    return u * norm_w, new_conv, ssm
+    return _gated_norm(y.reshape(1, 1, d_inner), z, groups, eps, norm_w), new_conv, ssm
 
 
 class Mamba2Mixer(nn.Module):
@@ -300,19 +316,8 @@ class Mamba2Mixer(nn.Module):
     def _project(self, x: mx.array, state: MambaLayerState):
         """in_proj, split, causal conv + SiLU, dt. Updates the conv state."""
         zxbcdt = self.in_proj(x).astype(mx.float32)
-        # Checkpoints may carry leading padding columns in in_proj (§7.2): skip them.
-        pad = zxbcdt.shape[-1] - self.proj_width
-        if pad < 0:
-            raise ValueError(
-                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
-                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
-            )
-        z = zxbcdt[..., pad : pad + self.d_inner]
-        xbc = zxbcdt[..., pad + self.d_inner : pad + self.d_inner + self.conv_dim]
-        dt = zxbcdt[..., pad + self.d_inner + self.conv_dim :]
-
-        padded = mx.concatenate([state.conv.astype(xbc.dtype), xbc], axis=1)
-        state.conv = padded[:, -(self.conv_kernel - 1) :, :].astype(state.conv.dtype)
+        z, xbc, dt = _split_projection(zxbcdt, self._padding_columns(zxbcdt), self.d_inner, self.conv_dim)
+        padded, state.conv = _append_conv_state(state.conv, xbc, self.conv_kernel)
         xbc = nn.silu(self.conv1d(padded))
 
         length = x.shape[1]
@@ -321,11 +326,26 @@ class Mamba2Mixer(nn.Module):
         b = xbc[..., self.d_inner : self.d_inner + gs].reshape(1, length, self.n_groups, self.state_size)
         c = xbc[..., self.d_inner + gs :].reshape(1, length, self.n_groups, self.state_size)
 
-        dt_bias, a = derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
-                             lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
-        dt = nn.softplus(dt + dt_bias)
-        dt = mx.clip(dt, self.dt_min, self.dt_max)  # (1, L, heads)
-        return z, x_ssm, b, c, dt, a  # a = -exp(A_log): (heads,)
+        dt_bias, a = self._dt_bias_and_a()
+        return z, x_ssm, b, c, _time_steps(dt, dt_bias, self.dt_min, self.dt_max), a
+
+    def _padding_columns(self, zxbcdt: mx.array) -> int:
+        """Checkpoints may carry leading padding columns in in_proj (§7.2): how many to skip."""
+        pad = zxbcdt.shape[-1] - self.proj_width
+        if pad < 0:
+            raise ValueError(
+                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
+                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
+            )
+        return pad
+
+    def _dt_bias_and_a(self) -> tuple[mx.array, mx.array]:
+        """dt_bias in float32 and a = -exp(A_log) (heads,), made once per weights."""
+        return derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
+                       lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+
+    def _norm_weight(self) -> mx.array:
+        return derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
 
     def _heads_of_groups(self, t: mx.array, axis: int) -> mx.array:
         """Group g serves the contiguous heads [g·H/G, (g+1)·H/G) (clarifications)."""
@@ -333,11 +353,7 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm_out(self, y: mx.array, z: mx.array) -> mx.array:
         """out_proj(norm.weight ⊙ groupRMS(y ⊙ SiLU(z))), n_groups contiguous channel groups."""
-        length = y.shape[1]
-        u = y * nn.silu(z)
-        u = u.reshape(1, length, self.n_groups, self.d_inner // self.n_groups)
-        u = mx.fast.rms_norm(u, None, self.eps).reshape(1, length, self.d_inner)
-        u = u * derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
+        u = _gated_norm(y, z, self.n_groups, self.eps, self._norm_weight())
         return self.out_proj(u).astype(mx.float32)
 
     # -- the two paths
@@ -348,28 +364,17 @@ class Mamba2Mixer(nn.Module):
         Everything between in_proj and out_proj is `_step_core`, one fixed-shape
         function of arrays (compiled, see voicechat.compiled)."""
         zxbcdt = self.in_proj(x).astype(mx.float32)
-        self._check_in_proj(zxbcdt)
-        conv = self.conv1d
-        params = (conv.weight, conv.bias) if "bias" in conv else (conv.weight,)
-        taps, conv_bias = derived(conv, "taps_core", params, lambda *p: conv._taps(mx.float32, *p))
-        dt_bias, a = derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
-                             lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+        taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
+        dt_bias, a = self._dt_bias_and_a()
         d_col = derived(self, "D_column", (self.D,), lambda d: d.astype(mx.float32)[:, None])
-        norm_w = derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
-        dims = (zxbcdt.shape[-1] - self.proj_width, self.d_inner, self.conv_dim, self.conv_kernel,
-                self.num_heads, self.head_dim, self.n_groups, self.state_size, self.eps,
-                self.dt_min, self.dt_max, conv_bias is not None, str(state.conv.dtype))
+        dims = (self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel, self.num_heads,
+                self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min, self.dt_max,
+                conv_bias is not None)
         core = piece(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
-        u, state.conv, state.ssm = core(zxbcdt, state.conv, state.ssm, dt_bias, a, d_col, norm_w, *taps, *extra)
+        u, state.conv, state.ssm = core(zxbcdt, state.conv, state.ssm, dt_bias, a, d_col, self._norm_weight(),
+                                        *taps, *extra)
         return self.out_proj(u).astype(mx.float32)
-
-    def _check_in_proj(self, zxbcdt: mx.array) -> None:
-        if zxbcdt.shape[-1] < self.proj_width:
-            raise ValueError(
-                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
-                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
-            )
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
         """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""

@@ -35,7 +35,6 @@ switches all of them on for a parity run (codes then equal the reference's):
 
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from ..config import TtsConfig
 from .char_encoder import CharAwareSubwordEncoder, CharTable
 from .layers import (
     GeluGatedMLP,
+    gated_mlp,
     OnePlusRMSNorm,
     as_int_array,
     check_value_range,
@@ -56,9 +56,9 @@ from .layers import (
     one_plus_scale,
 )
 from .rng import SessionRandom
-from ..compiled import layer_weights, linear, piece
+from ..compiled import linear_piece
 from ..constants import derived
-from ..parallel import split_rows
+from ..parallel import apply, split_rows
 
 # The reference forms "1 + w" of the backbone norms in the weight dtype (bf16
 # rounding, §12.2 item 6); HF/NeMo and the reference's other norms use float32.
@@ -346,45 +346,36 @@ class BackboneRMSNorm(nn.Module):
         return one_plus_rms_norm(x, self.weight, self.eps, scale=self.scale())
 
 
-def _qkv_core(dims, x, scales, weights, offset):
-    """BackboneAttention up to the cache (the same operations as the uncompiled path):
-    q / k / v projections, the q / k norms ("1 + w"), RoPE at `offset` (int32 scalar array)."""
-    heads, kv_heads, head_dim, base, q_eps, k_eps, _ = dims
+def _norm(v: mx.array, scale: mx.array, eps: float) -> mx.array:
+    return one_plus_rms_norm(v, None, eps, scale=scale)
+
+
+def _qkv_core(dims, x, scales, offset, proj):
+    """BackboneAttention up to the cache: q / k / v projections, the q / k norms ("1 + w"),
+    RoPE at `offset` (int32 scalar array, an input so a compiled trace serves every step)."""
+    heads, kv_heads, head_dim, base, q_eps, k_eps = dims
     b, n, _ = x.shape
-
-    def norm(t, i, eps):
-        return mx.fast.rms_norm(t.astype(mx.float32), scales[i], eps).astype(t.dtype)
-
-    q = norm(linear(x, weights[0]).reshape(b, n, heads, head_dim), 0, q_eps).transpose(0, 2, 1, 3)
-    k = norm(linear(x, weights[1]).reshape(b, n, kv_heads, head_dim), 1, k_eps).transpose(0, 2, 1, 3)
-    v = linear(x, weights[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    q = _norm(apply(x, proj[0]).reshape(b, n, heads, head_dim), scales[0], q_eps).transpose(0, 2, 1, 3)
+    k = _norm(apply(x, proj[1]).reshape(b, n, kv_heads, head_dim), scales[1], k_eps).transpose(0, 2, 1, 3)
+    v = apply(x, proj[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
     q = mx.fast.rope(q, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
     k = mx.fast.rope(k, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
     return q, k, v
 
 
-def _mog_trunk_core(eps, x, scales, weights):
-    """MogHead.trunk (the same operations): per block x + norm(mlp(norm(x))), then the final norm."""
-    def norm(v, i):
-        return mx.fast.rms_norm(v.astype(mx.float32), scales[i], eps[i]).astype(v.dtype)
-
-    for blk in range(len(weights)):
-        w = weights[blk]
-        u = norm(x, 2 * blk)
-        x = x + norm(linear(nn.gelu_approx(linear(u, w[0])) * linear(u, w[1]), w[2]), 2 * blk + 1)
-    return norm(x, len(scales) - 1)
+def _mog_trunk_core(eps, x, scales, mlps):
+    """MogHead.trunk: per block x + norm(mlp(norm(x))), then the final norm; `mlps` holds
+    gate, up, down of each block in turn."""
+    for blk in range(len(mlps) // 3):
+        u = _norm(x, scales[2 * blk], eps[2 * blk])
+        x = x + _norm(gated_mlp(u, *mlps[3 * blk : 3 * blk + 3]), scales[2 * blk + 1], eps[2 * blk + 1])
+    return _norm(x, scales[-1], eps[-1])
 
 
-def _post_attention_core(eps, x, attn, scales, weights):
-    """BackboneLayer after the attention (the same operations as the uncompiled path):
-    h = x + norm(attn); h + norm(down(gelu_tanh(gate(norm(h))) * up(norm(h))))."""
-    def norm(v, i):
-        return mx.fast.rms_norm(v.astype(mx.float32), scales[i], eps[i]).astype(v.dtype)
-
-    h = x + norm(attn, 0)
-    u = norm(h, 1)
-    y = linear(nn.gelu_approx(linear(u, weights[0])) * linear(u, weights[1]), weights[2])
-    return h + norm(y, 2)
+def _post_attention_core(eps, x, attn, scales, mlp):
+    """BackboneLayer after the attention: h = x + norm(attn); h + norm(mlp(norm(h)))."""
+    h = x + _norm(attn, scales[0], eps[0])
+    return h + _norm(gated_mlp(_norm(h, scales[1], eps[1]), *mlp), scales[2], eps[2])
 
 
 class BackboneAttention(nn.Module):
@@ -409,18 +400,9 @@ class BackboneAttention(nn.Module):
     def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
         b, n, _ = x.shape
         offset = 0 if state is None else state.offset
-        weights = layer_weights((self.q_proj, self.k_proj, self.v_proj), x)
-        if weights is None:  # a product splits across streams: the layers run it
-            q = self.q_norm(self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
-            k = self.k_norm(self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-            v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-            q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
-            k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
-        else:  # the same operations as one compiled piece; the offset is an input (no retrace per step)
-            dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base, self.q_norm.eps,
-                    self.k_norm.eps, tuple(tuple(sorted(w)) for w in weights))
-            core = piece(("tts_qkv",) + dims, lambda: functools.partial(_qkv_core, dims))
-            q, k, v = core(x, [self.q_norm.scale(), self.k_norm.scale()], weights, mx.array(offset, dtype=mx.int32))
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base, self.q_norm.eps, self.k_norm.eps)
+        q, k, v = linear_piece("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
+                               [self.q_norm.scale(), self.k_norm.scale()], mx.array(offset, dtype=mx.int32))
         return self.attend(q, k, v, state, b, n)
 
     def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
@@ -447,18 +429,11 @@ class BackboneLayer(nn.Module):
 
     def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
         attn = self.self_attn(self.input_layernorm(x), state)
-        mlp = self.mlp
-        weights = layer_weights((mlp.gate_proj, mlp.up_proj, mlp.down_proj), x)
-        if weights is None:  # a product splits across streams: the layers run it
-            h = x + self.post_attention_layernorm(attn)
-            return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
-        # Fixed shapes from here on: one compiled piece (voicechat.compiled), same operations.
+        # Fixed shapes from here on: one piece (voicechat.compiled).
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
-        scales = [n.scale() for n in norms]
-        eps = tuple(n.eps for n in norms)
-        core = piece(("tts_post_attention", eps, tuple(tuple(sorted(w)) for w in weights)),
-                     lambda: functools.partial(_post_attention_core, eps))
-        return core(x, attn, scales, weights)
+        mlp = self.mlp
+        return linear_piece("tts_post_attention", _post_attention_core, tuple(n.eps for n in norms),
+                            (mlp.gate_proj, mlp.up_proj, mlp.down_proj), x, attn, [n.scale() for n in norms])
 
 
 class EarTtsBackbone(nn.Module):
@@ -514,14 +489,14 @@ class GatedFusion(nn.Module):
 
 
 class MogBlock(nn.Module):
+    """x + post_norm(mlp(pre_norm(x))): the weights of one trunk block (MogHead.trunk runs it)."""
+
     def __init__(self, hidden: int, intermediate: int, eps: float):
         super().__init__()
         self.pre_norm = OnePlusRMSNorm(hidden, eps)
         self.mlp = GeluGatedMLP(hidden, intermediate)
         self.post_norm = OnePlusRMSNorm(hidden, eps)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return x + self.post_norm(self.mlp(self.pre_norm(x)))
 
 
 class MogHead(nn.Module):
@@ -542,16 +517,10 @@ class MogHead(nn.Module):
 
     def trunk(self, x: mx.array) -> mx.array:
         blocks, final = self.mlp_stack[:-1], self.mlp_stack[-1]
-        weights = [layer_weights((b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj), x) for b in blocks]
-        if any(w is None for w in weights):  # a product splits across streams: the layers run it
-            for block in self.mlp_stack:
-                x = block(x)
-            return x
         norms = [n for b in blocks for n in (b.pre_norm, b.post_norm)] + [final]
-        eps = tuple(n.eps for n in norms)
-        core = piece(("mog_trunk", eps, tuple(tuple(sorted(w)) for ws in weights for w in ws)),
-                     lambda: functools.partial(_mog_trunk_core, eps))
-        return core(x, [n.scale() for n in norms], weights)
+        mlps = [lin for b in blocks for lin in (b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj)]
+        return linear_piece("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
+                            [n.scale() for n in norms])
 
     def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float) -> mx.array:
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
@@ -804,17 +773,16 @@ class EarTts(nn.Module):
         """(float32 codebooks (Q, C, latent), squared norms ‖e_j‖² (Q, C) float32), made once per
         weights and RVQ_NORMS_IN_WEIGHT_DTYPE setting: they are constants, and a TTS step would
         otherwise convert and square every codebook again (31 x C x latent per step)."""
-        key = (id(self.rvq_embs), RVQ_NORMS_IN_WEIGHT_DTYPE)
-        cached = self.__dict__.get("_rvq_books")
-        if cached is None or cached[0] != key:
-            stored = self.rvq_embs
+        in_weight_dtype = RVQ_NORMS_IN_WEIGHT_DTYPE
+
+        def make(stored):
             books = stored.astype(mx.float32)
-            src = stored if RVQ_NORMS_IN_WEIGHT_DTYPE else books
+            src = stored if in_weight_dtype else books
             norms = (src * src).sum(axis=-1).astype(mx.float32)
             mx.eval(books, norms)
-            cached = (key, books, norms)
-            self.__dict__["_rvq_books"] = cached
-        return cached[1], cached[2]
+            return books, norms
+
+        return derived(self, f"rvq_books_{in_weight_dtype}", (self.rvq_embs,), make)
 
     # -- cached path
 

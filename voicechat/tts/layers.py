@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..constants import derived
+from ..parallel import apply
 
 
 def one_plus_scale(weight: mx.array, one_plus_in_weight_dtype: bool = False) -> mx.array:
@@ -57,8 +58,14 @@ class GeluGatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        # nn.gelu_approx is the tanh form 0.5u(1 + tanh(√(2/π)(u + 0.044715u³))).
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def gated_mlp(u: mx.array, gate, up, down) -> mx.array:
+    """down(gelu_tanh(gate(u)) ⊙ up(u)); each of gate, up, down a linear layer or the weights
+    dict a compiled piece received for it (voicechat.parallel.apply)."""
+    # nn.gelu_approx is the tanh form 0.5u(1 + tanh(√(2/π)(u + 0.044715u³))).
+    return apply(nn.gelu_approx(apply(u, gate)) * apply(u, up), down)
 
 
 def repeat_kv_heads(x: mx.array, num_heads: int) -> mx.array:
