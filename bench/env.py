@@ -105,6 +105,7 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
     import mlx.core as mx
 
     from voicechat.compiled import compile_enabled
+    from voicechat.host_gemm import host_gemm_enabled
     from voicechat.parallel import cpu_streams
 
     date = date or datetime.now(timezone.utc)
@@ -129,7 +130,7 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
                    "executable": sys.executable},
         "mlx": {"version": getattr(mx, "__version__", None), "default_device": str(mx.default_device()),
                 "metal_available": metal, "voicechat_cpu_streams": cpu_streams(),
-                "voicechat_compile": compile_enabled()},
+                "voicechat_compile": compile_enabled(), "voicechat_host_gemm": host_gemm_enabled()},
         "packages": package_versions(),
         "git_revision": git_revision(),
         "checkpoints": checkpoints or [],

@@ -292,7 +292,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         out.append(f"- **CPU streams per frame** (this project; `VOICECHAT_CPU_STREAMS`): "
                    f"{mlx['voicechat_cpu_streams']}; the reference runs on one stream"
                    + (f". Compiled fixed-shape pieces (`VOICECHAT_COMPILE`): "
-                      f"{'on' if mlx['voicechat_compile'] else 'off'}" if "voicechat_compile" in mlx else ""))
+                      f"{'on' if mlx['voicechat_compile'] else 'off'}" if "voicechat_compile" in mlx else "")
+                   + (f". Codec float32 products through numpy's BLAS (`VOICECHAT_HOST_GEMM`): "
+                      f"{'on' if mlx['voicechat_host_gemm'] else 'off'}" if "voicechat_host_gemm" in mlx else ""))
     la0, la1 = m.get("load_average_start"), m.get("load_average_end")
     if la0 or la1:
         out.append(f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "

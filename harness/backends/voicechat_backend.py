@@ -492,18 +492,22 @@ def _state_diff(replay: dict, session: dict) -> float:
 
 
 class SerialVoiceChatBackend(VoiceChatBackend):
-    """This project on one CPU stream with nothing compiled (`voicechat-serial`): the benchmark
-    runs it beside `voicechat` to measure what the two-stream split and the compiled pieces give
-    (voicechat.parallel, voicechat.compiled). Results are bit-identical to `voicechat`."""
+    """This project on one CPU stream, nothing compiled, every product in MLX (`voicechat-serial`):
+    the benchmark runs it beside `voicechat` to measure what the two-stream split, the compiled
+    pieces and the codec's numpy products give (voicechat.parallel, voicechat.compiled,
+    voicechat.host_gemm). Ids, codes and every cache but the codec's are bit-identical to
+    `voicechat`; the audio differs by float32 summation order (~1e-7) when `voicechat` runs
+    the codec products through numpy."""
 
     name = "voicechat-serial"
 
     @contextlib.contextmanager
     def _serial(self):
         from voicechat.compiled import compile_set
+        from voicechat.host_gemm import host_gemm_set
         from voicechat.parallel import cpu_streams_set
 
-        with cpu_streams_set(1), compile_set(False):
+        with cpu_streams_set(1), compile_set(False), host_gemm_set(False):
             yield
 
     def load(self, checkpoint: str):

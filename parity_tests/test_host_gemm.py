@@ -1,0 +1,127 @@
+"""The codec's float32 products through numpy's BLAS (voicechat.host_gemm) and its rational erf.
+
+The numpy path reorders each product's float32 summation, so it is compared with the
+MLX path within rounding bounds, never bit for bit; the streaming-vs-offline codec
+agreement is checked with the numpy path on and off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from voicechat import host_gemm
+from voicechat.audio.codec import Codec, erf_rational
+from voicechat.presets import preset_config
+
+# api.md: streamed and offline audio of the same codes agree within 1e-5 (float32 rounding of
+# samples with RMS ~0.1); two summation orders of the same products are held to the same bound.
+AUDIO_TOL = 1e-5
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def small_codec() -> Codec:
+    mx.random.seed(0)
+    codec = Codec(preset_config("small").codec_config)
+    mx.eval(codec.parameters())
+    return codec
+
+
+def _codes(codec: Codec, frames: int, seed: int) -> np.ndarray:
+    cfg = codec.config
+    return np.random.default_rng(seed).integers(0, cfg.codebook_size, (frames, cfg.num_quantizers)).astype(np.int32)
+
+
+def test_switch_validation_and_restore(monkeypatch):
+    monkeypatch.setenv(host_gemm.ENV_VAR, "on")
+    with pytest.raises(ValueError, match="VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
+        host_gemm.host_gemm_enabled()
+    monkeypatch.setenv(host_gemm.ENV_VAR, "0")
+    assert host_gemm.host_gemm_enabled() is False
+    monkeypatch.setenv(host_gemm.ENV_VAR, "1")
+    assert host_gemm.host_gemm_enabled() is True
+    with host_gemm.host_gemm_set(False):
+        assert host_gemm.host_gemm_enabled() is False
+    assert host_gemm.host_gemm_enabled() is True
+    with pytest.raises(TypeError, match="set_host_gemm expects True, False or None"):
+        host_gemm.set_host_gemm(1)
+    monkeypatch.delenv(host_gemm.ENV_VAR)
+    # Default: on exactly when MLX computes on the CPU.
+    assert host_gemm.default_host_gemm() is (mx.default_device().type == mx.DeviceType.cpu)
+
+
+def test_erf_rational_within_8_ulp():
+    """Against the exact erf (float64 math.erf): within 8 float32 ulp of the exact value anywhere
+    (the rational fit's own error plus the float32 rounding of its ~14 Horner steps and one
+    division; 7.03 ulp is the largest seen on this grid, mx.erf is no closer in absolute
+    terms), odd, and exactly +-1 far out."""
+    xs = np.concatenate([np.linspace(-6.0, 6.0, 120001), np.geomspace(1e-30, 1e-2, 2000),
+                         -np.geomspace(1e-30, 1e-2, 2000)]).astype(np.float32)
+    exact = np.array([math.erf(float(v)) for v in xs])
+    got = np.array(erf_rational(mx.array(xs))).astype(np.float64)
+    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - exact) / ulp).max() <= 8.0
+    assert np.array_equal(np.array(erf_rational(mx.array(-xs))), -np.array(erf_rational(mx.array(xs))))
+    assert np.array(erf_rational(mx.array([-50.0, 50.0]))).tolist() == [-1.0, 1.0]
+
+
+def test_matmul_t_numpy_equals_mlx_within_rounding(small_codec):
+    """x @ w.T both ways, shapes of the small codec (K up to 768): each element within the
+    float32 GEMM bound gamma_K * sum_k |x_ik| |w_jk| (gamma_K = K eps / (1 - K eps)) of the
+    float64 product, on both paths."""
+    owner = nn.Module()
+    rng = np.random.default_rng(3)
+    for rows, k, out in [(441, 48, 192), (441, 192, 48), (9, 768, 192), (1, 64, 1728)]:
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        w = mx.array(rng.standard_normal((out, k)).astype(np.float32))
+        exact = x.astype(np.float64) @ np.array(w).astype(np.float64).T
+        bound = (k * EPS32 / (1 - k * EPS32)) * (np.abs(x).astype(np.float64) @ np.abs(np.array(w)).T)
+        for enabled in (True, False):
+            with host_gemm.host_gemm_set(enabled):
+                got = host_gemm.matmul_t(mx.array(x), w, owner, "w")
+            assert got.dtype == mx.float32 and got.shape == (rows, out)
+            assert (np.abs(np.array(got) - exact) <= bound).all(), (rows, k, out, enabled)
+
+
+def test_matmul_t_sees_a_replaced_weight():
+    """The numpy copy of w.T is made per weight array: a new array under the same name is used."""
+    owner = nn.Module()
+    x = mx.ones((2, 3))
+    with host_gemm.host_gemm_set(True):
+        first = np.array(host_gemm.matmul_t(x, mx.ones((4, 3)), owner, "w"))
+        second = np.array(host_gemm.matmul_t(x, 2 * mx.ones((4, 3)), owner, "w"))
+    assert np.array_equal(first, np.full((2, 4), 3.0)) and np.array_equal(second, np.full((2, 4), 6.0))
+
+
+def test_codec_decode_numpy_vs_mlx_products(small_codec):
+    """Offline decode of the small codec (9 ConvNeXt blocks, K up to 768) with the products in
+    numpy vs in MLX: within the streaming-vs-offline audio bound."""
+    codes = _codes(small_codec, 4, seed=1)
+    with host_gemm.host_gemm_set(True):
+        a = np.array(small_codec.decode(codes))
+    with host_gemm.host_gemm_set(False):
+        b = np.array(small_codec.decode(codes))
+    assert a.shape == b.shape == (4 * small_codec.samples_per_frame,)
+    assert np.abs(a).max() > 1e-3  # not a silent decode
+    assert np.abs(a - b).max() <= AUDIO_TOL
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_codec_streaming_matches_offline_either_way(small_codec, enabled):
+    """decode_step x T + flush == decode (after lead-in and warm-up samples), within the audio
+    bound, with the products in numpy and in MLX."""
+    codes = _codes(small_codec, 5, seed=2)
+    with host_gemm.host_gemm_set(enabled):
+        offline = np.array(small_codec.decode(codes))
+        state = small_codec.make_state()
+        parts = [np.array(small_codec.decode_step(codes[t], state)) for t in range(codes.shape[0])]
+        parts.append(np.array(small_codec.flush(state)))
+    streamed = np.concatenate(parts)[small_codec.lead_in:]
+    assert streamed.shape == offline.shape
+    w = small_codec.warmup_samples
+    assert np.abs(streamed[w:] - offline[w:]).max() <= AUDIO_TOL

@@ -1,0 +1,85 @@
+"""Float32 products with a fixed weight through numpy's BLAS, on MLX's CPU backend.
+
+MLX's Linux CPU wheels link the Netlib reference BLAS: a float32 GEMM such as
+(441, 48) @ (48, 192) runs at 1.0-1.7 GMAC/s on the benchmark machine, while
+numpy's bundled OpenBLAS does the same product about 40x faster. The codec
+decoder's 1x1 convolutions and upsamplers are the frame's compute-bound
+products (about 46 M multiply-adds per frame at the `small` widths, each
+weight reused by up to 441 rows), so on the CPU backend they go through numpy.
+
+`matmul_t(x, w, owner, name)` is x @ w.T either way: numpy when
+`host_gemm_enabled()`, else MLX. The numpy path evaluates `x` (a host round
+trip, ~0.05 ms) and returns a new array; the two paths differ only by float32
+summation order (~1e-7 relative, tested), and the offline and streaming decodes
+use the same path, so their agreement is unchanged.
+
+The default is on for a CPU default device and off otherwise (on Apple silicon
+MLX's own kernels are the fast path). `VOICECHAT_HOST_GEMM=0|1`, or
+`set_host_gemm(...)` / `host_gemm_set(...)`, override it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .constants import derived
+
+ENV_VAR = "VOICECHAT_HOST_GEMM"
+
+_override: bool | None = None
+
+
+def default_host_gemm() -> bool:
+    """On for a CPU default device, off otherwise (or as `VOICECHAT_HOST_GEMM` says)."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env == "":
+        return mx.default_device().type == mx.DeviceType.cpu
+    if env in ("0", "1"):
+        return env == "1"
+    raise ValueError(f"{ENV_VAR} must be 0 or 1 (float32 weight products through numpy's BLAS), got {env!r}")
+
+
+def host_gemm_enabled() -> bool:
+    return _override if _override is not None else default_host_gemm()
+
+
+def set_host_gemm(enabled: bool | None) -> None:
+    """Force the numpy path on (True) or off (False) for this process; None restores the default."""
+    global _override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_host_gemm expects True, False or None, got {enabled!r}")
+    _override = enabled
+
+
+@contextlib.contextmanager
+def host_gemm_set(enabled: bool | None):
+    """`set_host_gemm(enabled)` inside a with-block; the previous setting (default or forced) after."""
+    global _override
+    saved = _override
+    set_host_gemm(enabled)
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
+    """x (L, I) @ w (O, I).T as float32 (L, O).
+
+    `owner` / `name` key the numpy copy of w.T, made once per weight array (`derived`)."""
+    if not host_gemm_enabled():
+        out = x @ w.T
+        return out if out.dtype == mx.float32 else out.astype(mx.float32)
+    w_t = derived(owner, "host_gemm_" + name, (w,),
+                  lambda a: np.ascontiguousarray(np.array(a.astype(mx.float32)).T))
+    if x.dtype != mx.float32:
+        x = x.astype(mx.float32)
+    return mx.array(np.asarray(x) @ w_t)
+
+
+__all__ = ["ENV_VAR", "default_host_gemm", "host_gemm_enabled", "set_host_gemm", "host_gemm_set", "matmul_t"]
