@@ -125,3 +125,22 @@ def test_codec_streaming_matches_offline_either_way(small_codec, enabled):
     assert streamed.shape == offline.shape
     w = small_codec.warmup_samples
     assert np.abs(streamed[w:] - offline[w:]).max() <= AUDIO_TOL
+
+
+def test_one_blas_thread_limits_and_restores():
+    """Inside the block numpy's BLAS runs on one thread (its spinning workers would take the cores
+    of MLX's streams); the user's setting is back after, and nothing changes with the path off."""
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    before = blas_threads()
+    assert before, "numpy's BLAS should be visible to threadpoolctl"
+    with host_gemm.host_gemm_set(True):
+        with host_gemm.one_blas_thread():
+            assert blas_threads() == [1] * len(before)
+    assert blas_threads() == before
+    with host_gemm.host_gemm_set(False):
+        with host_gemm.one_blas_thread():
+            assert blas_threads() == before

@@ -151,7 +151,8 @@ class VoiceChatStreamingSession:
         tts = self.model.tts_model
         clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
         audio = self.codec.decode_step(clean, self.codec_state)
-        # The one synchronisation of the frame: ids, codes, audio and the codec state.
+        # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
+        # products in numpy, voicechat.host_gemm, the codec evaluated its inputs on the way).
         mx.eval(text_id, function_id, codes, audio, self.codec_state.arrays())
         t5 = time.perf_counter()
         tid, fid = text_id.item(), function_id.item()

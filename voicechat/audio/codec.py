@@ -37,7 +37,7 @@ import numpy as np
 from ..compiled import piece
 from ..config import CodecConfig
 from ..constants import derived
-from ..host_gemm import host_gemm_enabled, matmul_t
+from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread
 from ..parallel import split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
@@ -536,7 +536,8 @@ class Codec(nn.Module):
     def decode(self, codes) -> mx.array:
         """Offline decode: codes (T, Q) int -> waveform (T * samples_per_frame,) float32."""
         codes = self._check_codes(codes, "Codec.decode")
-        spec, _ = self.decoder(self.prvq.dequantize(codes))
+        with one_blas_thread():
+            spec, _ = self.decoder(self.prvq.dequantize(codes))
         real, imag = self._spectrum(spec)
         audio = self._istft(real, imag)
         geo = self._geometry
@@ -579,7 +580,8 @@ class Codec(nn.Module):
         codes = self._check_codes(codes, "Codec.decode_step")
         geo = self._geometry
 
-        spec, histories = self.decoder(self.prvq.dequantize(codes), state.block_histories)
+        with one_blas_thread():
+            spec, histories = self.decoder(self.prvq.dequantize(codes), state.block_histories)
         real, imag = self._spectrum(spec)
         real = mx.concatenate([state.istft_real, real], axis=0)
         imag = mx.concatenate([state.istft_imag, imag], axis=0)
@@ -646,5 +648,6 @@ class Codec(nn.Module):
         waveform = _f32(waveform)
         if not mx.all(mx.isfinite(waveform)).item():
             raise ValueError("Codec.encode: waveform contains NaN or infinite samples")
-        latents = self.encoder(self.stft_features(waveform))
+        with one_blas_thread():
+            latents = self.encoder(self.stft_features(waveform))
         return self.prvq.quantize(latents)
