@@ -106,7 +106,15 @@ def secondary_stream():
 
 
 def linear(x: mx.array, w: dict, stream=None) -> mx.array:
-    """x @ W.T (+ b) for a weights dict {"weight", "bias"?}: what `FastLinear` runs."""
+    """x @ W.T (+ b) for a weights dict {"weight" (O, I) or "weight_t" (I, O), "bias"?}: what
+    `FastLinear` runs.
+
+    "weight_t" is W.T stored contiguous: MLX's CPU BLAS runs x @ W_t about twice as fast as
+    x @ W.T on a transposed view, with the same float32 result (same dot products in the same
+    order; tested), and x @ W_t + b equals addmm(b, x, W.T) bit for bit."""
+    if "weight_t" in w:
+        y = mx.matmul(x, w["weight_t"], stream=stream)
+        return mx.add(y, w["bias"], stream=stream) if "bias" in w else y
     if "bias" in w:
         return mx.addmm(w["bias"], x, w["weight"].T, stream=stream)
     return mx.matmul(x, w["weight"].T, stream=stream)
@@ -148,13 +156,22 @@ class ParallelQuantizedLinear(nn.QuantizedLinear):
         return mx.concatenate([self._half(x, lo, None), self._half(x, hi, stream)], axis=-1)
 
 
+def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
+    """{"weight_t": W.T float32 contiguous, "bias"?: float32} (see `linear`)."""
+    out = {"weight_t": mx.contiguous(weight.astype(mx.float32).T)}
+    if bias is not None:
+        out["bias"] = bias.astype(mx.float32)
+    return out
+
+
 class FastLinear(nn.Linear):
     """`nn.Linear` for float32 activations against 16-bit weights, and for large products.
 
     * A bf16 / f16 weight fed float32 inputs is converted to float32 by MLX on
       every call (the weight is promoted); `FastLinear` keeps that float32 copy,
-      made once by `prepare_linears`, so a frame does not convert weights again.
-      The product is the same (the conversion is exact).
+      made once by `prepare_linears`, so a frame does not convert weights again,
+      stored transposed (W.T contiguous, twice as fast in MLX's CPU BLAS) unless
+      the layer splits. The product is the same (the conversion is exact).
     * Large products are split across two CPU streams like `ParallelQuantizedLinear`.
     """
 
@@ -164,8 +181,11 @@ class FastLinear(nn.Linear):
         stored = {n: self[n] for n in self._names if n in self}
         if x.dtype == mx.float32 and self.__dict__.get("_float32_copies") \
                 and stored["weight"].dtype in (mx.bfloat16, mx.float16):
-            return derived(self, "float32", tuple(stored.values()),
-                           lambda *a: {n: v.astype(mx.float32) for n, v in zip(stored, a)})
+            if self.__dict__.get("_split", False):
+                # Row halves of W are views of it (see _row_halves): keep W's layout.
+                return derived(self, "float32", tuple(stored.values()),
+                               lambda *a: {n: v.astype(mx.float32) for n, v in zip(stored, a)})
+            return derived(self, "float32_t", tuple(stored.values()), _float32_transposed)
         return stored
 
     def unsplit_weights(self, x) -> dict | None:
