@@ -62,11 +62,11 @@ def erf_rational(x: mx.array) -> mx.array:
     """float32 erf from multiply-adds and one division (see _ERF_P / _ERF_Q)."""
     x = mx.clip(x, -4.0, 4.0)
     x2 = x * x
-    p = mx.full(x.shape, _ERF_P[0], dtype=x.dtype)
-    for c in _ERF_P[1:]:
+    p = x2 * _ERF_P[0] + _ERF_P[1]  # Horner, no constant-filled arrays (they raised the peak)
+    for c in _ERF_P[2:]:
         p = p * x2 + c
-    q = mx.full(x.shape, _ERF_Q[0], dtype=x.dtype)
-    for c in _ERF_Q[1:]:
+    q = x2 * _ERF_Q[0] + _ERF_Q[1]
+    for c in _ERF_Q[2:]:
         q = q * x2 + c
     return x * p / q
 
