@@ -65,6 +65,28 @@ def test_fast_linear_is_bit_identical(two_streams, dtype, bias):
     _same(layer(x32), want32)  # one stream: unsplit, float32 copy
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 144), (2, 1, 144), (37, 144)])
+def test_fast_linear_transposed_copies_are_bit_identical(two_streams, split, bias, shape):
+    """The float32 copy stored as W.T contiguous (and, for a split layer, as two contiguous
+    halves): x @ W_t (+ b) equals nn.Linear's addmm(b, x, W.T) on the bf16 weight bit for bit,
+    on one stream and on two."""
+    mx.random.seed(6)
+    layer = nn.Linear(144, 577, bias=bias)  # odd width: halves of 288 / 289 columns
+    layer.update({k: v.astype(mx.bfloat16) for k, v in layer.parameters().items()})
+    x = mx.random.normal(shape)
+    want = layer(x)
+    prepare_linears(layer, min_split_macs=0 if split else 1 << 30)
+    weights = layer.unsplit_weights(x) if not split else layer._weights(x)
+    assert ("parts" in weights) is split and ("weight_t" in weights) is not split
+    _same(layer(x), want)
+    parallel.set_cpu_streams(1)
+    _same(layer(x), want)
+    got = layer.unsplit_weights(x)  # what a compiled piece would receive on one stream
+    _same(parallel.linear(x, got), want)
+
+
 def test_fast_linear_follows_replaced_weights(two_streams):
     """A cached float32 copy must never outlive the weight it was made from."""
     mx.random.seed(5)

@@ -106,12 +106,14 @@ def secondary_stream():
 
 
 def linear(x: mx.array, w: dict, stream=None) -> mx.array:
-    """x @ W.T (+ b) for a weights dict {"weight" (O, I) or "weight_t" (I, O), "bias"?}: what
-    `FastLinear` runs.
+    """x @ W.T (+ b) for a weights dict {"weight" (O, I) or "weight_t" (I, O), "bias"?}, or
+    {"parts": [dict, ...]} (the output columns in pieces, concatenated): what `FastLinear` runs.
 
     "weight_t" is W.T stored contiguous: MLX's CPU BLAS runs x @ W_t about twice as fast as
     x @ W.T on a transposed view, with the same float32 result (same dot products in the same
     order; tested), and x @ W_t + b equals addmm(b, x, W.T) bit for bit."""
+    if "parts" in w:
+        return mx.concatenate([linear(x, part, stream) for part in w["parts"]], axis=-1)
     if "weight_t" in w:
         y = mx.matmul(x, w["weight_t"], stream=stream)
         return mx.add(y, w["bias"], stream=stream) if "bias" in w else y
@@ -164,14 +166,24 @@ def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
     return out
 
 
+def _float32_transposed_halves(weight: mx.array, bias: mx.array | None = None) -> dict:
+    """{"parts": [lo, hi]}: `_float32_transposed` of the two halves of W's output rows, each
+    contiguous, so a split layer runs the fast layout on both streams."""
+    split = weight.shape[0] // 2
+    lo = _float32_transposed(weight[:split], None if bias is None else bias[:split])
+    hi = _float32_transposed(weight[split:], None if bias is None else bias[split:])
+    return {"parts": [lo, hi]}
+
+
 class FastLinear(nn.Linear):
     """`nn.Linear` for float32 activations against 16-bit weights, and for large products.
 
     * A bf16 / f16 weight fed float32 inputs is converted to float32 by MLX on
       every call (the weight is promoted); `FastLinear` keeps that float32 copy,
       made once by `prepare_linears`, so a frame does not convert weights again,
-      stored transposed (W.T contiguous, twice as fast in MLX's CPU BLAS) unless
-      the layer splits. The product is the same (the conversion is exact).
+      stored transposed (W.T contiguous, twice as fast in MLX's CPU BLAS; a
+      layer that splits keeps its two halves so). The product is the same (the
+      conversion is exact).
     * Large products are split across two CPU streams like `ParallelQuantizedLinear`.
     """
 
@@ -182,9 +194,7 @@ class FastLinear(nn.Linear):
         if x.dtype == mx.float32 and self.__dict__.get("_float32_copies") \
                 and stored["weight"].dtype in (mx.bfloat16, mx.float16):
             if self.__dict__.get("_split", False):
-                # Row halves of W are views of it (see _row_halves): keep W's layout.
-                return derived(self, "float32", tuple(stored.values()),
-                               lambda *a: {n: v.astype(mx.float32) for n, v in zip(stored, a)})
+                return derived(self, "float32_t_halves", tuple(stored.values()), _float32_transposed_halves)
             return derived(self, "float32_t", tuple(stored.values()), _float32_transposed)
         return stored
 
@@ -200,7 +210,7 @@ class FastLinear(nn.Linear):
         stream = secondary_stream() if self.__dict__.get("_split", False) else None
         if stream is None:
             return linear(x, weights)
-        lo, hi = _row_halves(self, weights)
+        lo, hi = weights["parts"] if "parts" in weights else _row_halves(self, weights)
         return mx.concatenate([linear(x, lo), linear(x, hi, stream)], axis=-1)
 
 
