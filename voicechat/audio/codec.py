@@ -27,6 +27,7 @@ Also the encoder (§9.3), used once per session to make silent prompt codes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,17 @@ def erf_rational(x: mx.array) -> mx.array:
     for c in _ERF_Q[2:]:
         q = q * x2 + c
     return x * p / q
+
+
+def _depthwise_norm_core(k: int, padded: mx.array, taps: list, bias: mx.array, norm_w: mx.array,
+                         norm_b: mx.array) -> mx.array:
+    """LayerNorm(causal depthwise conv) of the (k - 1 + L, C) left-padded frames; the conv as k
+    shifted multiply-adds (same result as the grouped Conv1d, without its per-channel dispatch)."""
+    length = padded.shape[0] - (k - 1)
+    y = padded[0:length] * taps[0]
+    for j in range(1, k):
+        y = y + padded[j : j + length] * taps[j]
+    return mx.fast.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
 
 
 def _bias_gelu(y: mx.array, b: mx.array) -> mx.array:
@@ -177,18 +189,15 @@ class ConvNeXtBlock(nn.Module):
 
     def __call__(self, x: mx.array, history: mx.array | None = None) -> tuple[mx.array, mx.array]:
         k = self._kernel_size
-        length = x.shape[0]
         if history is None:
             history = mx.zeros((k - 1, x.shape[1]), dtype=mx.float32)
         padded = mx.concatenate([history, x], axis=0)
-        # Depthwise causal conv as k shifted multiply-adds (same result as the
-        # grouped Conv1d, without its per-channel dispatch); weight (C, k, 1).
+        # Depthwise weight (C, k, 1) as k per-channel taps.
         taps, bias = derived(self, "dw_taps", (self.dwconv.weight, self.dwconv.bias),
                              lambda w, b: ([_f32(w)[:, j, 0] for j in range(k)], _f32(b)))
-        y = padded[0:length] * taps[0]
-        for j in range(1, k):
-            y = y + padded[j : j + length] * taps[j]
-        y = y + bias
+        p = self._float32_params()
+        y = piece(("codec_dwconv_norm", k), lambda: functools.partial(_depthwise_norm_core, k))(
+            padded, taps, bias, p["norm_w"], p["norm_b"])
         # The rest is row-wise. Its products go through numpy's BLAS on the CPU backend
         # (voicechat.host_gemm); otherwise its two row halves run on two CPU streams.
         y = self._pointwise_part(y) if host_gemm_enabled() else split_rows(self._pointwise_part, y)
@@ -206,8 +215,8 @@ class ConvNeXtBlock(nn.Module):
                                                 self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias), make)
 
     def _pointwise_part(self, y: mx.array) -> mx.array:
+        """pw2(gelu(pw1(y))) of the normalised frames."""
         p = self._float32_params()
-        y = mx.fast.layer_norm(y, p["norm_w"], p["norm_b"], LAYER_NORM_EPS)
         y = matmul_t(y, p["w1"], self, "w1")
         y = piece(("codec_bias_gelu",), lambda: _bias_gelu)(y, p["b1"])
         return matmul_t(y, p["w2"], self, "w2") + p["b2"]
