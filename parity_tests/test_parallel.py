@@ -116,8 +116,8 @@ def test_parallel_quantized_linear_follows_replaced_weights(two_streams):
 
 def test_prepare_linears_threshold_and_redecision():
     mx.random.seed(7)
-    tree = nn.Sequential(nn.Linear(16, 8), nn.QuantizedLinear(2048, 1024, group_size=64, bits=4))
-    report = prepare_linears(tree)  # default threshold: 2048 * 1024 MACs >= 1M, 16 * 8 below
+    tree = nn.Sequential(nn.Linear(16, 8), nn.QuantizedLinear(512, 512, group_size=64, bits=4))
+    report = prepare_linears(tree)  # default threshold: 512 * 512 MACs >= 256K, 16 * 8 below
     assert report["split"] == ["layers.1"]
     assert type(tree.layers[1]) is ParallelQuantizedLinear
     report = prepare_linears(tree, min_split_macs=1 << 30)  # re-decided: nothing splits now

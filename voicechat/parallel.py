@@ -9,9 +9,9 @@ frame's large products in two halves, one per stream, and joins them:
   two halves (views of the stored weight, no copy), `concatenate` of the two
   products. Each output element is the same dot product over the same inputs
   in the same order, so the result is bit-identical to the unsplit layer
-  (tested); only layers with at least `MIN_SPLIT_MACS` multiply-adds per input
-  row are split, because each split costs one cross-stream hand-over (~0.1 ms
-  on the benchmark machine).
+  (tested); only layers with at least `MIN_SPLIT_MACS` (256K) multiply-adds per
+  input row are split, because each split costs one cross-stream hand-over
+  (~0.1 ms on the benchmark machine).
 * `split_rows(fn, x)`: a row-wise function (LayerNorm, 1x1 convs, GELU) over
   the two halves of its input rows; used by the codec's ConvNeXt blocks.
 
@@ -34,8 +34,11 @@ from .constants import derived
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
-# hand-over: 1M multiply-adds take ~0.5 ms in MLX's CPU 4-bit kernel here.
-MIN_SPLIT_MACS = 1 << 20
+# hand-over: 256K multiply-adds take ~0.25 ms in MLX's CPU 4-bit kernel here.
+# Measured at the small preset (Nemotron-H step, 3 interleaved rounds): 256K
+# beat 1M by ~4-7% at 4 and 8 bits (it adds the Mamba out_proj and the attention
+# q / o projections); 64K-128K split nothing more there and were no faster.
+MIN_SPLIT_MACS = 1 << 18
 
 _override: int | None = None
 _local = threading.local()

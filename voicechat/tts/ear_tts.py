@@ -372,6 +372,32 @@ def _mog_trunk_core(eps, x, scales, mlps):
     return _norm(x, scales[-1], eps[-1])
 
 
+def _mog_sample_core(static, x, u, eps, mus_weight, low_mat, proj):
+    """MogHead.sample_residual after the draws (u: the Gumbel uniforms, eps: the noise):
+    top-p filtered component log-probabilities, Gumbel-max choice k, then the latent
+    mu_k * std + proj_else(x) + std * eps * noise_scale. `proj` holds proj_logits,
+    proj_logs, proj_else."""
+    top_p, noise_scale, min_log_std, num_predictions, low_rank, log_of_softmax = static
+    logits = apply(x, proj[0])[None].astype(mx.float32)  # (1, 1, P)
+    filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
+    if log_of_softmax:
+        log_probs = mx.log(mx.softmax(filtered, axis=-1))  # the reference's rounding
+    else:
+        log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+    # Gumbel-max with the reference's guards.
+    gumbel = -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
+    k = mx.argmax(log_probs + gumbel, axis=-1).reshape(())
+    # Only the chosen component's low_rank rows of proj_mus are needed.
+    hidden = x.shape[-1]
+    mus_rows = mx.take(mus_weight.reshape(num_predictions, low_rank, hidden), k, axis=0)
+    low = mx.take(low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
+    mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
+    log_std = mx.maximum(apply(x, proj[1]), min_log_std)  # (1, 1)
+    std = mx.exp(log_std)
+    mean = mu * std + apply(x, proj[2])
+    return mean + std * eps * noise_scale
+
+
 def _post_attention_core(eps, x, attn, scales, mlp):
     """BackboneLayer after the attention: h = x + norm(attn); h + norm(mlp(norm(h)))."""
     h = x + _norm(attn, scales[0], eps[0])
@@ -525,26 +551,12 @@ class MogHead(nn.Module):
     def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float) -> mx.array:
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
         (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`."""
-        logits = self.proj_logits(x)[None].astype(mx.float32)  # (1, 1, P)
-        filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
-        if MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX:
-            log_probs = mx.log(mx.softmax(filtered, axis=-1))  # the reference's rounding
-        else:
-            log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
-        # Gumbel-max with the reference's guards.
         u = rng.uniform((1, 1, self.num_predictions))
-        gumbel = -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
-        k = mx.argmax(log_probs + gumbel, axis=-1).reshape(())
-        # Only the chosen component's low_rank rows of proj_mus are needed.
-        hidden = x.shape[-1]
-        mus_rows = mx.take(self.proj_mus.weight.reshape(self.num_predictions, self.low_rank, hidden), k, axis=0)
-        low = mx.take(self.low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
-        mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
-        log_std = mx.maximum(self.proj_logs(x), self.min_log_std)  # (1, 1)
-        std = mx.exp(log_std)
-        mean = mu * std + self.proj_else(x)
-        eps = rng.normal((1, 1, mu.shape[-1]))[0]
-        return mean + std * eps * noise_scale
+        eps = rng.normal((1, 1, self.low_mat.shape[1]))[0]
+        static = (float(top_p), float(noise_scale), self.min_log_std, self.num_predictions, self.low_rank,
+                  MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX)  # the flag is read at call time (reference_numerics)
+        return linear_piece("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
+                            x, u, eps, self.proj_mus.weight, self.low_mat)
 
 
 # --------------------------------------------------------------------------- model
