@@ -15,23 +15,24 @@ dimensions.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import Callable
 
 import mlx.core as mx
 
+from .switch import Override, bool_check
+
 ENV_VAR = "VOICECHAT_COMPILE"
 
-_override: bool | None = None
+_override = Override(bool_check("set_compile"))
 _compiled: dict = {}
 
 
 def compile_enabled() -> bool:
     """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off)."""
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     env = os.environ.get(ENV_VAR, "").strip()
     if env in ("", "1"):
         return True
@@ -42,22 +43,12 @@ def compile_enabled() -> bool:
 
 def set_compile(enabled: bool | None) -> None:
     """Force compiled (True) or uncompiled (False) pieces for this process; None restores the default."""
-    global _override
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"set_compile expects True, False or None, got {enabled!r}")
-    _override = enabled
+    _override.set(enabled)
 
 
-@contextlib.contextmanager
 def compile_set(enabled: bool | None):
     """`set_compile(enabled)` inside a with-block; the previous setting (default or forced) after."""
-    global _override
-    saved = _override
-    set_compile(enabled)
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.scoped(enabled)
 
 
 def piece(key: tuple, make: Callable[[], Callable]) -> Callable:

@@ -34,10 +34,11 @@ import mlx.nn as nn
 import numpy as np
 
 from .constants import derived
+from .switch import Override, bool_check
 
 ENV_VAR = "VOICECHAT_HOST_GEMM"
 
-_override: bool | None = None
+_override = Override(bool_check("set_host_gemm"))
 _controller = None
 _controller_lock = threading.Lock()
 
@@ -53,27 +54,17 @@ def default_host_gemm() -> bool:
 
 
 def host_gemm_enabled() -> bool:
-    return _override if _override is not None else default_host_gemm()
+    return _override.value if _override.value is not None else default_host_gemm()
 
 
 def set_host_gemm(enabled: bool | None) -> None:
     """Force the numpy path on (True) or off (False) for this process; None restores the default."""
-    global _override
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"set_host_gemm expects True, False or None, got {enabled!r}")
-    _override = enabled
+    _override.set(enabled)
 
 
-@contextlib.contextmanager
 def host_gemm_set(enabled: bool | None):
     """`set_host_gemm(enabled)` inside a with-block; the previous setting (default or forced) after."""
-    global _override
-    saved = _override
-    set_host_gemm(enabled)
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.scoped(enabled)
 
 
 @contextlib.contextmanager

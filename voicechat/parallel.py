@@ -23,7 +23,6 @@ On a GPU device the split is off by default (one GPU serves both streams).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -31,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .constants import derived
+from .switch import Override
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
@@ -40,7 +40,7 @@ ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # q / o projections); 64K-128K split nothing more there and were no faster.
 MIN_SPLIT_MACS = 1 << 18
 
-_override: int | None = None
+_override = Override(lambda n: _parse(n, "set_cpu_streams(n)"))
 _local = threading.local()
 
 
@@ -76,25 +76,17 @@ def default_cpu_streams() -> int:
 
 def cpu_streams() -> int:
     """How many CPU streams a frame uses now (1 = everything on the default stream)."""
-    return _override if _override is not None else default_cpu_streams()
+    return _override.value if _override.value is not None else default_cpu_streams()
 
 
 def set_cpu_streams(n: int | None) -> None:
     """Force 1 or 2 streams for this process; None restores the default."""
-    global _override
-    _override = None if n is None else _parse(n, "set_cpu_streams(n)")
+    _override.set(n)
 
 
-@contextlib.contextmanager
 def cpu_streams_set(n: int | None):
     """`set_cpu_streams(n)` inside a with-block; the previous setting (default or forced) after."""
-    global _override
-    saved = _override
-    set_cpu_streams(n)
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.scoped(n)
 
 
 def secondary_stream():

@@ -524,7 +524,6 @@ class MogBlock(nn.Module):
         self.post_norm = OnePlusRMSNorm(hidden, eps)
 
 
-
 class MogHead(nn.Module):
     """Mixture-of-Gaussians head (§8.6 c–i): trunk, component choice, residual latent."""
 
