@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny synthetic checkpoints written once per test session, the shared audio."""
+"""Shared fixtures: tiny synthetic checkpoints written once per test session, the bundled sample audio."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-AUDIO_DIR = REPO.parent / "shared" / "audio"
 
 
 def read_wav16k(name: str) -> np.ndarray:
     import soundfile as sf
 
-    data, sr = sf.read(str(AUDIO_DIR / name), dtype="float32")
+    from voicechat.samples import sample_path
+
+    data, sr = sf.read(str(sample_path(name)), dtype="float32")
     assert sr == 16000 and data.ndim == 1, (sr, data.shape)
     return data
 

@@ -71,9 +71,9 @@ def _cli(*args, env=None):
 
 
 def test_cli_generate_offline_and_stream(tmp_path, tiny_ckpt, question_wav):
-    from parity_tests.conftest import AUDIO_DIR
+    from voicechat.samples import sample_path
 
-    wav = str(AUDIO_DIR / "question.wav")
+    wav = str(sample_path("question"))
     out1, out2, out3 = tmp_path / "a.wav", tmp_path / "b.wav", tmp_path / "c.wav"
     r = _cli("generate", "-m", str(tiny_ckpt), "--audio", wav, "--output-audio", str(out1))
     assert r.returncode == 0, r.stderr
