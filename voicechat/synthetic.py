@@ -221,7 +221,7 @@ def _deep_update(d: dict, u: dict) -> dict:
 
 
 def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, seed: int = 0,
-                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool = False,
+                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool | None = False,
                      overrides: dict | None = None) -> Path:
     """Write a synthetic checkpoint folder; returns its path.
 
@@ -283,9 +283,11 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
     float_bf16 = dtype == "bfloat16"
     for k, v in sorted(_preprocessor_buffers(cfg).items()):
         emit(k, v, False)  # NeMo stores these in float32
-    for idx, (name, shape, init, quant) in enumerate(plan):
-        if progress and idx % 50 == 0:
-            print(f"  [{idx}/{len(plan)}] {name}", file=sys.stderr, flush=True)
+    from .progress import progress as progress_bar
+
+    # progress: None draws a bar on a terminal, False never (see voicechat/progress.py)
+    for name, shape, init, quant in progress_bar(plan, desc=f"writing {preset}", unit="tensor",
+                                                  enabled=False if progress is False else None):
         value = _draw(name, shape, init, cfg, seed)
         if quant:
             wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
@@ -374,7 +376,7 @@ def ensure_synthetic(spec: str, *, progress: bool = True) -> Path:
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=progress and preset == "full")
+        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=None if progress else False)
         try:
             tmp.replace(folder)
         except OSError:  # another process finished first: keep its (identical) files
