@@ -255,3 +255,41 @@ def test_progress_bar_on_terminal_only(tmp_path, tiny_ckpt):
     assert r.returncode == 0 and "tensor" not in r.stderr and "\r" not in r.stderr
     r = _cli("generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"))
     assert r.returncode == 0 and "generating" not in r.stderr and "\r" not in r.stderr
+
+
+# --------------------------------------------------------------------------- parity and bench inputs
+
+
+def test_parity_cli_reads_any_file(tmp_path, tiny_ckpt, stereo44, capsys):
+    import json
+
+    from voicechat.cli import main
+
+    p, x44 = stereo44
+    assert main(["parity", "-m", str(tiny_ckpt), "--audio", str(p), "--out", str(tmp_path), "--no-components"]) == 0
+    assert "question44.wav: 44100 Hz stereo -> 16000 Hz mono (mean of 2 channels, soxr HQ)" in capsys.readouterr().err
+    (report,) = tmp_path.glob("*.json")
+    header = json.loads(report.read_text())["header"]
+    assert header["input_name"] == "question44.wav"
+    assert header["input_samples"] == _expected_length(x44.size, 44100) == 34484
+
+
+def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
+    import bench.runner
+    import voicechat.progress
+    from voicechat.cli import main
+
+    seen = []
+
+    def fake_run_bench(opts, progress=None):
+        seen.append(list(opts.audio))
+        raise ValueError("stop here")  # the CLI turns it into exit status 2
+
+    monkeypatch.setattr(bench.runner, "run_bench", fake_run_bench)
+    monkeypatch.setattr(voicechat.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "-m", "ckpt", "--quiet", "--out", str(tmp_path / "a")]) == 2
+    assert main(["bench", "-m", "ckpt", "--audio", "question.wav", "--audio", "long_question",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert seen == [[str(sample_path("long_question"))],
+                    [str(sample_path("question")), str(sample_path("long_question"))]]
