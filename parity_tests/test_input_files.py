@@ -242,12 +242,12 @@ def _run_on_pty(args, env=None) -> str:
 def test_progress_bar_on_terminal_only(tmp_path, tiny_ckpt):
     # on a terminal: the synthetic writer's bar (tensors) and the loading and generating bars
     tty = _run_on_pty(["synth", str(tmp_path / "a"), "--preset", "tiny"])
-    assert "writing tiny" in tty and "tensor" in tty
+    assert "synth tiny" in tty and "tensor" in tty
     tty = _run_on_pty(["generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav")])
     assert "loading" in tty and "generating" in tty and "frame" in tty
     # --quiet on a terminal: no bar
     tty = _run_on_pty(["synth", str(tmp_path / "b"), "--preset", "tiny", "--quiet"])
-    assert "writing tiny" not in tty and "tensor" not in tty
+    assert "synth tiny" not in tty and "tensor" not in tty
     tty = _run_on_pty(["generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"), "--quiet"])
     assert "generating" not in tty and "loading" not in tty and "wrote" in tty
     # stderr not a terminal: no bar, no carriage returns

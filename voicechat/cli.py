@@ -1,4 +1,4 @@
-"""`voicechat` command line: synth, generate, parity, bench."""
+"""`voicechat` command line: synth, generate, parity, bench, serve, client, talk."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .server.cli import add_server_parsers
+
+    add_server_parsers(sub)
     return p
 
 

@@ -95,6 +95,9 @@ def bar(total: int | None = None, *, desc: str | None = None, unit: str = "it", 
     return _tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale)
 
 
+progress_bar = bar  # the name voicechat/synthetic.py was first written against
+
+
 def write(msg: str, *, file=None) -> None:
     """Print a line to stderr (or `file`) without tearing a bar that is on screen."""
     if is_enabled():
@@ -105,4 +108,4 @@ def write(msg: str, *, file=None) -> None:
         print(msg, file=file or sys.stderr, flush=True)
 
 
-__all__ = ["progress", "bar", "write", "set_quiet", "is_enabled"]
+__all__ = ["progress", "bar", "progress_bar", "write", "set_quiet", "is_enabled"]
