@@ -106,6 +106,12 @@ def test_streamed_events_equal_in_process_session(server, tiny_model, question_w
     # The tail follows the last frame and carries the codec's held-back samples: nothing lost.
     assert [e["type"] for e in r.events[-3:]] == ["response.audio.delta", "response.audio.tail", "response.done"]
     assert r.events[-1]["frame_index"] == r.frames
+    # `committed` follows the frames of the complete audio before the commit (mlx-vlm's order); the padded
+    # partial frame comes after it.
+    kinds = [(e["type"], e.get("frame_index")) for e in r.events]
+    at = kinds.index(("input_audio_buffer.committed", None))
+    assert ("response.audio.delta", pcm.size // 1280 - 1) in kinds[:at]
+    assert kinds[at + 1:].count(("response.audio.delta", pcm.size // 1280)) == 1
 
 
 def test_session_messages_and_fields(server, tiny_model):

@@ -418,7 +418,8 @@ class RealtimeConnection:
             if not isinstance(pad, bool):
                 raise P.ProtocolError("invalid_message", f"pad_partial must be true or false, got {pad!r}")
             self.ending = True
-            self._queue({"type": "input_audio_buffer.committed"})
+            # `input_audio_buffer.committed` comes from the worker, after the frames of the audio before it
+            # (the order mlx-vlm's server gives).
             st.worker.submit("commit", ch, pad)
             return
         if t in P.CANCEL_TYPES:

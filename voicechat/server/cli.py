@@ -35,6 +35,8 @@ def add_server_parsers(sub) -> None:
                         "(default 5)")
     s.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="silent audio run through one session at startup, so the first client gets warm kernels")
+    s.add_argument("--reference-numerics", action="store_true",
+                   help="compute EAR-TTS with the reference's (mlx-vlm's) roundings, for code-exact comparisons")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
@@ -81,7 +83,8 @@ def run_serve(args) -> int:
     security = ServerSecurity(api_key=_key(args.api_key), allowed_origins=tuple(args.allow_origin))
     if args.host not in ("127.0.0.1", "localhost", "::1") and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds)
+    state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
+                       reference_numerics=args.reference_numerics)
     info = state.worker.info
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "

@@ -196,11 +196,14 @@ class ModelWorker:
             elif cmd.kind == "close" and ch is not None:
                 ch.emit(("closed", None))
             elif cmd.kind in ("commit", "cancel") and ch is not None:
+                if cmd.kind == "commit":
+                    ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
                 ch.emit(("finished", "done" if cmd.kind == "commit" else "cancelled"))
             return active
         if cmd.kind == "append":
             self._append(active, cmd.payload)
         elif cmd.kind == "commit":
+            ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
             self._finish(active, lambda s: s.flush(pad_partial=bool(cmd.payload)), "done")
         elif cmd.kind == "cancel":
             self._finish(active, lambda s: s.cancel(), "cancelled")
