@@ -16,12 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-pytest.importorskip("starlette", reason="needs the `serve` extra")
-pytest.importorskip("websockets", reason="needs the `serve` extra")
+from voicechat.server.client import run_stream_audio, to_pcm16
 
-from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
-
-from .server_util import Raw, append_msg, run, start_server, stop_server, wait_released  # noqa: E402
+from .server_util import Raw, append_msg, run, start_server, stop_server, wait_released
 
 PROMPT = "You are a helpful assistant."
 

@@ -23,8 +23,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm", reason="needs the `peers` extra")
-pytest.importorskip("starlette", reason="needs the `serve` extra")
-
 from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
 from voicechat.server.compare import compare_streams  # noqa: E402
 

@@ -179,6 +179,7 @@ class RealtimeConnection:
         self.configured = False
         self.ending = False  # commit / cancel sent: the rest of the input is ignored
         self.info: dict = {}
+        self._session_params: dict = {}
 
     # -- sending (only the writer task sends on the socket; everyone else goes through the outbox)
 
