@@ -1,6 +1,6 @@
 """`voicechat parity`: run the parity harness on one checkpoint and one input; exit 1 when a family fails.
 
-    voicechat parity -m CKPT --audio a.wav [--prompt P] [--seed N]
+    voicechat parity -m CKPT [--audio question.wav] [--prompt P] [--seed N] [--quiet]
                      [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|FILE.npz]
                      [--out DIR] [--dump-reference FILE.npz]
 
@@ -22,7 +22,11 @@ def add_parity_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", required=True,
                    help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8]")
-    p.add_argument("--audio", required=True, help="input WAV (mono, 16 kHz)")
+    p.add_argument("--audio", default="question.wav",
+                   help="input audio: WAV / FLAC / OGG at any rate and channel count (mixed down to mono, resampled "
+                        "to 16 kHz with soxr), or a bundled sample, question.wav or long_question.wav "
+                        "(default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
     p.add_argument("-p", "--prompt", default=None, help="system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, default="voicechat", help="the implementation under test")
@@ -86,6 +90,14 @@ def run_parity_cli(args) -> int:
     if args.chunk_samples < 1:
         print(f"error: --chunk-samples must be >= 1, got {args.chunk_samples}", file=sys.stderr)
         return 2
+    if args.quiet:
+        from voicechat.progress import set_quiet
+
+        set_quiet(True)
+    from voicechat.audio_input import resolve_input_path
+
+    if not resolve_input_path(args.audio).exists():  # before minutes of loading
+        raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
     backend = make_backend(args.backend, args.model, reference_rounding=args.reference_rounding,
                            component_max_frames=args.component_max_frames)
     against = None

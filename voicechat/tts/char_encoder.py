@@ -249,9 +249,15 @@ class CharAwareSubwordEncoder(nn.Module):
 
     # -- pieces
 
+    def table_dtype(self) -> mx.Dtype:
+        """The dtype of the char embedding's rows: the stored weight's, or for a quantized table
+        (packed uint32) that of its scales, which its dequantized rows have."""
+        emb = self.embed_tokens
+        return emb.scales.dtype if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.dtype
+
     def activation_dtype(self, in_weight_dtype: bool) -> mx.Dtype:
         """float32, or with `in_weight_dtype` the char embedding's (float) dtype."""
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.table_dtype()
         return dtype if in_weight_dtype and mx.issubdtype(dtype, mx.floating) else mx.float32
 
     def encode_chars(self, char_ids: mx.array, lengths: mx.array, *, in_weight_dtype: bool = False) -> mx.array:
@@ -263,10 +269,9 @@ class CharAwareSubwordEncoder(nn.Module):
         """
         n, length = char_ids.shape
         act = self.activation_dtype(in_weight_dtype)
-        weight = self.embed_tokens.weight
         # The reference multiplies by √hidden rounded to its activation dtype,
         # the embedding table's dtype (34.0 for 1152 in bf16).
-        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=weight.dtype).astype(act)
+        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=self.table_dtype()).astype(act)
         x = self.embed_tokens(char_ids).astype(act) * scale
         valid = mx.arange(length)[None, :] < lengths[:, None]
         x = self.backbone.encoder(x, valid)
