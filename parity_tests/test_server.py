@@ -471,3 +471,15 @@ def test_talk_jitter_buffer_plays_every_sample_in_order():
         jb.push(src[i:i + 24])
     out = np.concatenate([jb.pull(35) for _ in range(4)])
     assert np.array_equal(out[:120], src) and not out[120:].any() and jb.underruns == 1
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from voicechat.cli import main
+
+    monkeypatch.setitem(sys.modules, "starlette", None)  # as on the base install
+    assert main(["serve", "--port", "1"]) == 2
+    assert main(["client", "--audio", "x.wav"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("needs the `serve` extra") == 2 and "pip install -e '.[serve]'" in err
