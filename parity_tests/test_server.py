@@ -16,12 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-pytest.importorskip("starlette", reason="needs the `serve` extra")
-pytest.importorskip("websockets", reason="needs the `serve` extra")
+from voicechat.server.client import run_stream_audio, to_pcm16
 
-from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
-
-from .server_util import Raw, append_msg, run, start_server, stop_server, wait_released  # noqa: E402
+from .server_util import Raw, append_msg, run, start_server, stop_server, wait_released
 
 PROMPT = "You are a helpful assistant."
 
@@ -106,6 +103,12 @@ def test_streamed_events_equal_in_process_session(server, tiny_model, question_w
     # The tail follows the last frame and carries the codec's held-back samples: nothing lost.
     assert [e["type"] for e in r.events[-3:]] == ["response.audio.delta", "response.audio.tail", "response.done"]
     assert r.events[-1]["frame_index"] == r.frames
+    # `committed` follows the frames of the complete audio before the commit (mlx-vlm's order); the padded
+    # partial frame comes after it.
+    kinds = [(e["type"], e.get("frame_index")) for e in r.events]
+    at = kinds.index(("input_audio_buffer.committed", None))
+    assert ("response.audio.delta", pcm.size // 1280 - 1) in kinds[:at]
+    assert kinds[at + 1:].count(("response.audio.delta", pcm.size // 1280)) == 1
 
 
 def test_session_messages_and_fields(server, tiny_model):
@@ -432,9 +435,10 @@ def test_healthz_and_metrics(server, question_wav):
     after = frames()
     assert after["voicechat_frames_total"] - before["voicechat_frames_total"] == r.frames == 5
     assert after["voicechat_sessions_opened_total"] - before["voicechat_sessions_opened_total"] == 1
+    every = server.state.worker.stage_metrics_every
     for stage in ("perception", "rnnt", "language", "tts", "codec"):
         key = f'voicechat_stage_seconds_count{{stage="{stage}"}}'
-        assert after[key] - before.get(key, 0) == 5
+        assert after[key] - before.get(key, 0) == len(range(0, 5, every))  # the sampled frames
     assert after["voicechat_frame_compute_seconds_count"] - before["voicechat_frame_compute_seconds_count"] == 5
 
 
@@ -467,3 +471,15 @@ def test_talk_jitter_buffer_plays_every_sample_in_order():
         jb.push(src[i:i + 24])
     out = np.concatenate([jb.pull(35) for _ in range(4)])
     assert np.array_equal(out[:120], src) and not out[120:].any() and jb.underruns == 1
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from voicechat.cli import main
+
+    monkeypatch.setitem(sys.modules, "starlette", None)  # as on the base install
+    assert main(["serve", "--port", "1"]) == 2
+    assert main(["client", "--audio", "x.wav"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("needs the `serve` extra") == 2 and "pip install -e '.[serve]'" in err

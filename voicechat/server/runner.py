@@ -12,21 +12,44 @@ from .worker import ModelWorker
 
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
-               warmup_seconds: float = 0.5, profile_stages: bool = True, load_timeout: float = 600.0,
-               load_kwargs: dict | None = None) -> ServerState:
+               warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
+               load_kwargs: dict | None = None, reference_numerics: bool = False) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load():
         import voicechat
         from voicechat.synthetic import resolve_model_arg
 
-        return voicechat.load(resolve_model_arg(model), **(load_kwargs or {}))
+        kwargs = dict(load_kwargs or {})
+        if reference_numerics:
+            _reference_numerics(kwargs)
+        return voicechat.load(resolve_model_arg(model), **kwargs)
 
     metrics = ServerMetrics()
-    worker = ModelWorker(load, metrics=metrics, profile_stages=profile_stages, warmup_seconds=warmup_seconds).start()
+    worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
+                         warmup_seconds=warmup_seconds).start()
     worker.wait_ready(load_timeout)
     return ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
                        model_name=str(model), metrics=metrics)
+
+
+def _reference_numerics(kwargs: dict) -> None:
+    """The reference's (mlx-vlm's) EAR-TTS roundings, for code-exact comparisons with its server.
+
+    Per model where `voicechat.load` takes `numerics`; otherwise the EAR-TTS module switch, which
+    is process-wide: acceptable in a `voicechat serve` process, whose worker is the only MLX user.
+    """
+    import inspect
+
+    from voicechat.loading import load
+
+    if "numerics" in inspect.signature(load).parameters:
+        kwargs["numerics"] = "reference"
+        return
+    from voicechat.tts import ear_tts
+
+    for name in ear_tts.REFERENCE_NUMERICS_FLAGS:  # set for good (the context manager would restore them)
+        setattr(ear_tts, name, True)
 
 
 def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info"):
