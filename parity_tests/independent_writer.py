@@ -563,3 +563,28 @@ def quantized_modules_written(folder) -> set[str]:
     """The module paths whose `.scales` a written folder stores (read back from the index)."""
     index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
     return {k[: -len(".scales")] for k in index["weight_map"] if k.endswith(".scales")}
+
+
+def main(argv=None) -> int:
+    """`python -m parity_tests.independent_writer OUT [--depth real] [--bits 4] [--predicate P] ...`"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m parity_tests.independent_writer", description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--depth", choices=["tiny", "real"], default="tiny")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=None)
+    p.add_argument("--predicate", choices=["published", "mlx-vlm-default", "mlx-vlm-runnable"], default="published")
+    p.add_argument("--sampling", choices=["greedy", "shipped"], default="greedy")
+    p.add_argument("--control-outside", action="store_true", help="control codes outside the generated range")
+    p.add_argument("--codebook-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    spec = Spec(depth=a.depth, dtype=a.dtype, bits=a.bits, predicate=a.predicate, sampling=a.sampling,
+                control_inside=not a.control_outside, codebook_size=a.codebook_size, seed=a.seed)
+    print(write(a.out, spec), spec.name())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
