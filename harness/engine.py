@@ -68,11 +68,12 @@ class Runs:
 
 
 def read_input(audio, sample_rate: int = 16000) -> tuple[np.ndarray, str]:
-    """A path or a 1-D float array -> (float32 samples, display name)."""
+    """A path (any WAV/FLAC/OGG, converted to mono at `sample_rate`; or a bundled sample name such
+    as question.wav) or a 1-D float array -> (float32 samples, display name)."""
     if isinstance(audio, (str, Path)):
-        from voicechat.audio_input import read_audio_file
+        from voicechat.audio_input import read_audio_file, resolve_input_path
 
-        return read_audio_file(str(audio), sample_rate), str(audio)
+        return read_audio_file(resolve_input_path(audio), sample_rate), str(audio)
     arr = np.asarray(audio)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"audio: expected a path or a 1-D float array at {sample_rate} Hz, got {arr.dtype} {arr.shape}")
@@ -88,12 +89,21 @@ def audio_digest(audio: np.ndarray) -> str:
 
 def collect_runs(backend: Backend, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                  chunk_samples: int = 1280, components: bool = True) -> Runs:
-    off = backend.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
-    st = backend.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples)
-    comp = None
+    from voicechat.progress import bar
+
     checks = getattr(backend, "component_checks", None)
-    if components and callable(checks):
-        comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+    with bar(total=3 if components and callable(checks) else 2, desc=f"parity {backend.name}", unit="run") as b:
+        b.set_postfix_str("offline")
+        off = backend.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
+        b.update()
+        b.set_postfix_str("streamed")
+        st = backend.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples)
+        b.update()
+        comp = None
+        if components and callable(checks):
+            b.set_postfix_str("components")
+            comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+            b.update()
     runs = Runs(backend.name, off, st, comp)
     if off.text_logits is not None and np.asarray(off.text_logits).shape[-1] > 2 and len(off.text_logits):
         runs.first_text_logits = np.asarray(off.text_logits[0])

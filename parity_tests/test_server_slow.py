@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("starlette", reason="needs the `serve` extra")
+from voicechat.server.client import run_stream_audio, to_pcm16
 
-from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
-
-from .server_util import start_server, stop_server, wait_released  # noqa: E402
+from .server_util import start_server, stop_server, wait_released
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "reports" / "server"

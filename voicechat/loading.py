@@ -18,6 +18,7 @@ from .checkpoint import is_raw_layout, quantization_plan, read_safetensors, sani
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .parallel import prepare_linears
+from .progress import bar
 from .tokenizer import TextTokenizer
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -77,11 +78,7 @@ READ_GROUP_BYTES = 512 * 1024**2
 
 
 def _progress(total: int, desc: str):
-    try:
-        from .progress import bar
-    except ImportError:  # voicechat.progress not there yet: no bar
-        return None
-    return bar(total=total, desc=desc, unit="B", unit_scale=True)
+    return bar(total=total, desc=desc, unit="B", unit_scale=True)  # a TTY bar, see progress.py
 
 
 def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loading") -> None:
@@ -124,6 +121,7 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
 
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
+    steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py
     weights, _ = read_safetensors(folder)
     if is_raw_layout(weights):
         weights = sanitize(weights, cfg)
@@ -139,13 +137,16 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
             )
         nn.quantize(model, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
     _check_tensors(model, weights)
-    read_weights(weights, check_finite=check_finite, desc=f"loading {folder.name}")
+    read_weights(weights, check_finite=check_finite, desc=f"reading {folder.name}")
+    steps.update()  # read and checked
     model.update(tree_unflatten(list(weights.items())))
     del weights  # the model holds the arrays now; a float32 copy below may release its original
     mx.eval(model.parameters())
+    steps.update()  # in memory
     # Float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
+    steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)
     model.folder = folder
@@ -154,6 +155,8 @@ def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True
         # session (when the user is about to speak) costs only a state copy.
         model.warm_tts_state()
         model.warm_runtime()
+        steps.update()
+    steps.close()
     return model
 
 

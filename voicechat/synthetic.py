@@ -314,7 +314,7 @@ def _stored(value: np.ndarray, dt: str) -> np.ndarray:
 
 
 def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, seed: int = 0,
-                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool = False,
+                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool | None = False,
                      overrides: dict | None = None) -> Path:
     """Write a synthetic checkpoint folder; returns its path.
 
@@ -367,7 +367,8 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         pieces += _pieces(name, shape, init, quant, bits, cfg, float_dt)
     files = _ShardFiles(path, pieces, n_shards)
     old_limit = mx.set_cache_limit(64 * 1024**2)  # freed tensors go back to the system
-    bar = _progress_bar(len(plan), f"synth {preset} {bits or 'bf16'}") if progress else None
+    # progress: None or True draw a bar when stderr is a terminal, False never (voicechat/progress.py)
+    bar = _progress_bar(len(plan), f"synth {preset} {bits or 'bf16'}") if progress is not False else None
     try:
         for k, v in buffers:
             files.write(k, _stored(v, "F32"))
@@ -407,24 +408,9 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
 
 
 def _progress_bar(total: int, desc: str):
-    try:
-        from .progress import progress_bar
-    except ImportError:  # voicechat.progress not there: print a line every 100 tensors
-        return _LineProgress(total, desc)
-    return progress_bar(total=total, desc=desc, unit="tensor")
+    from .progress import bar
 
-
-class _LineProgress:
-    def __init__(self, total, desc):
-        self.total, self.desc, self.n = total, desc, 0
-
-    def update(self, k):
-        self.n += k
-        if self.n % 100 == 0 or self.n == self.total:
-            print(f"  {self.desc}: {self.n}/{self.total} tensors", file=sys.stderr, flush=True)
-
-    def close(self):
-        pass
+    return bar(total=total, desc=desc, unit="tensor")
 
 
 def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed, float_dt, proxy_stats):
@@ -521,7 +507,7 @@ def ensure_synthetic(spec: str, *, progress: bool = True) -> Path:
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=progress and preset == "full")
+        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=None if progress else False)
         try:
             tmp.replace(folder)
         except OSError:  # another process finished first: keep its (identical) files

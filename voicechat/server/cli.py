@@ -8,7 +8,7 @@ DEFAULT_MODEL = "synthetic:tiny"
 
 
 def add_server_parsers(sub) -> None:
-    from .app import ServerLimits
+    from .limits import ServerLimits
 
     d = ServerLimits()
     s = sub.add_parser("serve", help="realtime WebSocket server (/v1/realtime), browser page at /",
@@ -35,6 +35,9 @@ def add_server_parsers(sub) -> None:
                         "(default 5)")
     s.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="silent audio run through one session at startup, so the first client gets warm kernels")
+    s.add_argument("--stage-metrics-every", type=int, default=10, metavar="K",
+                   help="time the stages of every Kth frame for /metrics (default 10; each timed frame pays one "
+                        "synchronisation per stage; 1 = every frame, 0 = never)")
     s.add_argument("--reference-numerics", action="store_true",
                    help="compute EAR-TTS with the reference's (mlx-vlm's) roundings, for code-exact comparisons")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -69,10 +72,27 @@ def _key(arg):
     return arg if arg is not None else (os.environ.get("VOICECHAT_API_KEY") or None)
 
 
+def _missing_serve_extra(command: str) -> bool:
+    """Print what to install and return True when the `serve` extra is missing."""
+    import importlib
+
+    for name in ("starlette", "uvicorn", "websockets", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            print(f"voicechat {command}: needs the `serve` extra ({e}); install it with: pip install -e '.[serve]'",
+                  file=sys.stderr)
+            return True
+    return False
+
+
 def run_serve(args) -> int:
+    if _missing_serve_extra("serve"):
+        return 2
     import uvicorn
 
-    from .app import ServerLimits, ServerSecurity, create_app
+    from .app import ServerSecurity, create_app
+    from .limits import ServerLimits
     from .runner import configure_logging, make_state, uvicorn_config
 
     configure_logging(args.log_level)
@@ -84,7 +104,7 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
-                       reference_numerics=args.reference_numerics)
+                       reference_numerics=args.reference_numerics, stage_metrics_every=args.stage_metrics_every)
     info = state.worker.info
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "
@@ -97,6 +117,8 @@ def run_serve(args) -> int:
 
 
 def run_client(args) -> int:
+    if _missing_serve_extra("client"):
+        return 2
     import json
 
     import soundfile as sf

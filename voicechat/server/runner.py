@@ -12,7 +12,7 @@ from .worker import ModelWorker
 
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
-               warmup_seconds: float = 0.5, profile_stages: bool = True, load_timeout: float = 600.0,
+               warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
                load_kwargs: dict | None = None, reference_numerics: bool = False) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
@@ -26,7 +26,8 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
         return voicechat.load(resolve_model_arg(model), **kwargs)
 
     metrics = ServerMetrics()
-    worker = ModelWorker(load, metrics=metrics, profile_stages=profile_stages, warmup_seconds=warmup_seconds).start()
+    worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
+                         warmup_seconds=warmup_seconds).start()
     worker.wait_ready(load_timeout)
     return ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
                        model_name=str(model), metrics=metrics)

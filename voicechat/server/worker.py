@@ -73,16 +73,21 @@ class _Active:
     lag_ms: list = field(default_factory=list)
     discarded_samples: int = 0
     stages_seen: int = 0
+    profile: Any = None  # the session's Profile; attached to the session only on sampled frames
 
 
 class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
 
-    def __init__(self, load_model: Callable[[], Any], *, metrics=None, profile_stages: bool = True,
+    def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
                  warmup_seconds: float = 0.0):
         self._load_model = load_model
         self.metrics = metrics
-        self.profile_stages = profile_stages
+        # Stage timing forces one synchronisation per stage; doing it on every Kth frame keeps the
+        # per-stage histograms while costing the other frames nothing (0 = never).
+        if isinstance(stage_metrics_every, bool) or not isinstance(stage_metrics_every, int) or stage_metrics_every < 0:
+            raise ValueError(f"stage_metrics_every must be an int >= 0, got {stage_metrics_every!r}")
+        self.stage_metrics_every = stage_metrics_every
         self.warmup_seconds = warmup_seconds
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="voicechat-mlx-worker", daemon=True)
@@ -165,7 +170,7 @@ class ModelWorker:
 
     def _warmup(self, model) -> None:
         n = int(round(self.warmup_seconds * model.config.input_sample_rate))
-        s = model.create_streaming_session(profile=self.profile_stages)
+        s = model.create_streaming_session(profile=self.stage_metrics_every > 0)
         s.push_audio(np.zeros(n, np.float32))
         s.flush()
         gc.collect()
@@ -182,13 +187,13 @@ class ModelWorker:
             try:
                 session = self.model.create_streaming_session(
                     system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
-                    profile=self.profile_stages)
+                    profile=self.stage_metrics_every > 0)
             except (VoiceChatError, ValueError, TypeError) as e:
                 # e.g. a system prompt longer than the context: the client may send another session.update.
                 ch.emit(("open_failed", "session_initialization_failed", str(e)))
                 return None
             ch.emit(("opened", dict(self.info)))
-            return _Active(ch, session)
+            return _Active(ch, session, profile=session.profile)
         if active is None or active.channel is not ch:
             # Commands of a connection that never opened a session (or was already closed).
             if cmd.kind == "append" and ch is not None:
@@ -230,6 +235,8 @@ class ModelWorker:
             # At most one frame per push, so each frame's events leave as soon as it is done.
             take = min(pcm.size - i, n - s.pending_samples)
             piece = pcm[i:i + take]
+            if a.profile is not None:  # this push computes at most frame `s.frame_index`
+                s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
             t0 = time.perf_counter()
             try:
                 events = s.push_audio(piece)
@@ -270,7 +277,7 @@ class ModelWorker:
         m.frame_seconds.observe(compute_ms / 1000.0)
         m.lag_seconds.observe(lag_ms / 1000.0)
         m.lag_current.set(lag_ms / 1000.0)
-        prof = a.session.profile
+        prof = a.profile
         if prof is not None:
             for t in prof.frames[a.stages_seen:]:
                 for f in STAGE_FIELDS:
@@ -281,6 +288,9 @@ class ModelWorker:
         if a.session is None or a.session.closed:
             return
         t0 = time.perf_counter()
+        if a.profile is not None:
+            s = a.session
+            s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
         events = end(a.session)
         self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
         a.channel.emit(("finished", reason))
@@ -300,8 +310,9 @@ class ModelWorker:
             "compute_ms_max": stats["max"], "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
             "discarded_samples": a.discarded_samples, "errors": ch.errors, "input_overflows": ch.overflows,
         }
-        if s is not None and s.profile is not None and s.profile.frames:
-            summ = s.profile.summary()
+        if a.profile is not None and a.profile.frames:
+            summ = a.profile.summary()
+            line["stage_ms_frames"] = len(a.profile.frames)
             line["stage_ms_mean"] = {k: round(summ[k]["mean_ms"], 3) for k in ("perception", "rnnt", "language",
                                                                               "tts", "codec")}
         log.info(json.dumps(line, sort_keys=False))
