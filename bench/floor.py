@@ -107,8 +107,8 @@ def _per_frame_fraction(name: str, shape: tuple, cfg, passes: int) -> float | No
     tts = "tts_model.tts_model."
     if name.startswith("stt_model.embed_tokens."):
         return 3.0 / shape[0]  # 3 rows (packed weights, scales and biases are per row)
-    if name == "stt_model.rnnt_decoder.prediction.embed.weight":
-        return 1.0 / shape[0]
+    if name.startswith("stt_model.rnnt_decoder.prediction.embed."):
+        return 1.0 / shape[0]  # one row (of the weight, or of a quantized one's packed weight, scales, biases)
     if name.startswith("tts_model.audio_codec.encoder."):
         return None  # only used to build the silent prompt codes at load
     if name.startswith("tts_model.audio_codec.prvq.mus_list."):
