@@ -7,9 +7,10 @@ from datetime import datetime
 from pathlib import Path
 
 BACKENDS = ("voicechat", "voicechat-serial", "mlx-vlm")
+DEFAULT_AUDIO = "long_question.wav"  # bundled: past the conformer's attention window
 
 EPILOG = """examples:
-  voicechat bench -m synthetic:small:4 -m synthetic:small:8 --audio question.wav \\
+  voicechat bench -m synthetic:small:4 -m synthetic:small:8 --audio long_question.wav \\
       --backend voicechat --backend mlx-vlm --out reports/bench/small
   voicechat bench --update-docs reports/bench/small       # regenerate docs/performance.md
   voicechat bench --rerender reports/bench/small          # redraw plots and summary.md from the CSVs
@@ -28,7 +29,10 @@ def add_bench_parser(subparsers) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", dest="models", action="append", default=[], metavar="CKPT",
                    help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (repeatable)")
-    p.add_argument("--audio", action="append", default=[], metavar="WAV", help="16 kHz mono input (repeatable)")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE",
+                   help="input audio (repeatable): WAV / FLAC / OGG at any rate and channel count (mixed down to "
+                        "mono, resampled to 16 kHz with soxr), or a bundled sample, question.wav or "
+                        f"long_question.wav (default {DEFAULT_AUDIO})")
     p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
                    help="implementation to run (repeatable; default voicechat); voicechat-serial = this project on one "
                         "CPU stream, nothing compiled; mlx-vlm needs the peers extra")
@@ -53,7 +57,7 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--docs", default="docs/performance.md", help="page --update-docs writes (default %(default)s)")
     p.add_argument("--rerender", metavar="RUN_DIR", default=None,
                    help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
     p.set_defaults(func=cmd_bench)
 
 
@@ -74,16 +78,22 @@ def cmd_bench(args) -> int:
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {args.update_docs}")
         return 0
     if not args.models:
-        raise ValueError("nothing to do: pass -m CKPT --audio WAV to run, or --update-docs RUN_DIR / --rerender RUN_DIR")
+        raise ValueError("nothing to do: pass -m CKPT [--audio FILE] to run, or --update-docs RUN_DIR / --rerender RUN_DIR")
     if args.update_docs:
         raise ValueError("--update-docs RUN_DIR cannot be combined with -m; use --update-docs without a folder "
                          "to update the docs from this run")
 
     from .runner import BenchOptions, Progress, run_bench
+    from voicechat.audio_input import resolve_input_path
+    from voicechat.progress import set_quiet
+
+    if args.quiet:
+        set_quiet(True)
+    audio = [str(resolve_input_path(a)) for a in (args.audio or [DEFAULT_AUDIO])]
 
     out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("%Y%m%d-%H%M%S")
     opts = BenchOptions(
-        checkpoints=list(args.models), audio=list(args.audio), out=out,
+        checkpoints=list(args.models), audio=audio, out=out,
         backends=list(args.backends or ["voicechat"]), runs=args.runs, warmup=args.warmup,
         drop_first=args.drop_first, extra_decoding_seconds=args.extra_decoding_seconds,
         chunk_samples=args.chunk_samples, seed=args.seed, system_prompt=args.system_prompt,

@@ -56,7 +56,7 @@ class BenchOptions:
         if not self.checkpoints:
             raise ValueError("no checkpoint given; pass -m CKPT (a folder, a Hugging Face repo id or synthetic:PRESET[:4|8])")
         if not self.audio:
-            raise ValueError("no input given; pass --audio FILE.wav (16 kHz mono)")
+            raise ValueError("no input given; pass --audio FILE (WAV/FLAC/OGG) or a bundled sample name")
         if not self.backends:
             raise ValueError("no backend given; expected --backend voicechat and/or --backend mlx-vlm")
         if len(set(self.backends)) != len(self.backends):
@@ -97,7 +97,9 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         if self.enabled:
-            print(f"[bench {self.elapsed()}] {msg}", file=self.stream, flush=True)
+            from voicechat.progress import write
+
+            write(f"[bench {self.elapsed()}] {msg}", file=self.stream)  # above the runs bar, if one is drawn
 
 
 class _Heartbeat:
@@ -350,6 +352,9 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
     frame_rows: list[dict] = []
     total_runs = len(ckpts) * len(inputs) * (opts.warmup + opts.runs) * len(opts.backends)
     done = 0
+    from voicechat.progress import bar
+
+    runs_bar = bar(total=total_runs, desc="bench", unit="run", enabled=None if progress.enabled else False)
     for ci, ck in enumerate(ckpts):
         spec, folder = ck["spec"], ck["folder"]
         progress(f"checkpoint {ci + 1}/{len(ckpts)}: {spec} ({folder})")
@@ -375,6 +380,7 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
                     rec = {**{"checkpoint": spec, "backend": name, "input": inp["name"], "phase": phase, "run": r},
                            **rec}
                     run_rows.append(rec)
+                    runs_bar.update()
                     if phase == "measured":
                         frame_rows.extend(frames)
                     if rec["status"] == "ok":
@@ -384,6 +390,7 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
                                  + (f"; offline {rec['offline_wall_s']:.1f} s (RTF {rec['offline_rtf']:.2f})"
                                     if opts.offline else ""))
 
+    runs_bar.close()
     env["floor_errors"] = floor_errors
     env["machine"]["load_average_end"] = _loadavg()
     env["wall_seconds"] = time.perf_counter() - progress.t0

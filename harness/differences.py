@@ -43,7 +43,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
                     "codes to the reference's offline audio within audio_abs",
         pinned_by=("parity_tests/test_harness.py::test_cross_documented_differences",
                    "parity_tests/test_parity_tiny.py::test_offline_frame0_is_streaming_silence",
-                   "parity_tests/test_generate.py::test_offline_frame0_follows_numerics"),
+                   "parity_tests/test_numerics.py::test_offline_frame0_follows_numerics"),
     ),
     DocumentedDifference(
         id="codec_tail",

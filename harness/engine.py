@@ -68,11 +68,12 @@ class Runs:
 
 
 def read_input(audio, sample_rate: int = 16000) -> tuple[np.ndarray, str]:
-    """A path or a 1-D float array -> (float32 samples, display name)."""
+    """A path (any WAV/FLAC/OGG, converted to mono at `sample_rate`; or a bundled sample name such
+    as question.wav) or a 1-D float array -> (float32 samples, display name)."""
     if isinstance(audio, (str, Path)):
-        from voicechat.audio_input import read_audio_file
+        from voicechat.audio_input import read_audio_file, resolve_input_path
 
-        return read_audio_file(str(audio), sample_rate), str(audio)
+        return read_audio_file(resolve_input_path(audio), sample_rate), str(audio)
     arr = np.asarray(audio)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"audio: expected a path or a 1-D float array at {sample_rate} Hz, got {arr.dtype} {arr.shape}")
@@ -88,12 +89,21 @@ def audio_digest(audio: np.ndarray) -> str:
 
 def collect_runs(backend: Backend, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                  chunk_samples: int = 1280, components: bool = True) -> Runs:
-    off = backend.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
-    st = backend.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples)
-    comp = None
+    from voicechat.progress import bar
+
     checks = getattr(backend, "component_checks", None)
-    if components and callable(checks):
-        comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+    with bar(total=3 if components and callable(checks) else 2, desc=f"parity {backend.name}", unit="run") as b:
+        b.set_postfix_str("offline")
+        off = backend.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
+        b.update()
+        b.set_postfix_str("streamed")
+        st = backend.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples)
+        b.update()
+        comp = None
+        if components and callable(checks):
+            b.set_postfix_str("components")
+            comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+            b.update()
     runs = Runs(backend.name, off, st, comp)
     if off.text_logits is not None and np.asarray(off.text_logits).shape[-1] > 2 and len(off.text_logits):
         runs.first_text_logits = np.asarray(off.text_logits[0])
@@ -367,6 +377,10 @@ def cross_rows(a: Runs, b: Runs, a_backend: Backend, b_backend: Backend, *, syst
         frame0 = path == "offline" and _frame0_difference(a, b, system_prompt, a_backend)
         codes_row = compare_codes(E2E, c, "codes per frame", ra.codes, rb.codes, skip_frames=(0,) if frame0 else ())
         path_rows.append(codes_row)
+        if ra.decoded_codes is not None and rb.decoded_codes is not None:
+            # What each implementation reports and decodes (control codes replaced).
+            path_rows.append(compare_codes(E2E, c, "decoded codes per frame", ra.decoded_codes, rb.decoded_codes,
+                                           skip_frames=(0,) if frame0 else ()))
         path_rows.append(compare_text(E2E, c, "assistant text", ra.text, rb.text))
         path_rows.append(compare_text(E2E, c, "user transcript", ra.transcript, rb.transcript))
         path_rows.append(compare_value(E2E, c, "audio length (frames x spf)", int(len(ra.audio)), int(len(rb.audio)),
@@ -518,7 +532,7 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
     """Code rows that fail while the ids agree, on a numerics="float32" run: re-run ours with
     numerics="reference" (a second load of the checkpoint). On the default numerics a code
     mismatch stays a failure."""
-    code_metrics = ("codes per frame", "first audio frame: codes")
+    code_metrics = ("codes per frame", "decoded codes per frame", "first audio frame: codes")
     failing = [r for r in rows if r.metric in code_metrics and r.status == FAIL and r.family == E2E]
     if not failing or getattr(a_backend, "numerics", None) != "float32" or not getattr(a_backend, "checkpoint", None):
         return
@@ -535,8 +549,10 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
         if path not in cache:
             cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed) if path == "offline" else
                            rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples))
-        ours = np.asarray(cache[path].codes)
-        theirs = np.asarray((b.offline if path == "offline" else b.stream).codes)
+        decoded = r.metric == "decoded codes per frame"
+        theirs_run = b.offline if path == "offline" else b.stream
+        ours = np.asarray(cache[path].decoded_codes if decoded else cache[path].codes)
+        theirs = np.asarray(theirs_run.decoded_codes if decoded else theirs_run.codes)
         skip = 1 if (path == "offline" and _frame0_difference(a, b, system_prompt, a_backend)) else 0
         if r.metric == "first audio frame: codes" and skip:
             continue  # frame 0 is the frame0_codes_no_prompt entry's

@@ -1,7 +1,7 @@
 """EAR-TTS (architecture.md §8): cached steps vs recompute-from-history, the
 sliding window and its ring layout, seeded sampling, the top-p rule, the EOS
 rule, control-code replacement, the MoG pass schedule, the char table, the
-reference-numerics flags (exact comparison against mlx-vlm: test_peers_codes.py)
+per-model numerics ("reference" / "float32") (exact comparison against mlx-vlm: test_peers_codes.py)
 and input validation.
 
 Tolerances. Every path computes in float32; the backbone output is RMS-normed,

@@ -90,9 +90,4 @@ def test_cli_generate_offline_and_stream(tmp_path, tiny_ckpt, question_wav):
     assert r.returncode == 0, r.stderr
     assert hashlib.sha256(out2.read_bytes()).digest() == hashlib.sha256(out3.read_bytes()).digest()
 
-
-def test_cli_rejects_wrong_rate(tmp_path, tiny_ckpt):
-    p = tmp_path / "48k.wav"
-    sf.write(p, np.zeros(4800, np.float32), 48000)
-    r = _cli("generate", "-m", str(tiny_ckpt), "--audio", str(p), "--output-audio", str(tmp_path / "o.wav"))
-    assert r.returncode != 0 and "48000 Hz; expected 16000" in r.stderr
+# Other sample rates and channel counts are converted by the CLI: parity_tests/test_input_files.py.

@@ -166,3 +166,35 @@ def test_codes_are_not_trivially_equal(runs):
     assert len(set(mo.codes.ravel().tolist())) > 8
     if "float32" in runs:
         assert len(_differing_frames(runs["float32"].codes, mo.codes)) > 0
+
+
+def test_speaker_warmup_is_computed_under_the_models_numerics(greedy_ckpt):
+    """The speaker warm-up (made once per model, at load) is the reference's, K/V bit for bit, on
+    every TTS layer: it is computed under the model's own numerics. With the former process-wide
+    switch, a model loaded (and warmed up) in float32 then run under the reference's roundings kept
+    its float32 warm-up, and its codes drifted from the reference's after a few frames (measured on
+    long_question.wav with the independent writer's real-depth 31 x 64 greedy 4-bit checkpoint: from
+    frame 3 without a prompt, 84 of 106 frames differing). The float32 warm-up does differ."""
+    import mlx.core as mx
+
+    import voicechat
+
+    vlm = get_backend("mlx-vlm")
+    vlm.load(str(greedy_ckpt))
+    try:
+        sess = vlm.session
+        prompt = sess._tts_prompt()
+        _, cache = vlm.model.tts_model.tts_model.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
+        theirs = [tuple(np.array(t.astype(mx.float32)) for t in c.state) for c in cache]
+    finally:
+        vlm.close()
+    for numerics, equal in (("reference", True), ("float32", False)):
+        model = voicechat.load(greedy_ckpt, numerics=numerics)
+        state = model.warm_tts_state()
+        same = True
+        for i, (k_ref, v_ref) in enumerate(theirs):
+            k, v = (np.array(a) for a in state.ordered_kv(i))
+            n = k.shape[2]  # a sliding layer keeps its last `window` positions
+            assert k.shape == k_ref[:, :, -n:].shape
+            same &= np.array_equal(k, k_ref[:, :, -n:]) and np.array_equal(v, v_ref[:, :, -n:])
+        assert same == equal, numerics

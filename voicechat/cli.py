@@ -1,4 +1,4 @@
-"""`voicechat` command line: synth, generate, parity, bench."""
+"""`voicechat` command line: synth, generate, parity, bench, serve, client, talk."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 def _cmd_synth(args) -> int:
     from .synthetic import write_checkpoint
 
-    path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed, progress=args.preset == "full")
+    path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed,
+                            progress=False if args.quiet else None)
     print(f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed})")
     return 0
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bits", type=int, choices=[4, 8], default=None,
                    help="quantize the language path as the published 4-/8-bit checkpoints do")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="no progress bar (it is shown only on a terminal)")
     s.set_defaults(func=_cmd_synth)
 
     from .generate_cli import add_generate_parser
@@ -35,7 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    try:
+        from .server.cli import add_server_parsers
+
+        add_server_parsers(sub)
+    except ImportError as e:
+        # The base install (README's first command) has no `serve` extra: the other commands must
+        # still work, and these say what to install.
+        _add_missing_extra_parsers(sub, e)
     return p
+
+
+def _add_missing_extra_parsers(sub, error: ImportError) -> None:
+    def refuse(args) -> int:
+        print(f"voicechat {args.command}: needs the `serve` extra ({error}); "
+              "install it with: pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+
+    for name in ("serve", "client", "talk"):
+        if name not in sub.choices:
+            q = sub.add_parser(name, help="(needs the `serve` extra: pip install -e '.[serve]')")
+            q.set_defaults(func=refuse)
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ import numpy as np
 from .audio.mel import log_mel
 from .audio.rnnt import greedy_decode
 from .audio_input import load_audio
+from .progress import progress
 from .speech_output import AudioChunk, ChunkedSpeechOutput
 from .timeline import Timeline
 from .tts.ear_tts import replace_control_codes
@@ -106,7 +107,7 @@ def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_lang
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
     prompt_positions = timeline.start(system_prompt)
     text_ids, function_ids, codes = [], [], []
-    for t in range(inputs.audio_emb.shape[0]):
+    for t in progress(range(inputs.audio_emb.shape[0]), desc="generating", unit="frame"):
         out = timeline.step(inputs.audio_emb[t])
         out.codes = _offline_codes(model, out.codes, out.position)
         mx.eval(out.text_id, out.function_id, out.codes)

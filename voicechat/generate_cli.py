@@ -1,4 +1,8 @@
-"""`voicechat generate`: offline by default, `--stream` drives the streaming session."""
+"""`voicechat generate`: offline by default, `--stream` drives the streaming session.
+
+Input: any WAV / FLAC / OGG file (converted to 16 kHz mono, see audio_input.read_audio_file),
+the bundled `question.wav` by default. Output: a 16-bit PCM WAV by default, `--output-format
+float32` for the exact samples."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import time
 import numpy as np
 
 DEFAULT_MODEL = "synthetic:tiny"
+OUTPUT_FORMATS = ("pcm16", "float32")
 
 
 def add_generate_parser(sub) -> None:
@@ -15,8 +20,14 @@ def add_generate_parser(sub) -> None:
     g.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] "
                         f"(default {DEFAULT_MODEL}: a random-weight tiny model, written on first use)")
-    g.add_argument("--audio", required=True, help="input audio file (mono, 16 kHz; not resampled)")
-    g.add_argument("--output-audio", required=True, help="output WAV (22.05 kHz, float32)")
+    g.add_argument("--audio", default="question.wav",
+                   help="input audio file: WAV / FLAC / OGG, any sample rate and channel count (mixed down to "
+                        "mono, resampled to 16 kHz with soxr); or a bundled sample name, question.wav or "
+                        "long_question.wav (default %(default)s)")
+    g.add_argument("--output-audio", required=True, help="output WAV file (22.05 kHz mono)")
+    g.add_argument("--output-format", choices=OUTPUT_FORMATS, default="pcm16",
+                   help="pcm16 (default: 16-bit PCM, what players open; rounded, clipped to [-1, 1)) or "
+                        "float32 (the exact samples)")
     g.add_argument("-p", "--prompt", default=None, help="system prompt")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stream", action="store_true", help="run the streaming session in 1280-sample pushes")
@@ -24,19 +35,26 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--max-streaming-seconds", type=float, default=None)
     g.add_argument("--extra-decoding-seconds", type=float, default=0.0,
                    help="zeros appended to the input so the model can finish its answer")
+    g.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
     g.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> int:
     import voicechat
-    from voicechat.audio_input import read_audio_file
+    from voicechat.audio_input import read_audio_file, resolve_input_path
     from voicechat.errors import ContextLimitError
+    from voicechat.progress import set_quiet
     from voicechat.synthetic import resolve_model_arg
 
+    if args.quiet:
+        set_quiet(True)
+    audio_path = resolve_input_path(args.audio)
+    if not audio_path.exists():  # before minutes of loading
+        raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
     t0 = time.perf_counter()
     model = voicechat.load(resolve_model_arg(args.model))
     cfg = model.config
-    audio = read_audio_file(args.audio, cfg.input_sample_rate)
+    audio = read_audio_file(audio_path, cfg.input_sample_rate)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s; input {audio.size / cfg.input_sample_rate:.2f} s",
           file=sys.stderr)
     if not args.stream:
@@ -60,7 +78,7 @@ def run_generate(args) -> int:
         n = cfg.frame_samples
         events = []
         try:
-            for i in range(0, audio.size, n):
+            for i in range(0, audio.size, n):  # no bar: the live text is the progress
                 events = session.push_audio(audio[i:i + n])
                 _show(events, pieces)
             events = session.flush()
@@ -75,8 +93,9 @@ def run_generate(args) -> int:
         out = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         if args.profile:
             print(session.profile.table(drop_first=5))
-    write_wav_float32(args.output_audio, out, cfg.output_sample_rate)
-    print(f"wrote {args.output_audio}: {out.size} samples at {cfg.output_sample_rate} Hz", file=sys.stderr)
+    clipped = write_wav(args.output_audio, out, cfg.output_sample_rate, args.output_format)
+    print(f"wrote {args.output_audio}: {out.size} samples at {cfg.output_sample_rate} Hz, {args.output_format}"
+          + (f" ({clipped} samples clipped to [-1, 1))" if clipped else ""), file=sys.stderr)
     return 0
 
 
@@ -90,6 +109,47 @@ def _show(events, pieces) -> None:
             pieces.append(e.samples)
 
 
+def write_wav(path, samples: np.ndarray, sample_rate: int, output_format: str = "pcm16") -> int:
+    """Mono WAV as `pcm16` (default) or `float32`; returns how many samples were clipped (pcm16 only)."""
+    if output_format == "float32":
+        write_wav_float32(path, samples, sample_rate)
+        return 0
+    if output_format == "pcm16":
+        return write_wav_pcm16(path, samples, sample_rate)
+    raise ValueError(f"unknown output format {output_format!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
+
+
+def to_pcm16(samples: np.ndarray) -> tuple[np.ndarray, int]:
+    """float samples -> int16 PCM: x * 32768 rounded to nearest (ties to even), saturated to
+    [-32768, 32767], i.e. [-1, 32767/32768] in float; returns the codes and how many saturated."""
+    x = np.asarray(samples, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError("output audio contains NaN or infinite samples; cannot write PCM")
+    q = np.round(x.astype(np.float64) * 32768.0)
+    clipped = int(np.count_nonzero((q > 32767) | (q < -32768)))
+    return np.clip(q, -32768, 32767).astype("<i2"), clipped
+
+
+def write_wav_pcm16(path, samples: np.ndarray, sample_rate: int) -> int:
+    """Mono 16-bit PCM WAV (fmt + data chunks only); returns the number of clipped samples."""
+    import struct
+
+    pcm, clipped = to_pcm16(samples)
+    data = pcm.tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)  # WAVE_FORMAT_PCM
+    _write_riff(path, fmt, data)
+    return clipped
+
+
+def _write_riff(path, fmt: bytes, data: bytes) -> None:
+    import struct
+
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE")
+        f.write(b"fmt " + struct.pack("<I", len(fmt)) + fmt)
+        f.write(b"data" + struct.pack("<I", len(data)) + data)
+
+
 def write_wav_float32(path, samples: np.ndarray, sample_rate: int) -> None:
     """Mono 32-bit float WAV with only fmt + data chunks.
 
@@ -100,7 +160,4 @@ def write_wav_float32(path, samples: np.ndarray, sample_rate: int) -> None:
 
     data = np.asarray(samples, dtype="<f4").tobytes()
     fmt = struct.pack("<HHIIHH", 3, 1, sample_rate, sample_rate * 4, 4, 32)  # WAVE_FORMAT_IEEE_FLOAT
-    with open(path, "wb") as f:
-        f.write(b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE")
-        f.write(b"fmt " + struct.pack("<I", len(fmt)) + fmt)
-        f.write(b"data" + struct.pack("<I", len(data)) + data)
+    _write_riff(path, fmt, data)

@@ -18,6 +18,7 @@ from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, rea
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .parallel import prepare_linears
+from .progress import bar
 from .tokenizer import TextTokenizer
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -85,6 +86,7 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     numerics = numerics_from(numerics)  # a bad value fails before anything is read
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
+    steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py
     weights, _ = read_safetensors(folder)
     if is_raw_layout(weights):
         weights = sanitize(weights, cfg)
@@ -104,11 +106,14 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
         bad = nonfinite_tensors(weights)
         if bad:
             raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
+    steps.update()  # read and checked
     model.update(tree_unflatten(list(weights.items())))
     mx.eval(model.parameters())
+    steps.update()  # in memory
     # Float32 copies of 16-bit dense weights; large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
+    steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)
     model.folder = folder
@@ -117,6 +122,8 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
         # session (when the user is about to speak) costs only a state copy.
         model.warm_tts_state()
         model.warm_runtime()
+        steps.update()
+    steps.close()
     return model
 
 

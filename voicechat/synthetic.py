@@ -14,8 +14,13 @@ Values: every tensor is drawn from its own numpy generator seeded by (seed,
 crc32(name)), with the mean and standard deviation of the module's own
 initialisation (so the random model keeps finite activations and non-tied
 decisions), and files are written by a small safetensors writer with sorted
-keys, so the same preset and seed give byte-identical files. Tensors are
-generated and written shard by shard, so the `full` preset fits in 24 GiB.
+keys, so the same preset and seed give byte-identical files.
+
+Memory is bounded whatever the preset: every shard's header and size are laid
+out from the shapes first, then each tensor is drawn, converted (bf16 bits or
+quantized), written at its offset and dropped; tensors of more than
+`CHUNK_ELEMENTS` go a row chunk at a time. Measured peak RSS writing the
+published shapes: see docs/performance.md ("Writing and loading the full shapes").
 """
 
 from __future__ import annotations
@@ -40,12 +45,6 @@ from .tokenizer import write_synthetic_tokenizer
 GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
 SUBWORD_TABLE_SIZE = 131072  # hard-wired in the reference (architecture.md §13.1)
-
-_SAFETENSORS_DTYPE = {
-    np.dtype(np.float32): "F32", np.dtype(np.uint16): "BF16", np.dtype(np.uint32): "U32",
-    np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
-}
-
 
 def language_path_modules(model) -> list[str]:
     """The modules the published 4/8-bit checkpoints quantize (architecture.md §3.1)."""
@@ -148,32 +147,19 @@ def _preprocessor_buffers(cfg: VoiceChatConfig) -> dict[str, np.ndarray]:
     }
 
 
-class _SafetensorsShard:
-    """Minimal safetensors writer: sorted keys, fixed metadata, so output is byte-stable."""
-
-    def __init__(self):
-        self.tensors: dict[str, np.ndarray] = {}
-        self.nbytes = 0
-
-    def add(self, name: str, arr: np.ndarray):
-        self.tensors[name] = np.require(np.asarray(arr), requirements='C')  # keeps 0-d shapes
-        self.nbytes += arr.nbytes
-
-    def write(self, path: Path, bf16: set[str]):
-        header, offset = {}, 0
-        for k in sorted(self.tensors):
-            a = self.tensors[k]
-            dt = "BF16" if k in bf16 else _SAFETENSORS_DTYPE[a.dtype]
-            header[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-            offset += a.nbytes
-        header["__metadata__"] = {"format": "pt"}
-        blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-        blob += b" " * ((8 - len(blob) % 8) % 8)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for k in sorted(self.tensors):
-                f.write(self.tensors[k].tobytes())
+def _safetensors_header(pieces: list[tuple[str, tuple, str, int]]) -> tuple[bytes, dict[str, int]]:
+    """The header block of a shard (sorted keys, fixed metadata, so output is byte-stable) and
+    each tensor's byte offset in the file. `pieces`: (name, shape, dtype, nbytes)."""
+    header, offsets, offset = {}, {}, 0
+    for name, shape, dt, nbytes in sorted(pieces):
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets[name] = offset
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    blob += b" " * ((8 - len(blob) % 8) % 8)
+    start = 8 + len(blob)
+    return struct.pack("<Q", len(blob)) + blob, {k: start + v for k, v in offsets.items()}
 
 
 def _tensor_plan(model, cfg: VoiceChatConfig, bits: int | None):
@@ -220,13 +206,122 @@ def _deep_update(d: dict, u: dict) -> dict:
     return d
 
 
+# Row chunks of this many elements are drawn, converted and written at a time, so a
+# tensor of any size costs a bounded amount of memory (the values do not depend on it:
+# numpy's generator continues its stream across draws; tested).
+CHUNK_ELEMENTS = 1 << 22
+# Above this size, a Linear / Embedding weight's init statistics come from a same-class
+# module with fewer rows (the init scale depends only on the input width) instead of
+# evaluating the whole init (2.3 GB at the published embedding shape). No tensor of the
+# tiny or small presets is this large, so their files are unchanged.
+PROXY_STATS_ELEMENTS = 1 << 24
+
+_INT_NAMES = ("subword_flag_emb.is_continuation", "subword_flag_emb.pad_tensor", "bos_eos_emb.pad_tensor",
+              "bos_eos_emb.special_flags")
+
+
+def _is_integer(name: str, init: mx.array) -> bool:
+    """Whether `_draw` gives int64 values for this tensor (planned before anything is drawn)."""
+    return name.endswith(_INT_NAMES) or name in ("tts_model.control_codes", "tts_model.codec_silence_tokens") \
+        or mx.issubdtype(init.dtype, mx.integer)
+
+
+def _proxy_stats(module, shape) -> tuple[float, float] | None:
+    """Init statistics of a large Linear / Embedding weight from a smaller module of the same class."""
+    if type(module) is nn.Linear:
+        rows = max(1, PROXY_STATS_ELEMENTS // shape[1])
+        return _init_stats(nn.Linear(shape[1], rows, bias=False).weight)
+    if type(module) is nn.Embedding:
+        rows = max(1, PROXY_STATS_ELEMENTS // shape[1])
+        return _init_stats(nn.Embedding(rows, shape[1]).weight)
+    return None
+
+
+_LSTM = "stt_model.rnnt_decoder.prediction.dec_rnn.lstm."
+
+
+def _pieces(name, shape, init, quant, bits, cfg, float_dt: str) -> list[tuple[str, tuple, str]]:
+    """(raw name, shape, safetensors dtype) of what one MLX-layout tensor is stored as, in the
+    order they are emitted; computed from shapes (the zeros are never evaluated)."""
+    if quant:
+        module, (out, inp) = name[: -len(".weight")], shape
+        return [(name, (out, inp * bits // 32), "U32"), (module + ".scales", (out, inp // GROUP_SIZE), "F32"),
+                (module + ".biases", (out, inp // GROUP_SIZE), "F32")]
+    if _is_integer(name, init):
+        return [(k, tuple(v.shape), "I64") for k, v in unsanitize({name: mx.zeros(shape, mx.int64)}, cfg).items()]
+    if name.startswith(_LSTM) and name.endswith(".bias"):
+        layer = name.split(".")[-2]
+        return [(f"{_LSTM}bias_ih_l{layer}", shape, float_dt), (f"{_LSTM}bias_hh_l{layer}", shape, float_dt)]
+    return [(k, tuple(v.shape), float_dt) for k, v in unsanitize({name: mx.zeros(shape)}, cfg).items()]
+
+
+def _nbytes(shape, dt: str) -> int:
+    return math.prod(shape) * {"U32": 4, "F32": 4, "I64": 8, "BF16": 2}[dt]
+
+
+class _ShardFiles:
+    """The shards of a checkpoint, laid out before any value exists: each file gets its header
+    and its final size up front, and every tensor (or row chunk of one) is written at its
+    offset as soon as it is made, then dropped."""
+
+    def __init__(self, folder: Path, pieces: list[tuple[str, tuple, str]], n_shards: int):
+        total = sum(_nbytes(shape, dt) for _, shape, dt in pieces)
+        target = total / n_shards
+        groups: list[list] = [[]]
+        filled = 0
+        for name, shape, dt in pieces:  # same rule as filling shards in emission order
+            if filled >= target and len(groups) < n_shards:
+                groups.append([])
+                filled = 0
+            nb = _nbytes(shape, dt)
+            groups[-1].append((name, shape, dt, nb))
+            filled += nb
+        self.paths, self.where, self.dtype = [], {}, {}
+        for i, group in enumerate(groups):
+            f = folder / f".shard-{i}.tmp"
+            header, offsets = _safetensors_header(group)
+            with open(f, "wb") as fh:
+                fh.write(header)
+                fh.truncate(len(header) + sum(g[3] for g in group))
+            self.paths.append(f)
+            for name, shape, dt, nb in group:
+                self.where[name] = (i, offsets[name], nb)
+                self.dtype[name] = dt
+        self._files = [open(f, "r+b") for f in self.paths]
+
+    def write(self, name: str, arr: np.ndarray, start: int = 0) -> None:
+        """The bytes of `arr` at byte `start` within tensor `name`."""
+        i, offset, nb = self.where[name]
+        data = np.require(arr, requirements="C")
+        if start + data.nbytes > nb:
+            raise AssertionError(f"{name}: writing past its planned size ({start + data.nbytes} > {nb})")
+        f = self._files[i]
+        f.seek(offset + start)
+        f.write(memoryview(data).cast("B") if data.ndim else data.tobytes())
+
+    def close(self):
+        for f in self._files:
+            f.close()
+
+
+def _stored(value: np.ndarray, dt: str) -> np.ndarray:
+    if dt == "BF16":
+        return _f32_to_bf16_bits(value)
+    want = {"F32": np.float32, "I64": np.int64, "U32": np.uint32}[dt]
+    if value.dtype != want:
+        raise AssertionError(f"planned {dt}, drew {value.dtype}")
+    return value
+
+
 def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, seed: int = 0,
-                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool = False,
+                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool | None = False,
                      overrides: dict | None = None) -> Path:
     """Write a synthetic checkpoint folder; returns its path.
 
-    `overrides` is deep-merged into the preset's config (e.g. fewer layers for a
-    quick structural test of the `small` geometry).
+    Memory is bounded whatever the preset: the shard files are laid out from the shapes
+    first, then each tensor is drawn, converted, written at its offset and dropped (large
+    ones in row chunks of `CHUNK_ELEMENTS`). `overrides` is deep-merged into the preset's
+    config (e.g. fewer layers for a quick structural test of the `small` geometry).
     """
     from .model import VoiceChatModel
 
@@ -250,78 +345,56 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
     mx.random.seed(0x5EED + seed)
     model = VoiceChatModel(cfg)
     plan = _tensor_plan(model, cfg, bits)
-    # (init arrays are lazy but captured their keys at construction)
+    # The init arrays are lazy (nothing is allocated until one is evaluated for its
+    # statistics); the plan keeps them, the model is not needed any more.
+    modules = dict(model.named_modules())
+    proxy = {}
+    for name, shape, _, _ in plan:
+        if math.prod(shape) > PROXY_STATS_ELEMENTS:
+            stats = _proxy_stats(modules[name.rsplit(".", 1)[0]], shape)
+            if stats is not None:
+                proxy[name] = stats
+    del model, modules
     mx.random.seed(resume_seed)
 
     total = sum(_stored_nbytes(*p, bits) for p in plan)
     if n_shards is None:
         n_shards = max(2, math.ceil(total / SHARD_BYTES))
-    target = total / n_shards
+    float_dt = "BF16" if dtype == "bfloat16" else "F32"
+    buffers = sorted(_preprocessor_buffers(cfg).items())  # NeMo stores these in float32
+    pieces = [(k, tuple(v.shape), "F32") for k, v in buffers]
+    for name, shape, init, quant in plan:
+        pieces += _pieces(name, shape, init, quant, bits, cfg, float_dt)
+    files = _ShardFiles(path, pieces, n_shards)
+    old_limit = mx.set_cache_limit(64 * 1024**2)  # freed tensors go back to the system
+    # progress: None or True draw a bar when stderr is a terminal, False never (voicechat/progress.py)
+    bar = _progress_bar(len(plan), f"synth {preset} {bits or 'bf16'}") if progress is not False else None
+    try:
+        for k, v in buffers:
+            files.write(k, _stored(v, "F32"))
+        for idx in range(len(plan)):
+            name, shape, init, quant = plan[idx]
+            plan[idx] = None  # drop the init (evaluated below for its statistics) with the tensor
+            _write_tensor(files, name, shape, init, quant, bits, cfg, seed, float_dt, proxy.get(name))
+            del init
+            if bar is not None:
+                bar.update(1)
+    finally:
+        files.close()
+        mx.set_cache_limit(old_limit)
+        mx.clear_cache()
+        if bar is not None:
+            bar.close()
 
-    shards: list[_SafetensorsShard] = [_SafetensorsShard()]
-    bf16_names: set[str] = set()
-    weight_map: dict[str, int] = {}
-
-    def emit(raw_name: str, value: np.ndarray, as_bf16: bool):
-        if shards[-1].nbytes >= target and len(shards) < n_shards:
-            _flush(len(shards) - 1)
-            shards.append(_SafetensorsShard())
-        if as_bf16:
-            bf16_names.add(raw_name)
-            value = _f32_to_bf16_bits(value)
-        shards[-1].add(raw_name, value)
-        weight_map[raw_name] = len(shards) - 1
-
-    tmp_files: list[Path] = []
-
-    def _flush(i: int):
-        f = path / f".shard-{i}.tmp"
-        shards[i].write(f, bf16_names)
-        tmp_files.append(f)
-        shards[i].tensors.clear()
-
-    float_bf16 = dtype == "bfloat16"
-    for k, v in sorted(_preprocessor_buffers(cfg).items()):
-        emit(k, v, False)  # NeMo stores these in float32
-    for idx, (name, shape, init, quant) in enumerate(plan):
-        if progress and idx % 50 == 0:
-            print(f"  [{idx}/{len(plan)}] {name}", file=sys.stderr, flush=True)
-        value = _draw(name, shape, init, cfg, seed)
-        if quant:
-            wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
-            module = name[: -len(".weight")]
-            emit(name, np.array(wq), False)
-            emit(module + ".scales", np.array(scales.astype(mx.float32)), False)
-            emit(module + ".biases", np.array(biases.astype(mx.float32)), False)
-            continue
-        if value.dtype == np.int64:
-            raw = unsanitize({name: mx.array(value)}, cfg)
-            for rk, rv in raw.items():
-                emit(rk, np.array(rv).astype(np.int64), False)
-            continue
-        if name.startswith("stt_model.rnnt_decoder.prediction.dec_rnn.lstm.") and name.endswith(".bias"):
-            # Raw LSTM stores two bias vectors that the loader sums.
-            layer = name.split(".")[-2]
-            rng = _rng(seed, name + ".split")
-            hh = (0.1 * rng.standard_normal(shape)).astype(np.float32)
-            prefix = "stt_model.rnnt_decoder.prediction.dec_rnn.lstm."
-            emit(f"{prefix}bias_ih_l{layer}", value - hh, float_bf16)
-            emit(f"{prefix}bias_hh_l{layer}", hh, float_bf16)
-            continue
-        raw = unsanitize({name: mx.array(value)}, cfg)
-        for rk, rv in raw.items():
-            emit(rk, np.array(rv), float_bf16)
-
-    _flush(len(shards) - 1)
-    n = len(shards)
+    n = len(files.paths)
     names = {}
-    for i, f in enumerate(tmp_files):
+    for i, f in enumerate(files.paths):
         final = path / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         f.replace(final)
         names[i] = final.name
     index = {
         "metadata": {"total_size": total, "synthetic": True, "preset": preset, "seed": seed, "bits": bits},
-        "weight_map": {k: names[v] for k, v in sorted(weight_map.items())},
+        "weight_map": {k: names[files.where[k][0]] for k in sorted(files.where)},
     }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, allow_nan=True, ensure_ascii=False))
@@ -332,6 +405,66 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         "Not a trained model: use it for tests and timing only.\n"
     )
     return path
+
+
+def _progress_bar(total: int, desc: str):
+    from .progress import bar
+
+    return bar(total=total, desc=desc, unit="tensor")
+
+
+def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed, float_dt, proxy_stats):
+    """Draw one MLX-layout tensor and write what it is stored as (row chunks when it is large)."""
+    chunked = len(shape) == 2 and not _is_integer(name, init) and \
+        [k for k, _, _ in _pieces(name, shape, init, False, bits, cfg, float_dt)] == [name] and \
+        name not in _RNNT_SCALE and not name.startswith("tts_model.audio_prompt_latents.")
+    if chunked:
+        mean, std = proxy_stats or _init_stats(init)
+        if not std <= 1e-6 * max(1.0, abs(mean)):
+            _write_rows(files, name, shape, mean, std, quant, bits, seed)
+            return
+    value = _draw(name, shape, init, cfg, seed)
+    if quant:
+        wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
+        module = name[: -len(".weight")]
+        files.write(name, _stored(np.array(wq), "U32"))
+        files.write(module + ".scales", _stored(np.array(scales.astype(mx.float32)), "F32"))
+        files.write(module + ".biases", _stored(np.array(biases.astype(mx.float32)), "F32"))
+        return
+    if value.dtype == np.int64:
+        for rk, rv in unsanitize({name: mx.array(value)}, cfg).items():
+            files.write(rk, _stored(np.array(rv).astype(np.int64), "I64"))
+        return
+    if name.startswith(_LSTM) and name.endswith(".bias"):
+        # Raw LSTM stores two bias vectors that the loader sums.
+        layer = name.split(".")[-2]
+        rng = _rng(seed, name + ".split")
+        hh = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        files.write(f"{_LSTM}bias_ih_l{layer}", _stored(value - hh, float_dt))
+        files.write(f"{_LSTM}bias_hh_l{layer}", _stored(hh, float_dt))
+        return
+    for rk, rv in unsanitize({name: mx.array(value)}, cfg).items():
+        files.write(rk, _stored(np.array(rv), float_dt))
+
+
+def _write_rows(files: _ShardFiles, name, shape, mean, std, quant, bits, seed):
+    """`mean + std * normal` (as `_draw`), drawn, converted and written a row chunk at a time."""
+    rows, cols = shape
+    rng = _rng(seed, name)
+    step = max(1, CHUNK_ELEMENTS // cols)
+    module = name[: -len(".weight")]
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        value = (mean + std * rng.standard_normal((n, cols), dtype=np.float32)).astype(np.float32)
+        if quant:
+            wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
+            files.write(name, _stored(np.array(wq), "U32"), r * (cols * bits // 8))
+            files.write(module + ".scales", _stored(np.array(scales.astype(mx.float32)), "F32"),
+                        r * (cols // GROUP_SIZE) * 4)
+            files.write(module + ".biases", _stored(np.array(biases.astype(mx.float32)), "F32"),
+                        r * (cols // GROUP_SIZE) * 4)
+        else:
+            files.write(name, _stored(value, files.dtype[name]), r * cols * (2 if files.dtype[name] == "BF16" else 4))
 
 
 def cache_root() -> Path:
@@ -374,7 +507,7 @@ def ensure_synthetic(spec: str, *, progress: bool = True) -> Path:
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=progress and preset == "full")
+        write_checkpoint(tmp, preset, bits=bits, seed=seed, progress=None if progress else False)
         try:
             tmp.replace(folder)
         except OSError:  # another process finished first: keep its (identical) files

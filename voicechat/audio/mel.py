@@ -147,7 +147,9 @@ def _log_mel_frames(
         src = mx.clip(pos, y_start, y_start + y.size - 1)
         frames = mx.where(valid, y[src - y_start], 0.0)
     spec = mx.fft.rfft(frames * window, axis=-1)
-    power = mx.square(spec.real) + mx.square(spec.imag)
+    # |X|² as the reference rounds it: the magnitude first, then its square (re² + im²
+    # rounds differently in ~half the bins, ~1 ulp)
+    power = mx.square(mx.abs(spec))
     mel = power.astype(mx.float32) @ fbank.T
     return mx.log(mel + cfg.log_zero_guard_value)
 

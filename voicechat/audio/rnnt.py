@@ -90,7 +90,8 @@ class RnntDecoder(nn.Module):
         if token == self.blank_id:
             x = mx.zeros((self.hidden,), dtype=mx.float32)
         else:
-            x = self.prediction.embed.weight[token].astype(mx.float32)
+            # Through the module: works for a dense and a quantized (packed) embedding alike.
+            x = self.prediction.embed(mx.array([token]))[0].astype(mx.float32)
         new_state = []
         for cell, (h, c) in zip(self.prediction.dec_rnn.lstm, state):
             h, c = cell(x, h, c)
@@ -105,6 +106,8 @@ class RnntJoint(nn.Module):
     def __init__(self, audio_cfg: AudioConfig):
         super().__init__()
         jc = audio_cfg.joint
+        # Widths from the config: a quantized layer's stored weight is packed (in·bits/32 columns).
+        self.encoder_hidden = jc.encoder_hidden
         self.enc = nn.Linear(jc.encoder_hidden, jc.joint_hidden)
         self.pred = nn.Linear(jc.pred_hidden, jc.joint_hidden)
         self.joint_net = [nn.ReLU(), nn.Identity(), nn.Linear(jc.joint_hidden, jc.num_classes + 1)]
@@ -152,7 +155,7 @@ def greedy_decode(
     `skip_ids` (special pieces) still drive the decoder but are not returned.
     """
     _check_max_symbols(max_symbols)
-    enc_frames = _as_enc_frames(enc_frames, joint.enc.weight.shape[1], "greedy_decode")
+    enc_frames = _as_enc_frames(enc_frames, joint.encoder_hidden, "greedy_decode")
     skip = frozenset(skip_ids)
     enc_proj = joint.project_encoder(enc_frames)  # all frames at once
     blank = decoder.blank_id
@@ -238,7 +241,7 @@ class RnntStream:
         return st.pred_proj
 
     def step(self, enc_frame: mx.array) -> list[int]:
-        d = self.joint.enc.weight.shape[1]
+        d = self.joint.encoder_hidden
         if not isinstance(enc_frame, mx.array):
             raise TypeError(f"RnntStream.step: expected an mx.array ({d},), got {type(enc_frame).__name__}")
         if enc_frame.shape == (1, d):

@@ -257,7 +257,12 @@ class NemotronHState:
 def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, norm_w, *taps_and_bias):
     """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
     recurrence, the gated grouped RMSNorm; the sequence path (`_project`, `_gated_norm_out`)
-    shares every helper but the recurrence. -> (u, new conv state, new SSM state)."""
+    shares every helper but the recurrence. -> (u, new conv state, new SSM state).
+
+    The recurrence is evaluated as the chunked formulation evaluates one position (the
+    reference does so on a CPU), not as y = S_new·C: the output is built from the *old*
+    state, y = (C·B)·Δx + exp(ΔA)·(S_old·C) + D·x, with C·B one dot product per group and
+    the same product shapes, so both round alike (mathematically the two are equal)."""
     pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max, has_bias = dims
     taps = taps_and_bias[:k]
     conv_bias = taps_and_bias[k] if has_bias else None
@@ -265,16 +270,20 @@ def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, nor
     padded, new_conv = _append_conv_state(conv_state, xbc, k)
     xbc = nn.silu(_tap_sum(padded, taps, conv_bias, 1))
     gs = groups * state_size
-    x_h = xbc[..., :d_inner].reshape(1, 1, heads, head_dim)[:, 0]  # (1, H, P)
-    b = xbc[..., d_inner : d_inner + gs].reshape(1, 1, groups, state_size)
-    c = xbc[..., d_inner + gs :].reshape(1, 1, groups, state_size)
-    b_h = mx.repeat(b[:, 0], heads // groups, axis=1)  # (1, H, N): group g serves contiguous heads
-    c_h = mx.repeat(c[:, 0], heads // groups, axis=1)
+    rep = heads // groups
+    x_h = xbc[..., :d_inner].reshape(1, heads, head_dim)  # (1, H, P)
+    b = xbc[..., d_inner : d_inner + gs].reshape(1, groups, state_size)
+    c = xbc[..., d_inner + gs :].reshape(1, groups, state_size)
     dt = _time_steps(dt, dt_bias, dt_min, dt_max)[:, 0]  # (1, H)
-    decay = mx.exp(dt * a)[:, :, None, None]
-    ssm = decay * ssm_state + (dt[:, :, None] * x_h)[..., None] * b_h[:, :, None, :]
-    y = (ssm @ c_h[..., None])[..., 0]  # (1, H, P)
+    dtx = dt[:, :, None] * x_h  # (1, H, P)
+    decay = mx.exp(dt * a)[:, :, None]  # (1, H, 1)
+    cb = mx.repeat((c[:, :, None, :] @ b[:, :, :, None])[..., 0], rep, axis=1)  # (1, H, 1): C·B per group
+    # S_old·C with the heads of a group sharing their group's C: (1, G, rep, P, N) @ (1, G, 1, N, 1)
+    y_state = (ssm_state.reshape(1, groups, rep, head_dim, state_size) @ c[:, :, None, :, None])
+    y = cb * dtx + decay * y_state.reshape(1, heads, head_dim)
     y = y + d_col * x_h
+    b_h = mx.repeat(b, rep, axis=1)  # (1, H, N): group g serves contiguous heads
+    ssm = dtx[..., None] * b_h[:, :, None, :] + decay[..., None] * ssm_state
     return _gated_norm(y.reshape(1, 1, d_inner), z, groups, eps, norm_w), new_conv, ssm
 
 
@@ -341,8 +350,9 @@ class Mamba2Mixer(nn.Module):
 
     def _dt_bias_and_a(self) -> tuple[mx.array, mx.array]:
         """dt_bias in float32 and a = -exp(A_log) (heads,), made once per weights."""
+        # exp in A_log's stored dtype, as the reference computes it (bf16 in the published layout)
         return derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
-                       lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+                       lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)))
 
     def _norm_weight(self) -> mx.array:
         return derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))

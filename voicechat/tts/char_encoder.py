@@ -163,8 +163,9 @@ class CharSelfAttention(nn.Module):
         scores = (q @ k.transpose(0, 1, 3, 2)) * self.scale
         scores = self.softcap * mx.tanh(scores / self.softcap)
         scores = mx.where(key_valid[:, None, None, :], scores, MASKED_SCORE)
-        # Softmax in float32, then back to the activation dtype (a no-op in float32).
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(x.dtype)
+        # Softmax in float32, then to the projections' dtype (a no-op in float32). That is q's
+        # dtype, not x's: a quantized q_proj with float32 scales gives float32 q from bf16 x.
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(n, length, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -248,9 +249,15 @@ class CharAwareSubwordEncoder(nn.Module):
 
     # -- pieces
 
+    def table_dtype(self) -> mx.Dtype:
+        """The dtype of the char embedding's rows: the stored weight's, or for a quantized table
+        (packed uint32) that of its scales, which its dequantized rows have."""
+        emb = self.embed_tokens
+        return emb.scales.dtype if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.dtype
+
     def activation_dtype(self, in_weight_dtype: bool) -> mx.Dtype:
         """float32, or with `in_weight_dtype` the char embedding's (float) dtype."""
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.table_dtype()
         return dtype if in_weight_dtype and mx.issubdtype(dtype, mx.floating) else mx.float32
 
     def encode_chars(self, char_ids: mx.array, lengths: mx.array, *, in_weight_dtype: bool = False) -> mx.array:
@@ -262,10 +269,9 @@ class CharAwareSubwordEncoder(nn.Module):
         """
         n, length = char_ids.shape
         act = self.activation_dtype(in_weight_dtype)
-        weight = self.embed_tokens.weight
         # The reference multiplies by √hidden rounded to its activation dtype,
         # the embedding table's dtype (34.0 for 1152 in bf16).
-        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=weight.dtype).astype(act)
+        scale = mx.array(math.sqrt(self.cfg.hidden_size), dtype=self.table_dtype()).astype(act)
         x = self.embed_tokens(char_ids).astype(act) * scale
         valid = mx.arange(length)[None, :] < lengths[:, None]
         x = self.backbone.encoder(x, valid)
@@ -274,10 +280,11 @@ class CharAwareSubwordEncoder(nn.Module):
         return self.proj_embedding(pooled).astype(act)
 
     def add_flag_embeddings(self, x: mx.array, ids: mx.array) -> mx.array:
-        """x (…, hidden) + both flag embeddings of the int token ids (…), added at every position
-        in x's dtype, continuation flag first."""
-        x = x + self.subword_flag_emb(ids).astype(x.dtype)
-        return x + self.bos_eos_emb(ids).astype(x.dtype)
+        """x (…, hidden) + both flag embeddings of the int token ids (…), added at every position,
+        continuation flag first, with MLX's type promotion (as the reference): a quantized flag
+        embedding (float32 rows from float32 scales) makes a bf16 x float32."""
+        x = x + self.subword_flag_emb(ids)
+        return x + self.bos_eos_emb(ids)
 
     # -- whole text-side input
 

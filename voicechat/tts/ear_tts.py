@@ -322,12 +322,23 @@ def _mog_trunk_core(eps, x, scales, mlps):
     return _norm(x, scales[-1], eps[-1])
 
 
-def _mog_sample_core(static, x, u, eps, mus_weight, low_mat, proj):
+def _mus_rows(mus, k, num_predictions: int, low_rank: int, hidden: int, quant) -> mx.array:
+    """The low_rank rows of component k of `proj_mus` (R, hidden). `mus` = (weight,) dense, or
+    (weight, scales, biases) packed with `quant` = (group_size, bits, mode): only the chosen rows
+    are dequantized (a checkpoint may store proj_mus quantized; architecture.md §3.3)."""
+    if quant is None:
+        return mx.take(mus[0].reshape(num_predictions, low_rank, hidden), k, axis=0)
+    group_size, bits, mode = quant
+    rows = [mx.take(a.reshape(num_predictions, low_rank, -1), k, axis=0) for a in mus]
+    return mx.dequantize(*rows, group_size=group_size, bits=bits, mode=mode)
+
+
+def _mog_sample_core(static, x, u, eps, mus, low_mat, proj):
     """MogHead.sample_residual after the draws (u: the Gumbel uniforms, eps: the noise):
     top-p filtered component log-probabilities, Gumbel-max choice k, then the latent
     mu_k * std + proj_else(x) + std * eps * noise_scale. `proj` holds proj_logits,
     proj_logs, proj_else."""
-    top_p, noise_scale, min_log_std, num_predictions, low_rank, log_of_softmax = static
+    top_p, noise_scale, min_log_std, num_predictions, low_rank, log_of_softmax, mus_quant = static
     logits = apply(x, proj[0])[None].astype(mx.float32)  # (1, 1, P)
     filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
     if log_of_softmax:
@@ -339,7 +350,7 @@ def _mog_sample_core(static, x, u, eps, mus_weight, low_mat, proj):
     k = mx.argmax(log_probs + gumbel, axis=-1).reshape(())
     # Only the chosen component's low_rank rows of proj_mus are needed.
     hidden = x.shape[-1]
-    mus_rows = mx.take(mus_weight.reshape(num_predictions, low_rank, hidden), k, axis=0)
+    mus_rows = _mus_rows(mus, k, num_predictions, low_rank, hidden, mus_quant)
     low = mx.take(low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
     mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
     log_std = mx.maximum(apply(x, proj[1]), min_log_std)  # (1, 1)
@@ -507,10 +518,14 @@ class MogHead(nn.Module):
         logits - logsumexp."""
         u = rng.uniform((1, 1, self.num_predictions))
         eps = rng.normal((1, 1, self.low_mat.shape[1]))[0]
+        mus = self.proj_mus
+        quantized = isinstance(mus, nn.QuantizedLinear)
+        mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
+        mus_arrays = (mus.weight, mus.scales, mus.biases) if quantized else (mus.weight,)
         static = (float(top_p), float(noise_scale), self.min_log_std, self.num_predictions, self.low_rank,
-                  bool(log_of_softmax))
+                  bool(log_of_softmax), mus_quant)
         return linear_piece("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
-                            x, u, eps, self.proj_mus.weight, self.low_mat)
+                            x, u, eps, mus_arrays, self.low_mat)
 
 
 # --------------------------------------------------------------------------- model

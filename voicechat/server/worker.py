@@ -1,0 +1,332 @@
+"""The MLX worker: one thread that owns the model and the (single) streaming session.
+
+The network side (asyncio) never touches MLX. It hands commands to this thread
+through a queue whose audio is bounded by admission control (`Channel.queued_samples`
+and `max_append_commands`, checked by the caller before `submit_append`); control
+commands (open, commit, cancel, close) are at most three per connection. Results go back to
+the connection's asyncio queue with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .protocol import event_payload
+
+log = logging.getLogger("voicechat.server")
+
+STAGE_FIELDS = ("perception_ms", "rnnt_ms", "language_ms", "tts_ms", "codec_ms")
+
+
+@dataclass
+class Channel:
+    """One connection's link to the worker; fields written by one side and read by the other are plain
+    ints / Events (atomic under the GIL)."""
+
+    session_id: str
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue
+    peer: str = ""
+    received_samples: int = 0  # accepted by the network side (written there)
+    consumed_samples: int = 0  # pushed into the session by the worker (written there)
+    cancel_requested: threading.Event = field(default_factory=threading.Event)
+    gone: threading.Event = field(default_factory=threading.Event)  # connection over: skip its queued audio
+    opened_at: float = field(default_factory=time.monotonic)
+    # Filled by the network side before it sends `close` (for the session's log line).
+    end: str = "disconnect"
+    errors: int = 0
+    overflows: int = 0
+
+    @property
+    def queued_samples(self) -> int:
+        return self.received_samples - self.consumed_samples
+
+    def emit(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the connection is long gone
+            pass
+
+
+@dataclass
+class Command:
+    kind: str  # open | append | commit | cancel | close | stop
+    channel: Channel | None = None
+    payload: Any = None
+
+
+@dataclass
+class _Active:
+    channel: Channel
+    session: Any
+    compute_ms: list = field(default_factory=list)
+    lag_ms: list = field(default_factory=list)
+    discarded_samples: int = 0
+    stages_seen: int = 0
+    profile: Any = None  # the session's Profile; attached to the session only on sampled frames
+
+
+class ModelWorker:
+    """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
+
+    def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
+                 warmup_seconds: float = 0.0):
+        self._load_model = load_model
+        self.metrics = metrics
+        # Stage timing forces one synchronisation per stage; doing it on every Kth frame keeps the
+        # per-stage histograms while costing the other frames nothing (0 = never).
+        if isinstance(stage_metrics_every, bool) or not isinstance(stage_metrics_every, int) or stage_metrics_every < 0:
+            raise ValueError(f"stage_metrics_every must be an int >= 0, got {stage_metrics_every!r}")
+        self.stage_metrics_every = stage_metrics_every
+        self.warmup_seconds = warmup_seconds
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="voicechat-mlx-worker", daemon=True)
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.info: dict = {}
+        self.model = None
+
+    # -- network side
+
+    def start(self) -> "ModelWorker":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> dict:
+        if not self.ready.wait(timeout):
+            raise TimeoutError(f"the model did not load within {timeout} s")
+        if self.load_error is not None:
+            raise self.load_error
+        return self.info
+
+    def is_worker_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def queue_depth(self) -> int:
+        return self._commands.qsize()
+
+    def submit(self, kind: str, channel: Channel | None = None, payload=None) -> None:
+        self._commands.put(Command(kind, channel, payload))
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._commands.qsize())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._commands.put(Command("stop"))
+        self._thread.join(timeout)
+
+    # -- worker thread
+
+    def _run(self) -> None:
+        try:
+            model = self.model = self._load_model()
+            cfg = model.config
+            self.info = {
+                "input_sample_rate": int(cfg.input_sample_rate),
+                "output_sample_rate": int(cfg.output_sample_rate),
+                "frame_samples": int(cfg.frame_samples),
+                "frame_ms": float(cfg.frame_duration * 1000.0),
+                "output_frame_samples": int(model.tts_model.audio_codec.samples_per_frame),
+                "num_codebooks": int(cfg.codec_config.num_quantizers),
+            }
+            if self.warmup_seconds > 0:
+                self._warmup(model)
+        except BaseException as e:  # reported to the starter by wait_ready
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        active: _Active | None = None
+        while True:
+            cmd = self._commands.get()
+            if self.metrics is not None:
+                self.metrics.queue_depth.set(self._commands.qsize())
+            if cmd.kind == "stop":
+                if active is not None:
+                    self._close(active)
+                return
+            try:
+                active = self._handle(cmd, active)
+            except Exception as e:  # never let one session kill the worker
+                log.exception("worker command %s failed", cmd.kind)
+                if cmd.channel is not None:
+                    cmd.channel.emit(("error", "internal_error", f"{type(e).__name__}: {e}"))
+                    cmd.channel.emit(("finished", "internal_error"))
+                if active is not None and (cmd.channel is None or active.channel is cmd.channel):
+                    active.session = None
+
+    def _warmup(self, model) -> None:
+        n = int(round(self.warmup_seconds * model.config.input_sample_rate))
+        s = model.create_streaming_session(profile=self.stage_metrics_every > 0)
+        s.push_audio(np.zeros(n, np.float32))
+        s.flush()
+        gc.collect()
+
+    def _handle(self, cmd: Command, active: _Active | None) -> _Active | None:
+        ch = cmd.channel
+        if cmd.kind == "open":
+            if active is not None:  # the network side's slot makes this unreachable; be loud if not
+                self._close(active)
+                active = None
+            p = cmd.payload
+            from voicechat.errors import VoiceChatError
+
+            try:
+                session = self.model.create_streaming_session(
+                    system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
+                    profile=self.stage_metrics_every > 0)
+            except (VoiceChatError, ValueError, TypeError) as e:
+                # e.g. a system prompt longer than the context: the client may send another session.update.
+                ch.emit(("open_failed", "session_initialization_failed", str(e)))
+                return None
+            ch.emit(("opened", dict(self.info)))
+            return _Active(ch, session, profile=session.profile)
+        if active is None or active.channel is not ch:
+            # Commands of a connection that never opened a session (or was already closed).
+            if cmd.kind == "append" and ch is not None:
+                ch.consumed_samples += int(cmd.payload.size)
+            elif cmd.kind == "close" and ch is not None:
+                ch.emit(("closed", None))
+            elif cmd.kind in ("commit", "cancel") and ch is not None:
+                if cmd.kind == "commit":
+                    ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
+                ch.emit(("finished", "done" if cmd.kind == "commit" else "cancelled"))
+            return active
+        if cmd.kind == "append":
+            self._append(active, cmd.payload)
+        elif cmd.kind == "commit":
+            ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
+            self._finish(active, lambda s: s.flush(pad_partial=bool(cmd.payload)), "done")
+        elif cmd.kind == "cancel":
+            self._finish(active, lambda s: s.cancel(), "cancelled")
+        elif cmd.kind == "close":
+            self._close(active)
+            return None
+        return active
+
+    def _append(self, a: _Active, pcm: np.ndarray) -> None:
+        ch, s = a.channel, a.session
+        if s is None or s.closed or ch.gone.is_set() or ch.cancel_requested.is_set():
+            a.discarded_samples += int(pcm.size)
+            ch.consumed_samples += int(pcm.size)
+            return
+        from voicechat.errors import ContextLimitError
+
+        n = s.frame_samples
+        i = 0
+        while i < pcm.size:
+            if ch.gone.is_set() or ch.cancel_requested.is_set():
+                a.discarded_samples += int(pcm.size - i)
+                ch.consumed_samples += int(pcm.size - i)
+                return
+            # At most one frame per push, so each frame's events leave as soon as it is done.
+            take = min(pcm.size - i, n - s.pending_samples)
+            piece = pcm[i:i + take]
+            if a.profile is not None:  # this push computes at most frame `s.frame_index`
+                s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
+            t0 = time.perf_counter()
+            try:
+                events = s.push_audio(piece)
+            except ContextLimitError as e:
+                ch.consumed_samples += int(pcm.size - i)
+                self._send_events(a, getattr(e, "events", []), (time.perf_counter() - t0) * 1000.0)
+                ch.emit(("error", "context_limit", str(e)))
+                ch.emit(("finished", "context_limit"))
+                return
+            dt = (time.perf_counter() - t0) * 1000.0
+            i += take
+            ch.consumed_samples += take
+            self._send_events(a, events, dt)
+
+    def _send_events(self, a: _Active, events, compute_ms: float) -> None:
+        if not events:
+            return
+        ch, s = a.channel, a.session
+        rate = self.info["output_sample_rate"]
+        out = []
+        for e in events:
+            if e.kind == "audio":
+                done = (e.frame_index + 1) * s.frame_samples
+                lag = max(0, ch.received_samples - done) * 1000.0 / self.info["input_sample_rate"]
+                a.compute_ms.append(compute_ms)
+                a.lag_ms.append(lag)
+                out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
+                self._observe(a, compute_ms, lag)
+            else:
+                out.append(event_payload(e, rate))
+        ch.emit(("events", out))
+
+    def _observe(self, a: _Active, compute_ms: float, lag_ms: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.frames.inc()
+        m.frame_seconds.observe(compute_ms / 1000.0)
+        m.lag_seconds.observe(lag_ms / 1000.0)
+        m.lag_current.set(lag_ms / 1000.0)
+        prof = a.profile
+        if prof is not None:
+            for t in prof.frames[a.stages_seen:]:
+                for f in STAGE_FIELDS:
+                    m.stage_seconds.labels(stage=f[:-3]).observe(getattr(t, f) / 1000.0)
+            a.stages_seen = len(prof.frames)
+
+    def _finish(self, a: _Active, end, reason: str) -> None:
+        if a.session is None or a.session.closed:
+            return
+        t0 = time.perf_counter()
+        if a.profile is not None:
+            s = a.session
+            s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
+        events = end(a.session)
+        self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
+        a.channel.emit(("finished", reason))
+
+    def _close(self, a: _Active) -> None:
+        s = a.session
+        if s is not None and not s.closed:
+            s.cancel()
+        ch = a.channel
+        frames = s.frame_index if s is not None else 0
+        stats = _stats(a.compute_ms)
+        line = {
+            "event": "session_end", "session_id": ch.session_id, "peer": ch.peer, "end": ch.end,
+            "duration_s": round(time.monotonic() - ch.opened_at, 3),
+            "audio_in_s": round(ch.received_samples / self.info["input_sample_rate"], 3),
+            "frames": frames, "compute_ms_mean": stats["mean"], "compute_ms_p95": stats["p95"],
+            "compute_ms_max": stats["max"], "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
+            "discarded_samples": a.discarded_samples, "errors": ch.errors, "input_overflows": ch.overflows,
+        }
+        if a.profile is not None and a.profile.frames:
+            summ = a.profile.summary()
+            line["stage_ms_frames"] = len(a.profile.frames)
+            line["stage_ms_mean"] = {k: round(summ[k]["mean_ms"], 3) for k in ("perception", "rnnt", "language",
+                                                                              "tts", "codec")}
+        log.info(json.dumps(line, sort_keys=False))
+        a.session = None
+        ch.emit(("closed", line))
+
+
+def _stats(values) -> dict:
+    from voicechat.profiler import percentile
+
+    if not values:
+        return {"mean": 0.0, "p95": 0.0, "max": 0.0}
+    return {"mean": round(sum(values) / len(values), 3), "p95": round(percentile(values, 0.95), 3),
+            "max": round(max(values), 3)}
+
+
+__all__ = ["ModelWorker", "Channel", "Command"]
