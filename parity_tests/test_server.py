@@ -586,3 +586,11 @@ def test_voicechat_serve_process(tiny_ckpt, question_wav, tmp_path):
     text = log.read_text()
     assert rc == 0 and '"event": "session_end"' in text and '"frames": 4' in text, text[-3000:]
     assert f"127.0.0.1:{port}" in text
+
+
+def test_serve_with_a_missing_checkpoint_is_one_clear_error(tmp_path, capsys):
+    from voicechat.cli import main
+
+    assert main(["serve", "-m", str(tmp_path / "nothing-here"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "voicechat serve: error:" in err and "nothing-here" in err and "Traceback" not in err
