@@ -1,7 +1,7 @@
 """`voicechat parity`: run the parity harness on one checkpoint and one input; exit 1 when a family fails.
 
     voicechat parity -m CKPT [--audio question.wav] [--prompt P] [--seed N] [--quiet]
-                     [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|FILE.npz]
+                     [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|mlx-vlm-server|FILE.npz]
                      [--out DIR] [--dump-reference FILE.npz]
 
 Writes `<stem>.json` and `<stem>.md` to --out (default reports/parity/) and
@@ -30,8 +30,9 @@ def add_parity_parser(sub) -> None:
     p.add_argument("-p", "--prompt", default=None, help="system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, default="voicechat", help="the implementation under test")
-    p.add_argument("--against", default=None, metavar="voicechat|mlx-vlm|FILE.npz",
-                   help="also compare offline vs offline and streamed vs streamed against this backend or dump")
+    p.add_argument("--against", default=None, metavar="voicechat|mlx-vlm|mlx-vlm-server|FILE.npz",
+                   help="also compare offline vs offline and streamed vs streamed against this backend or dump; "
+                        "mlx-vlm-server: only the protocol-level rows of voicechat serve vs mlx_vlm.server")
     p.add_argument("--out", default=None, help="report folder (default reports/parity/)")
     p.add_argument("--dump-reference", default=None, metavar="FILE.npz",
                    help="also write the backend's runs as a reference dump for --against on another machine")
@@ -76,10 +77,28 @@ def _resolve(checkpoint: str) -> str:
     return resolve_model_arg(checkpoint)
 
 
+def _run_server_parity(args) -> int:
+    from .engine import read_input
+    from .server_parity import run_server_parity
+
+    wave, name = read_input(args.audio)
+    report = run_server_parity(_resolve(args.model), wave, system_prompt=args.prompt, seed=args.seed,
+                               input_name=Path(name).name, model_arg=args.model)
+    jp, mp = report.write(args.out)
+    c = report.counts()
+    print(f"server parity {'PASS' if report.ok else 'FAIL'}: {c['pass']} pass, {c['fail']} fail")
+    print(f"wrote {mp} and {jp}")
+    for r in report.failed():
+        print(f"  FAIL {r.family} / {r.metric}: {r.observed}" + (f" ({r.note})" if r.note else ""))
+    return 0 if report.ok else 1
+
+
 def run_parity_cli(args) -> int:
     from .dump import dump_reference
     from .engine import read_input, run_parity
 
+    if args.against == "mlx-vlm-server":
+        return _run_server_parity(args)
     if args.against is not None and not (args.against in BACKENDS or args.against.endswith(".npz")):
         print(f"error: --against must be one of {', '.join(BACKENDS)} or a FILE.npz, got {args.against!r}",
               file=sys.stderr)

@@ -39,7 +39,10 @@ NEMOTRON = "Nemotron-H"
 EAR_TTS = "EAR-TTS"
 CODEC = "codec"
 E2E = "end-to-end"
+SERVER = "server"  # protocol level: two realtime servers driven by the same client (harness/server_parity.py)
 FAMILIES = (MEL, CONFORMER, RNNT, NEMOTRON, EAR_TTS, CODEC, E2E)
+# Families of reports that compare something else than a backend's runs (not in every report).
+ALL_FAMILIES = FAMILIES + (SERVER,)
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,8 @@ class FamilyResult:
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"FamilyResult.status must be one of {STATUSES}, got {self.status!r}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"FamilyResult.family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family not in ALL_FAMILIES:
+            raise ValueError(f"FamilyResult.family must be one of {ALL_FAMILIES}, got {self.family!r}")
 
     @property
     def failed(self) -> bool:

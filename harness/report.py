@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .differences import DIFFERENCES
-from .families import DOCUMENTED, FAIL, FAMILIES, NOT_AVAILABLE, PASS, TOLERANCES, FamilyResult
+from .families import ALL_FAMILIES, DOCUMENTED, FAIL, NOT_AVAILABLE, PASS, TOLERANCES, FamilyResult
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "reports" / "parity"
 
@@ -45,8 +45,8 @@ class ParityReport:
         return [r for r in self.rows if r.status == FAIL]
 
     def rows_for(self, family: str, comparison: str | None = None) -> list[FamilyResult]:
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        if family not in ALL_FAMILIES:
+            raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
         return [r for r in self.rows if r.family == family and (comparison is None or r.comparison == comparison)]
 
     def family_status(self, family: str, comparison: str | None = None) -> str:

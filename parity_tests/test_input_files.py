@@ -293,3 +293,16 @@ def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
                  "--out", str(tmp_path / "b")]) == 2
     assert seen == [[str(sample_path("long_question"))],
                     [str(sample_path("question")), str(sample_path("long_question"))]]
+
+
+def test_base_install_without_serve_extra(monkeypatch, tmp_path, tiny_ckpt, capsys):
+    """`pip install -e .` has no server packages: generate works, serve says what to install."""
+    import voicechat.progress
+    from voicechat.cli import main
+
+    monkeypatch.setattr(voicechat.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.setitem(sys.modules, "voicechat.server.cli", None)  # its import now raises ImportError
+    assert main(["generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"), "--quiet"]) == 0
+    assert sf.info(tmp_path / "o.wav").subtype == "PCM_16"
+    assert main(["serve"]) == 2
+    assert "needs the `serve` extra" in capsys.readouterr().err

@@ -471,3 +471,118 @@ def test_talk_jitter_buffer_plays_every_sample_in_order():
         jb.push(src[i:i + 24])
     out = np.concatenate([jb.pull(35) for _ in range(4)])
     assert np.array_equal(out[:120], src) and not out[120:].any() and jb.underruns == 1
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from voicechat.cli import main
+
+    monkeypatch.setitem(sys.modules, "starlette", None)  # as on the base install
+    assert main(["serve", "--port", "1"]) == 2
+    assert main(["client", "--audio", "x.wav"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("needs the `serve` extra") == 2 and "pip install -e '.[serve]'" in err
+
+
+class _SlowSession:
+    """A real session whose frames take `delay` s longer: a model that cannot keep up with real time."""
+
+    def __init__(self, session, delay):
+        self._s, self._delay = session, delay
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def __setattr__(self, name, value):
+        if name in ("_s", "_delay"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._s, name, value)
+
+    def push_audio(self, samples, sample_rate=16000):
+        import time
+
+        events = self._s.push_audio(samples, sample_rate)
+        if any(e.kind == "audio" for e in events):
+            time.sleep(self._delay)
+        return events
+
+
+def test_slow_model_shows_growing_lag_not_a_stall(tiny_ckpt, question_wav):
+    """Frames computed at ~2.5x real time: every frame's delta still arrives as it is done, with its lag."""
+    import voicechat
+    from voicechat.server.app import ServerState
+    from voicechat.server.metrics import ServerMetrics
+    from voicechat.server.runner import ServerThread
+    from voicechat.server.worker import ModelWorker
+
+    class SlowModel:
+        def __init__(self, model):
+            self._m = model
+
+        def __getattr__(self, name):
+            return getattr(self._m, name)
+
+        def create_streaming_session(self, **kw):
+            return _SlowSession(self._m.create_streaming_session(**kw), 0.2)
+
+    metrics = ServerMetrics()
+    worker = ModelWorker(lambda: SlowModel(voicechat.load(tiny_ckpt)), metrics=metrics).start()
+    worker.wait_ready(60)
+    srv = ServerThread(ServerState(worker=worker, metrics=metrics)).start()
+    try:
+        pcm = to_pcm16(question_wav[:24 * 1280])  # 1.92 s of input; ~4.8 s of compute
+        arrivals = []
+        r = run_stream_audio(srv.url, pcm, fast=False, chunk_samples=1280,
+                             on_event=lambda e: arrivals.append(e["type"]))
+    finally:
+        srv.stop()
+        worker.stop()
+    assert r.end == "response.done" and not r.errors
+    lags = [e["lag_ms"] for e in r.of_type("response.audio.delta")]
+    # Input at 80 ms per frame, compute >= 200 ms per frame: while the client streams (the first ~9 frames),
+    # the backlog grows by >= 120 ms a frame (asserted: half of that).
+    assert lags[8] > lags[1] + 7 * 60, lags
+    # No stall: frames were delivered while the client was still streaming (before its commit).
+    assert arrivals.index("response.audio.delta") < arrivals.index("input_audio_buffer.committed")
+    assert len(lags) == 24 and [e["frame_index"] for e in r.of_type("response.audio.delta")] == list(range(24))
+
+
+def test_one_structured_log_line_per_session(server, question_wav, caplog):
+    import logging
+
+    pcm = to_pcm16(question_wav[:7 * 1280 + 300])
+    with caplog.at_level(logging.INFO, logger="voicechat.server"):
+        r = run_stream_audio(server.url, pcm, fast=True)
+        assert wait_released(server)
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "voicechat.server"
+             and rec.getMessage().startswith("{")]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["event"] == "session_end" and line["end"] == "done" and line["frames"] == r.frames == 8
+    assert line["audio_in_s"] == round(pcm.size / 16000, 3) and line["errors"] == 0 and line["input_overflows"] == 0
+    assert 0 < line["compute_ms_mean"] <= line["compute_ms_max"] and line["compute_ms_p95"] <= line["compute_ms_max"]
+    assert set(line["stage_ms_mean"]) == {"perception", "rnnt", "language", "tts", "codec"}
+
+
+def test_voicechat_serve_process(tiny_ckpt, question_wav, tmp_path):
+    """The real command: starts, serves a session, logs it, stops on SIGINT with exit status 0."""
+    import signal
+    import sys
+
+    from voicechat.server.compare import free_port, start_process
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    p = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", str(tiny_ckpt), "--port", str(port),
+                       "--warmup-seconds", "0.2"], f"http://127.0.0.1:{port}/healthz", log, timeout=120)
+    try:
+        r = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", to_pcm16(question_wav[:4 * 1280]), fast=True)
+        assert r.end == "response.done" and r.frames == 4
+    finally:
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+    text = log.read_text()
+    assert rc == 0 and '"event": "session_end"' in text and '"frames": 4' in text, text[-3000:]
+    assert f"127.0.0.1:{port}" in text

@@ -10,83 +10,21 @@ reports/server/vs_mlx_vlm_server.json.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm", reason="needs the `peers` extra")
 from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
-from voicechat.server.compare import compare_streams  # noqa: E402
+from voicechat.server.compare import ServerPair, compare_streams, decoded_codes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd, health_url, log_path, timeout=180.0):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = open(log_path, "w")
-    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"{cmd[:3]} exited with {p.returncode}: {Path(log_path).read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(health_url, timeout=1)
-            return p
-        except Exception:
-            time.sleep(0.25)
-    p.kill()
-    raise RuntimeError(f"{cmd[:3]} did not become healthy in {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("server_logs")
-    pv, po = _free_port(), _free_port()
-    vlm = _start([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port", str(pv)],
-                 f"http://127.0.0.1:{pv}/health", logs / "mlx_vlm.log")
-    ours = None
-    try:
-        ours = _start([sys.executable, "-m", "voicechat.cli", "serve", "-m", str(tiny_ckpt), "--port", str(po),
-                       "--reference-numerics", "--warmup-seconds", "0"],
-                      f"http://127.0.0.1:{po}/healthz", logs / "voicechat.log")
-        yield f"ws://127.0.0.1:{po}/v1/realtime", f"ws://127.0.0.1:{pv}/v1/realtime"
-    finally:
-        for p in (ours, vlm):
-            if p is not None:
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-
-
-def _decoded(events, tiny_model):
-    """Codes after control-code replacement (what the codec decodes; mlx-vlm's events carry these)."""
-    from voicechat.tts.ear_tts import replace_control_codes
-
-    tts = tiny_model.tts_model
-    out = []
-    for e in events:
-        if e["type"] == "response.audio.delta":
-            c = replace_control_codes(mx.array(np.array(e["audio_codes"], np.int32)), tts.control_codes,
-                                      tts.codec_silence_tokens)
-            e = dict(e, audio_codes=np.array(c).tolist())
-        out.append(e)
-    return out
+    with ServerPair(str(tiny_ckpt), tmp_path_factory.mktemp("server_logs")) as pair:
+        yield pair.ours_url, pair.reference_url
 
 
 @pytest.mark.peers
@@ -98,7 +36,7 @@ def test_same_client_same_events_as_mlx_vlm_server(servers, tiny_ckpt, tiny_mode
     ours = run_stream_audio(ours_url, pcm, **kw)
     ref = run_stream_audio(vlm_url, pcm, **kw)
     assert ours.end == ref.end == "response.done" and not ours.errors and not ref.errors
-    c = compare_streams(_decoded(ours.events, tiny_model), _decoded(ref.events, tiny_model))
+    c = compare_streams(decoded_codes(ours.events, tiny_model), decoded_codes(ref.events, tiny_model))
     out = REPO / "reports" / "server"
     out.mkdir(parents=True, exist_ok=True)
     name = "vs_mlx_vlm_server" + ("_prompt" if prompt else "") + ".json"
@@ -110,3 +48,16 @@ def test_same_client_same_events_as_mlx_vlm_server(servers, tiny_ckpt, tiny_mode
     assert c["text_ids_equal"] and c["function_ids_equal"] and c["transcript_equal"], c
     assert c["codes_equal"], c
     assert ours.close_code == 1000  # mlx-vlm's server ends without a close frame (1006)
+
+
+@pytest.mark.peers
+def test_parity_row_against_mlx_vlm_server(tiny_ckpt, tmp_path):
+    from voicechat.cli import main
+    from voicechat.samples import sample_path
+
+    rc = main(["parity", "-m", str(tiny_ckpt), "--audio", str(sample_path("question")), "--against", "mlx-vlm-server",
+               "--out", str(tmp_path)])
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = {r["metric"]: r["status"] for r in report["rows"] if r["family"] == "server"}
+    assert rc == 0 and rows == {m: "pass" for m in ("event kinds and order", "frames", "text ids", "function ids",
+                                                    "transcript deltas", "decoded codes")}, report["rows"]

@@ -37,10 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    from .server.cli import add_server_parsers
+    try:
+        from .server.cli import add_server_parsers
 
-    add_server_parsers(sub)
+        add_server_parsers(sub)
+    except ImportError as e:
+        # The base install (README's first command) has no `serve` extra: the other commands must
+        # still work, and these say what to install.
+        _add_missing_extra_parsers(sub, e)
     return p
+
+
+def _add_missing_extra_parsers(sub, error: ImportError) -> None:
+    def refuse(args) -> int:
+        print(f"voicechat {args.command}: needs the `serve` extra ({error}); "
+              "install it with: pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+
+    for name in ("serve", "client", "talk"):
+        if name not in sub.choices:
+            q = sub.add_parser(name, help="(needs the `serve` extra: pip install -e '.[serve]')")
+            q.set_defaults(func=refuse)
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@ DEFAULT_MODEL = "synthetic:tiny"
 
 
 def add_server_parsers(sub) -> None:
-    from .app import ServerLimits
+    from .limits import ServerLimits
 
     d = ServerLimits()
     s = sub.add_parser("serve", help="realtime WebSocket server (/v1/realtime), browser page at /",
@@ -72,10 +72,27 @@ def _key(arg):
     return arg if arg is not None else (os.environ.get("VOICECHAT_API_KEY") or None)
 
 
+def _missing_serve_extra(command: str) -> bool:
+    """Print what to install and return True when the `serve` extra is missing."""
+    import importlib
+
+    for name in ("starlette", "uvicorn", "websockets", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            print(f"voicechat {command}: needs the `serve` extra ({e}); install it with: pip install -e '.[serve]'",
+                  file=sys.stderr)
+            return True
+    return False
+
+
 def run_serve(args) -> int:
+    if _missing_serve_extra("serve"):
+        return 2
     import uvicorn
 
-    from .app import ServerLimits, ServerSecurity, create_app
+    from .app import ServerSecurity, create_app
+    from .limits import ServerLimits
     from .runner import configure_logging, make_state, uvicorn_config
 
     configure_logging(args.log_level)
@@ -94,12 +111,19 @@ def run_serve(args) -> int:
           f"http://{args.host}:{args.port}/  ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
                                            log_level=args.log_level))
-    server.run()
-    state.worker.stop()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already handled (graceful shutdown done)
+        pass
+    finally:
+        state.worker.stop()
+    print("voicechat serve: stopped", file=sys.stderr)
     return 0
 
 
 def run_client(args) -> int:
+    if _missing_serve_extra("client"):
+        return 2
     import json
 
     import soundfile as sf

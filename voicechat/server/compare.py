@@ -6,6 +6,14 @@ are per-server by nature (event_id, session ids, timings) are not compared.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
 import numpy as np
 
 from .protocol import b64_to_int16
@@ -47,4 +55,86 @@ def compare_streams(ours: list[dict], ref: list[dict]) -> dict:
     if same:
         d = max(int(np.max(np.abs(pa[i].astype(np.int32) - pb[i].astype(np.int32)))) for i in same)
         out["audio_max_abs_pcm16_on_equal_code_frames"] = d
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(cmd: list[str], health_url: str, log_path, *, timeout: float = 180.0, cwd=None):
+    """Start a server subprocess and wait for its health URL; -> Popen (the caller terminates it)."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(log_path, "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or repo)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"{' '.join(cmd[:4])} exited with {p.returncode}: {Path(log_path).read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(health_url, timeout=1)
+            return p
+        except Exception:
+            time.sleep(0.25)
+    p.kill()
+    raise RuntimeError(f"{' '.join(cmd[:4])} did not become healthy within {timeout} s")
+
+
+def stop_process(p) -> None:
+    if p is None:
+        return
+    p.terminate()
+    try:
+        p.wait(15)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+class ServerPair:
+    """`mlx_vlm.server` and `voicechat serve --reference-numerics` on one checkpoint, as subprocesses."""
+
+    def __init__(self, checkpoint: str, log_dir):
+        self.checkpoint = str(checkpoint)
+        self.log_dir = Path(log_dir)
+        self.procs = []
+
+    def __enter__(self):
+        pv, po = free_port(), free_port()
+        try:
+            self.procs.append(start_process([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port",
+                                             str(pv)], f"http://127.0.0.1:{pv}/health", self.log_dir / "mlx_vlm.log"))
+            self.procs.append(start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", self.checkpoint,
+                                             "--port", str(po), "--reference-numerics", "--warmup-seconds", "0"],
+                                            f"http://127.0.0.1:{po}/healthz", self.log_dir / "voicechat.log"))
+        except BaseException:
+            self.__exit__()
+            raise
+        self.ours_url = f"ws://127.0.0.1:{po}/v1/realtime"
+        self.reference_url = f"ws://127.0.0.1:{pv}/v1/realtime"
+        return self
+
+    def __exit__(self, *exc):
+        for p in reversed(self.procs):
+            stop_process(p)
+        self.procs = []
+
+
+def decoded_codes(events: list[dict], model) -> list[dict]:
+    """Audio events with their codes after control-code replacement (what the codec decodes; mlx-vlm's
+    events carry these), so the comparison holds whichever of the two a server sends."""
+    import mlx.core as mx
+
+    from voicechat.tts.ear_tts import replace_control_codes
+
+    tts = model.tts_model
+    out = []
+    for e in events:
+        if e["type"] == "response.audio.delta":
+            c = replace_control_codes(mx.array(np.array(e["audio_codes"], np.int32)), tts.control_codes,
+                                      tts.codec_silence_tokens)
+            e = dict(e, audio_codes=np.array(c).tolist())
+        out.append(e)
     return out

@@ -164,8 +164,9 @@ class CharSelfAttention(nn.Module):
         scores = (q @ k.transpose(0, 1, 3, 2)) * self.scale
         scores = self.softcap * mx.tanh(scores / self.softcap)
         scores = mx.where(key_valid[:, None, None, :], scores, MASKED_SCORE)
-        # Softmax in float32, then back to the activation dtype (a no-op in float32).
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(x.dtype)
+        # Softmax in float32, then to the projections' dtype (a no-op in float32). That is q's
+        # dtype, not x's: a quantized q_proj with float32 scales gives float32 q from bf16 x.
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(n, length, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -251,9 +252,12 @@ class CharAwareSubwordEncoder(nn.Module):
 
     def table_dtype(self) -> mx.Dtype:
         """The dtype of the char embedding's rows: the stored weight's, or for a quantized table
-        (packed uint32) that of its scales, which its dequantized rows have."""
+        (packed uint32) that of its dequantized rows (the affine scales' dtype; MLX decides it for
+        the scale-only modes, whose scales are uint8). Read from the lazy graph: nothing runs."""
         emb = self.embed_tokens
-        return emb.scales.dtype if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.dtype
+        if isinstance(emb, nn.QuantizedEmbedding):
+            return emb(mx.zeros((1,), dtype=mx.int32)).dtype
+        return emb.weight.dtype
 
     def activation_dtype(self, in_weight_dtype: bool) -> mx.Dtype:
         """float32, or with `in_weight_dtype` the char embedding's (float) dtype."""
@@ -280,10 +284,11 @@ class CharAwareSubwordEncoder(nn.Module):
         return self.proj_embedding(pooled).astype(act)
 
     def add_flag_embeddings(self, x: mx.array, ids: mx.array) -> mx.array:
-        """x (…, hidden) + both flag embeddings of the int token ids (…), added at every position
-        in x's dtype, continuation flag first."""
-        x = x + self.subword_flag_emb(ids).astype(x.dtype)
-        return x + self.bos_eos_emb(ids).astype(x.dtype)
+        """x (…, hidden) + both flag embeddings of the int token ids (…), added at every position,
+        continuation flag first, with MLX's type promotion (as the reference): a quantized flag
+        embedding (float32 rows from float32 scales) makes a bf16 x float32."""
+        x = x + self.subword_flag_emb(ids)
+        return x + self.bos_eos_emb(ids)
 
     # -- whole text-side input
 
