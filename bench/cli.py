@@ -61,6 +61,9 @@ def add_bench_parser(subparsers) -> None:
                    help="regenerate the generated section of --docs from RUN_DIR; without RUN_DIR (with -m), "
                         "from this run's folder when it finishes")
     p.add_argument("--docs", default="docs/performance.md", help="page --update-docs writes (default %(default)s)")
+    p.add_argument("--section", default=None, metavar="NAME",
+                   help="with --update-docs: write the named generated section (e.g. full: the full-shape run) "
+                        "instead of the default one; appended to the page if it has none yet")
     p.add_argument("--rerender", metavar="RUN_DIR", default=None,
                    help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
@@ -80,7 +83,7 @@ def cmd_bench(args) -> int:
         print(f"re-rendered {run_dir}")
         return 0
     if args.update_docs and not args.models:
-        changed = update_docs(Path(args.update_docs), Path(args.docs))
+        changed = update_docs(Path(args.update_docs), Path(args.docs), args.section)
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {args.update_docs}")
         return 0
     if not args.models:
@@ -108,7 +111,7 @@ def cmd_bench(args) -> int:
     result = run_bench(opts, progress=Progress(enabled=not args.quiet))
     print((out / "summary.md").read_text())
     if args.update_docs is not None:
-        changed = update_docs(out, Path(args.docs))
+        changed = update_docs(out, Path(args.docs), args.section)
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
     if not result.ok:
         print(f"voicechat bench: {result.failed} run(s) failed; see {out / 'summary.md'}", file=sys.stderr)

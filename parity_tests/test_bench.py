@@ -414,3 +414,21 @@ def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
         assert resident["1"][stage] - resident["0"][stage] == grown.get(stage, 0), stage
     for r in resident.values():
         assert r["total"] == sum(v for k, v in r.items() if k != "total")
+
+
+def test_named_docs_section_is_appended_then_replaced(bench_run, tmp_path):
+    """`--section full` keeps the default section as it is and writes its own block, appended
+    the first time and replaced in place afterwards."""
+    from bench.docs import markers
+
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\n{BEGIN}\nsmall run\n{END}\n\nhand-written outro\n")
+    begin, end = markers("full")
+    assert update_docs(bench_run["out"], page, "full")
+    text = page.read_text()
+    assert text.startswith(f"# Performance\n\n{BEGIN}\nsmall run\n{END}\n\nhand-written outro\n\n{begin}")
+    assert text.rstrip().endswith(end) and "Full published shapes (synthetic weights on a CPU)" in text
+    assert "--section full" in text
+    assert not update_docs(bench_run["out"], page, "full")
+    with pytest.raises(ValueError, match="section name must be a word"):
+        update_docs(bench_run["out"], page, "a b")
