@@ -46,6 +46,18 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
                    "parity_tests/test_numerics.py::test_offline_frame0_follows_numerics"),
     ),
     DocumentedDifference(
+        id="near_tie_flip",
+        spec="issue 15 (a flipped id is acceptable only where the reference's top-2 gap is below the "
+             "measured logits error)",
+        summary="An emitted id differs from the reference's at a frame where the reference's own top-1 / "
+                "top-2 logit gap is smaller than the measured logits difference of that frame: float32 "
+                "rounding alone decides the argmax there.",
+        verified_by="at the first differing frame, the reference's top-2 gap of that channel is below "
+                    "our max abs logits difference of that frame, and every earlier frame's logits are "
+                    "within cross_logits_abs",
+        pinned_by=("parity_tests/test_harness.py::test_near_tie_flip_is_documented_only_below_the_error",),
+    ),
+    DocumentedDifference(
         id="codec_tail",
         spec="architecture.md §12.2 item 13, §9.4; api.md (flush emits AudioTail)",
         summary="flush() emits the codec's held-back tail (lead_in samples, 8 at the real geometry) as an "

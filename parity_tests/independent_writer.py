@@ -62,9 +62,19 @@ class Spec:
     predicate: str = "published"  # "published" | "mlx-vlm-default" | "mlx-vlm-runnable"
     sampling: str = "greedy"  # "greedy" | "shipped"
     seed: int = 0
+    # MLX quantization mode: "affine" (the published one: scales + biases) or a scale-only
+    # floating-point mode ("mxfp4", "mxfp8", "nvfp4": uint8 scales, no biases, group 32/32/16).
+    mode: str = "affine"
+    # Per-module settings in the config entry (a mixed-precision converter): the quantized
+    # down projections get 8 bits with group 32 instead of the top-level bits / group size.
+    mixed: bool = False
 
     def name(self) -> str:
         q = "dense" if self.bits is None else f"{self.bits}bit-{self.predicate}"
+        if self.bits is not None and self.mode != "affine":
+            q += f"-{self.mode}"
+        if self.bits is not None and self.mixed:
+            q += "-mixed"
         ctl = "ctl-in" if self.control_inside else "ctl-out"
         return f"{self.depth}-q{self.num_quantizers}x{self.codebook_size}-{ctl}-{self.dtype}-{q}-{self.sampling}"
 
@@ -186,10 +196,27 @@ def config_dict(spec: Spec) -> dict:
         "source_revision": "independent-writer", "base_tokenizer_revision": "independent-writer",
     }
     if spec.bits is not None:
-        q = {"group_size": GROUP_SIZE, "bits": spec.bits}
+        q = {"group_size": group_size(spec), "bits": spec.bits}
+        if spec.mode != "affine":
+            q["mode"] = spec.mode
         cfg["quantization"] = q
         cfg["quantization_config"] = dict(q)
     return cfg
+
+
+_MODE_GROUP = {"affine": GROUP_SIZE, "mxfp4": 32, "mxfp8": 32, "nvfp4": 16}
+MIXED_SETTINGS = {"group_size": 32, "bits": 8}
+
+
+def group_size(spec: Spec) -> int:
+    return _MODE_GROUP[spec.mode]
+
+
+def module_settings(spec: Spec, module: str) -> dict:
+    """(group_size, bits) a quantized module is packed with."""
+    if spec.mixed and module.endswith("down_proj"):
+        return dict(MIXED_SETTINGS)
+    return {"group_size": group_size(spec), "bits": spec.bits}
 
 
 # --------------------------------------------------------------------------- tensor inventory
@@ -489,7 +516,7 @@ def quantized_names(entries, predicate: str) -> set[str]:
         lang = ("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
         return {p for p in linear_like if p.startswith(lang)}
     shapes = {n[: -len(".weight")]: shape for n, shape, _ in entries if n.endswith(".weight")}
-    chosen = {p for p in linear_like if shapes[p][-1] % GROUP_SIZE == 0}
+    chosen = {p for p in linear_like if shapes[p][-1] % GROUP_SIZE == 0}  # also divisible by 32 and 16
     if predicate == "mlx-vlm-default":
         return chosen
     if predicate == "mlx-vlm-runnable":
@@ -515,6 +542,7 @@ def write(folder, spec: Spec, n_shards: int = 3) -> Path:
     quant = quantized_names(entries, spec.predicate) if spec.bits is not None else set()
     float_dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[spec.dtype]
     tensors: dict[str, mx.array] = {}
+    per_module: dict[str, dict] = {}
     for name, shape, kind in entries:
         v = _value(name, shape, kind, spec, cfg, vocab)
         if kind == "int":
@@ -523,10 +551,14 @@ def write(folder, spec: Spec, n_shards: int = 3) -> Path:
         a = mx.array(np.asarray(v, dtype=np.float32))
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module in quant:
-            wq, scales, biases = mx.quantize(a, group_size=GROUP_SIZE, bits=spec.bits)
-            tensors[name] = wq
-            tensors[module + ".scales"] = scales  # float32: quantized from float32 masters
-            tensors[module + ".biases"] = biases
+            settings = module_settings(spec, module)
+            packed = mx.quantize(a, **settings, mode=spec.mode)
+            tensors[name] = packed[0]
+            tensors[module + ".scales"] = packed[1]  # affine: float32 (quantized from float32 masters)
+            if len(packed) > 2:  # affine only; the fp modes store no biases
+                tensors[module + ".biases"] = packed[2]
+            if settings != {"group_size": group_size(spec), "bits": spec.bits}:
+                per_module[module] = settings
         elif kind == "fixed":
             tensors[name] = a  # preprocessor buffers stay float32
         else:
@@ -547,6 +579,9 @@ def write(folder, spec: Spec, n_shards: int = 3) -> Path:
         weight_map.update({n: fname for n in group})
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    if per_module:  # the converter copies per-module settings as top-level keys (§3.3)
+        for key in ("quantization", "quantization_config"):
+            cfg[key].update(per_module)
     (folder / "config.json").write_text(_dump_config(cfg))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
@@ -563,3 +598,28 @@ def quantized_modules_written(folder) -> set[str]:
     """The module paths whose `.scales` a written folder stores (read back from the index)."""
     index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
     return {k[: -len(".scales")] for k in index["weight_map"] if k.endswith(".scales")}
+
+
+def main(argv=None) -> int:
+    """`python -m parity_tests.independent_writer OUT [--depth real] [--bits 4] [--predicate P] ...`"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m parity_tests.independent_writer", description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--depth", choices=["tiny", "real"], default="tiny")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=None)
+    p.add_argument("--predicate", choices=["published", "mlx-vlm-default", "mlx-vlm-runnable"], default="published")
+    p.add_argument("--sampling", choices=["greedy", "shipped"], default="greedy")
+    p.add_argument("--control-outside", action="store_true", help="control codes outside the generated range")
+    p.add_argument("--codebook-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    spec = Spec(depth=a.depth, dtype=a.dtype, bits=a.bits, predicate=a.predicate, sampling=a.sampling,
+                control_inside=not a.control_outside, codebook_size=a.codebook_size, seed=a.seed)
+    print(write(a.out, spec), spec.name())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

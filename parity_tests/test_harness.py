@@ -428,3 +428,88 @@ def test_margin_tells_near_tie_from_clear_decision():
     assert near.first_failing_frame == 1 and near.margin == pytest.approx(1e-6) and "near tie" in near.note
     assert clear.first_failing_frame == 2 and clear.margin == pytest.approx(2.0) and "clear decision" in clear.note
     assert near.status == clear.status == FAIL
+
+
+# ----------------------------------------------------------------- per-frame logits against the reference
+
+K_TIE = 3  # the frame where the fabricated near tie sits
+
+
+class TiedLogits(MemoBackend):
+    """Our streamed run with frame K_TIE's text logits made a near tie: the runner-up 1e-6 below the top."""
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        row = run.text_logits[K_TIE]
+        top, second = np.argsort(row)[-1], np.argsort(row)[-2]
+        row[second] = row[top] - 1e-6
+        return run
+
+
+class FlippedOnTie(TiedLogits):
+    """A reference that decides the tie the other way: its runner-up moved to `lift` + 1e-6 above the
+    top (and `drop` taken off the top), so it emits the other id at K_TIE. Here: its gap is 2e-6,
+    the difference 3e-6 (the runner-up moved by 1e-6 + 2e-6): a near tie."""
+
+    name = "tie-ref"
+    lift, drop = 1e-6, 0.0
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        row = run.text_logits[K_TIE]
+        top, second = np.argsort(row)[-1], np.argsort(row)[-2]
+        row[second] = row[top] + self.lift + 1e-6  # was 1e-6 below the top: now `lift` above it
+        row[top] -= self.drop
+        run.text_ids[K_TIE] = second
+        return run
+
+
+class FlippedClearly(FlippedOnTie):
+    """The reference's top-2 gap (8e-6) exceeds the measured difference (5e-6): not a near tie."""
+
+    lift, drop = 3e-6, 4e-6
+
+
+def test_near_tie_flip_is_documented_only_below_the_error(model, question_wav, tmp_path):
+    report = run_parity(TiedLogits(model), question_wav, against=FlippedOnTie(model), components=False)
+    c = "streamed: voicechat vs tie-ref"
+    text = report.row(NEMOTRON, "text logits per frame (max abs)", c)
+    assert text.status == PASS and text.observed == pytest.approx(3e-6, abs=5e-7)  # float32 logits ~4
+    assert report.row(NEMOTRON, "function logits per frame (max abs)", c).observed == 0
+    ids = report.row(E2E, "text ids per frame", c)
+    assert ids.status == DOCUMENTED and ids.difference_id == "near_tie_flip" and ids.first_failing_frame == K_TIE
+    frames = report.per_frame["streamed"]
+    assert len(frames) == len(report.runs.stream.text_ids)
+    assert frames[K_TIE]["text_gap_ref"] < frames[K_TIE]["text_abs"] and not frames[K_TIE]["text_id_equal"]
+    assert all(f["after_divergence"] == (f["frame"] > K_TIE) for f in frames)
+    assert report.ok, report.to_markdown()
+    # Both formats carry the per-frame table.
+    jp, mp = report.write(tmp_path)
+    again = ParityReport.from_json(jp.read_text())
+    assert again.per_frame["streamed"][K_TIE] == pytest.approx(frames[K_TIE])
+    assert "Per-frame logits, streamed" in mp.read_text()
+
+    clear = run_parity(TiedLogits(model), question_wav, against=FlippedClearly(model), components=False)
+    ids = clear.row(E2E, "text ids per frame", c)
+    assert ids.status == FAIL and "not a near tie" in ids.note
+    assert not clear.ok
+
+
+class DriftedLogits(MemoBackend):
+    """Logits 3e-5 off from frame 5 on (ids unchanged): above cross_logits_abs."""
+
+    name = "drift-ref"
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        run.function_logits[5:] += 3e-5
+        return run
+
+
+def test_logits_drift_fails_nemotron_at_that_frame(model, question_wav):
+    report = run_parity(MemoBackend(model), question_wav, against=DriftedLogits(model), components=False)
+    c = "streamed: voicechat vs drift-ref"
+    row = report.row(NEMOTRON, "function logits per frame (max abs)", c)
+    assert row.status == FAIL and row.first_failing_frame == 5
+    assert report.row(NEMOTRON, "text logits per frame (max abs)", c).status == PASS
+    assert report.row(NEMOTRON, "text logits per frame (max abs)", "offline: voicechat vs drift-ref").observed == 0

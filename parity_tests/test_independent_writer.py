@@ -22,7 +22,8 @@ import pytest
 
 import voicechat
 
-from .independent_writer import Spec, config_dict, inventory, quantized_modules_written, quantized_names, write
+from .independent_writer import (Spec, config_dict, inventory, module_settings, quantized_modules_written,
+                                 quantized_names, write)
 
 CLIP_SAMPLES = 1280 * 6  # six streamed frames (the warm-up frame included)
 
@@ -34,6 +35,11 @@ OTHER_AXES = [
     Spec(bits=4, predicate="mlx-vlm-default", control_inside=False),
     Spec(bits=8, predicate="mlx-vlm-default", sampling="shipped"),
     Spec(bits=4, predicate="published", num_quantizers=6, codebook_size=32, sampling="shipped"),
+    # Per-module config entries (8-bit group 32 down projections) and MLX's scale-only modes.
+    Spec(bits=4, predicate="mlx-vlm-default", mixed=True),
+    Spec(bits=4, predicate="mlx-vlm-default", mode="mxfp4"),
+    Spec(bits=8, predicate="mlx-vlm-default", mode="mxfp8", dtype="float32"),
+    Spec(bits=4, predicate="published", mode="nvfp4"),
 ]
 
 
@@ -84,6 +90,11 @@ def test_layout_loads_and_streams_like_offline(tmp_path, spec, clip):
     model = voicechat.load(folder)
     # Exactly the modules whose scales are stored are quantized (architecture.md §3.3).
     assert _quantized_in_model(model) == quantized_modules_written(folder)
+    if spec.bits is not None:  # with the settings the files were packed with
+        for path, m in model.named_modules():
+            if path in quantized_modules_written(folder):
+                want = module_settings(spec, path)
+                assert (m.mode, m.group_size, m.bits) == (spec.mode, want["group_size"], want["bits"]), path
     off, codes = check_stream_equals_offline(model, clip, prompt="hello there")
     # The run has content: codes vary, and with a prompt the ids are not all one value.
     assert len(set(codes.ravel().tolist())) > 4

@@ -55,10 +55,11 @@ def test_fast_linear_is_bit_identical(two_streams, dtype, bias):
     x32 = mx.random.normal((5, 96))
     x16 = x32.astype(mx.bfloat16)
     want32, want16 = layer(x32), layer(x16)
-    report = prepare_linears(layer, min_split_macs=0)
-    assert isinstance(layer, FastLinear) and report["split"] == [""]
+    report = prepare_linears(layer, min_split_macs=0, float32_copies=True)
+    # A layer whose weight became its float32 copy runs unsplit (its halves would be a second copy).
+    assert isinstance(layer, FastLinear) and report["split"] == ([] if dtype == mx.bfloat16 else [""])
     assert report["float32"] == ([""] if dtype == mx.bfloat16 else [])
-    _same(layer(x32), want32)  # float32 copy + split
+    _same(layer(x32), want32)  # float32 copy (bf16) or split (float32)
     _same(layer(x16), want16)  # 16-bit input: the stored weight, result stays bf16
     parallel.set_cpu_streams(1)
     _same(layer(x32), want32)  # one stream: unsplit, float32 copy
@@ -68,17 +69,17 @@ def test_fast_linear_is_bit_identical(two_streams, dtype, bias):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 144), (2, 1, 144), (37, 144)])
 def test_fast_linear_transposed_copies_are_bit_identical(two_streams, split, bias, shape):
-    """The float32 copy stored as W.T contiguous (and, for a split layer, as two contiguous
-    halves): x @ W_t (+ b) equals nn.Linear's addmm(b, x, W.T) on the bf16 weight bit for bit,
-    on one stream and on two."""
+    """The float32 copy stored as W.T contiguous, replacing the bf16 weight: x @ W_t (+ b)
+    equals nn.Linear's addmm(b, x, W.T) on the bf16 weight bit for bit, on one stream and on
+    two, whatever the split threshold says."""
     mx.random.seed(6)
-    layer = nn.Linear(144, 577, bias=bias)  # odd width: halves of 288 / 289 columns
+    layer = nn.Linear(144, 577, bias=bias)  # odd width
     layer.update({k: v.astype(mx.bfloat16) for k, v in layer.parameters().items()})
     x = mx.random.normal(shape)
     want = layer(x)
-    prepare_linears(layer, min_split_macs=0 if split else 1 << 30)
-    weights = layer.unsplit_weights(x) if not split else layer._weights(x)
-    assert ("parts" in weights) is split and ("weight_t" in weights) is not split
+    prepare_linears(layer, min_split_macs=0 if split else 1 << 30, float32_copies=True)
+    weights = layer.unsplit_weights(x)
+    assert "weight_t" in weights and layer.weight.dtype == mx.float32
     _same(layer(x), want)
     parallel.set_cpu_streams(1)
     _same(layer(x), want)
@@ -111,6 +112,58 @@ def test_parallel_quantized_linear_follows_replaced_weights(two_streams):
     other = nn.QuantizedLinear.from_linear(nn.Linear(128, 64, bias=False), group_size=64, bits=4)
     layer.update(other.parameters())
     _same(layer(x), other(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_copy_replaces_the_16_bit_weight(two_streams, bias):
+    """One resident copy: after `prepare_linears` the layer keeps the float32 weight (and bias)
+    and nothing else, a bf16 input still gets the bf16 product, and saving-relevant values
+    (the parameter) are the stored values exactly."""
+    mx.random.seed(9)
+    layer = nn.Linear(64, 96, bias=bias)
+    layer.update({k: v.astype(mx.bfloat16) for k, v in layer.parameters().items()})
+    stored = {k: np.array(v.astype(mx.float32)) for k, v in layer.parameters().items()}
+    x32 = mx.random.normal((3, 64))
+    x16 = x32.astype(mx.bfloat16)
+    want32, want16 = layer(x32), layer(x16)
+    prepare_linears(layer, min_split_macs=0, float32_copies=True)
+    layer(x32), layer(x16)  # nothing a call makes may stay cached beside the weight
+    float32_bytes = 4 * (64 * 96 + (96 if bias else 0))
+    assert parallel.resident_bytes(layer) == float32_bytes
+    for k, v in layer.parameters().items():
+        assert v.dtype == mx.float32 and np.array_equal(np.array(v), stored[k])
+    _same(layer(x32), want32)
+    _same(layer(x16), want16)
+
+
+def test_language_path_and_switch_keep_16_bit_weights(two_streams, monkeypatch):
+    """No copy for the language path (published: quantized; a bf16 copy of it would not fit at
+    the published shapes), nor anywhere with VOICECHAT_FLOAT32_COPIES=0 (the GPU default)."""
+    mx.random.seed(10)
+
+    def tree():
+        t = nn.Module()
+        t.stt_model = nn.Module()
+        t.stt_model.llm = nn.Linear(64, 64, bias=False)
+        t.stt_model.perception = nn.Linear(64, 64, bias=False)
+        t.update({"stt_model": {"llm": {"weight": t.stt_model.llm.weight.astype(mx.bfloat16)},
+                                "perception": {"weight": t.stt_model.perception.weight.astype(mx.bfloat16)}}})
+        return t
+
+    t = tree()
+    x = mx.random.normal((2, 64))
+    want = t.stt_model.llm(x)
+    report = prepare_linears(t, float32_copies=True)
+    assert report["float32"] == ["stt_model.perception"]
+    assert t.stt_model.llm.weight.dtype == mx.bfloat16
+    _same(t.stt_model.llm(x), want)
+    assert parallel.resident_bytes(t) == 64 * 64 * (2 + 4)  # no derived float32 copy of the llm layer
+    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "0")
+    t = tree()
+    assert prepare_linears(t)["float32"] == []
+    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "2")
+    with pytest.raises(ValueError, match="VOICECHAT_FLOAT32_COPIES must be 0 or 1"):
+        prepare_linears(tree())
 
 
 def test_prepare_linears_threshold_and_redecision():
@@ -198,16 +251,20 @@ def _assert_identical(a: dict, b: dict) -> None:
         assert value.shape == b["states"][key].shape and np.array_equal(value, b["states"][key]), key
 
 
+@pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("host_products", [False, True])
-def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_products):
-    """Every Linear of the tiny model split (threshold 0), and the codec rows split when its
-    products run in MLX (with them in numpy the codec runs unsplit): the streamed session
-    (outputs and caches) equals the one-stream run bit for bit, and so does offline."""
+def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_products, copies, monkeypatch):
+    """Every Linear of the tiny model split (threshold 0; with float32 copies, those outside the
+    language path run unsplit on their copy), and the codec rows split when its products run
+    in MLX (with them in numpy the codec runs unsplit): the streamed session (outputs and
+    caches) equals the one-stream run bit for bit, and so does offline."""
     from voicechat.host_gemm import host_gemm_set
 
+    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1" if copies else "0")
     model = voicechat.load(tiny_ckpt)
     report = prepare_linears(model, min_split_macs=0)
-    assert len(report["split"]) > 50
+    assert len(report["split"]) > (10 if copies else 50)
+    assert (len(report["float32"]) > 50) is copies
     audio = question_wav[: 1280 * 12]
     runs = {}
     with host_gemm_set(host_products):
@@ -292,3 +349,15 @@ def test_serial_backend_matches_and_restores_settings(tiny_ckpt, question_wav):
     a, b = runs["voicechat"], runs["voicechat-serial"]
     assert np.array_equal(a.text_ids, b.text_ids) and np.array_equal(a.codes, b.codes)
     assert a.audio.shape == b.audio.shape and np.abs(a.audio - b.audio).max() <= 1e-5
+
+
+def test_float32_copies_change_no_output(tiny_ckpt, question_wav, monkeypatch):
+    """Loaded with and without float32 copies (the CPU and GPU defaults), the streamed session
+    and offline run give the same outputs and caches bit for bit."""
+    audio = question_wav[: 1280 * 12]
+    runs = {}
+    for copies in ("0", "1"):
+        monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, copies)
+        model = voicechat.load(tiny_ckpt)
+        runs[copies] = _streamed_and_offline(model, audio)
+    _assert_identical(runs["0"], runs["1"])

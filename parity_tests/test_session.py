@@ -257,3 +257,41 @@ def test_session_profile(tiny_model, question_wav):
     for stage in ("perception", "rnnt", "language", "tts", "codec", "total"):
         assert np.isfinite(summ[stage]["p95_ms"]) and summ[stage]["mean_ms"] >= 0
     assert summ["total"]["mean_ms"] >= summ["tts"]["mean_ms"]
+
+
+def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
+    """The observation point (`on_frame`) hands out the frame's own intermediates: they agree with the
+    session's ids / transcript / events and with what the offline path computes from the same audio
+    (streamed and offline log-mel / encoder frames run the same code on the same samples: measured
+    bit-identical; bounds 1e-5 / 1e-4 as the harness's mel / encoder rows, far below a frame shift)."""
+    records = []
+    s, events = run_stream(tiny_model, question_wav, on_frame=records.append)
+    audio = [e for e in events if e.kind == "audio"]
+    assert [r.frame_index for r in records] == list(range(len(audio))) and len(records) == len(s.text_ids)
+    for r, e in zip(records, audio):
+        assert r.text_id == s.text_ids[r.frame_index] == int(np.argmax(r.text_logits))
+        assert r.function_id == s.function_ids[r.frame_index] == int(np.argmax(r.function_logits))
+        assert np.array_equal(r.samples, e.samples)
+        # decoded codes: the raw codes with control codes replaced, so none remains
+        control = set(np.asarray(tiny_model.tts_model.control_codes).tolist())
+        keep = ~np.isin(r.raw_codes, list(control))
+        assert np.array_equal(r.codes[keep], r.raw_codes[keep]) and not np.isin(r.codes, list(control)).any()
+    assert [t for r in records for t in r.rnnt_tokens] == s.transcript_tokens
+    off = tiny_model.generate(question_wav)
+    mel = np.concatenate([r.mel for r in records])
+    off_mel = np.asarray(off.mel)
+    off_mel = off_mel if off_mel.shape[-1] == mel.shape[-1] else off_mel.T
+    n = min(len(mel), len(off_mel))
+    assert n >= 8 * (len(records) - 1)
+    assert np.abs(mel[:n] - off_mel[:n]).max() <= 1e-5
+    enc = np.stack([r.encoder for r in records])
+    assert np.abs(enc - np.asarray(off.encoder_frames)[:len(enc)]).max() <= 1e-4
+    assert s.text_ids == list(off.text_tokens[:len(s.text_ids)])
+
+
+def test_frame_records_without_perception_cache_and_bad_observer(wide_window_model, question_wav):
+    records = []
+    run_stream(wide_window_model, question_wav[:4 * 1280], on_frame=records.append, use_perception_cache=False)
+    assert len(records) == 4 and all(r.mel is None and r.encoder.ndim == 1 for r in records)
+    with pytest.raises(TypeError, match="on_frame"):
+        wide_window_model.create_streaming_session(on_frame="not callable")

@@ -173,8 +173,12 @@ def quantization_plan(weights: dict, cfg: VoiceChatConfig) -> dict[str, dict]:
         if isinstance(entry, dict):
             settings.update({k: v for k, v in entry.items() if k in settings})
         w, s = weights.get(p + ".weight"), weights.get(p + ".scales")
-        if w is None or p + ".biases" not in weights:
-            problems.append(f"{p}: '.scales' stored without '.weight' and '.biases'")
+        # Affine quantization stores scales and biases; MLX's floating-point modes (mxfp4,
+        # mxfp8, nvfp4) store scales only.
+        affine = settings["mode"] == "affine"
+        if w is None or (p + ".biases" in weights) != affine:
+            needs = "'.weight' and '.biases'" if affine else f"'.weight' and no '.biases' (mode {settings['mode']})"
+            problems.append(f"{p}: '.scales' stored without {needs}")
             continue
         gs, bits = settings["group_size"], settings["bits"]
         if gs is None or bits is None:

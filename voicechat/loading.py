@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
+from .checkpoint import is_raw_layout, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .parallel import prepare_linears
@@ -72,6 +72,46 @@ def _check_tensors(model: nn.Module, weights: dict) -> None:
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
 
 
+# Tensors are read (and checked for NaN / inf) in groups of about this many bytes, so the
+# temporaries of a load are bounded by one group beside what the model keeps.
+READ_GROUP_BYTES = 512 * 1024**2
+
+
+def _progress(total: int, desc: str):
+    return bar(total=total, desc=desc, unit="B", unit_scale=True)  # a TTY bar, see progress.py
+
+
+def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loading") -> None:
+    """Evaluate the (lazy, file-backed) arrays of `weights` a group at a time, with a progress
+    bar in bytes; raise CheckpointError naming the float tensors that hold NaN or inf.
+
+    `mx.load` of a safetensors file only records where each tensor is; its bytes are read
+    when it is evaluated, straight into the array that keeps them (transposed sanitize views
+    share it), so the load's peak is what the model keeps plus one group's temporaries."""
+    names = list(weights)
+    bar = _progress(sum(weights[k].nbytes for k in names), desc)
+    bad: list[str] = []
+    try:
+        start = 0
+        while start < len(names):
+            group, size = [], 0
+            while start < len(names) and (not group or size < READ_GROUP_BYTES):
+                group.append(names[start])
+                size += weights[names[start]].nbytes
+                start += 1
+            floats = [k for k in group if mx.issubdtype(weights[k].dtype, mx.floating)]
+            flags = [mx.logical_not(mx.isfinite(weights[k]).all()) for k in floats] if check_finite else []
+            mx.eval([weights[k] for k in group], flags)
+            bad += [k for k, f in zip(floats, flags) if f.item()]
+            if bar is not None:
+                bar.update(size)
+    finally:
+        if bar is not None:
+            bar.close()
+    if bad:
+        raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
+
+
 def load(path_or_repo, *, revision: str | None = None, numerics: str = "reference", check_finite: bool = True,
          warmup: bool = True):
     """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError.
@@ -102,15 +142,13 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
             )
         nn.quantize(model, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
     _check_tensors(model, weights)
-    if check_finite:
-        bad = nonfinite_tensors(weights)
-        if bad:
-            raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
+    read_weights(weights, check_finite=check_finite, desc=f"reading {folder.name}")
     steps.update()  # read and checked
     model.update(tree_unflatten(list(weights.items())))
+    del weights  # the model holds the arrays now; a float32 copy below may release its original
     mx.eval(model.parameters())
     steps.update()  # in memory
-    # Float32 copies of 16-bit dense weights; large products split across two CPU streams.
+    # Float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
     steps.update()  # float32 copies
@@ -136,7 +174,14 @@ def save(model, folder, n_shards: int = 2) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    raw = unsanitize(dict(tree_flatten(model.parameters())), model.config)
+    params = dict(tree_flatten(model.parameters()))
+    for path, m in model.named_modules():  # float32 copies go back to the dtype they were stored in
+        dtype = m.__dict__.get("_stored_dtype")
+        if dtype is not None and getattr(m, "_replaced", lambda: False)():
+            for name in ("weight", "bias"):
+                if f"{path}.{name}" in params:
+                    params[f"{path}.{name}"] = params[f"{path}.{name}"].astype(dtype)
+    raw = unsanitize(params, model.config)
     write_shards(raw, folder, n_shards=n_shards)
     (folder / "config.json").write_text(dump_config(model.config))
     src = getattr(model, "folder", None)

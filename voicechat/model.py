@@ -186,12 +186,15 @@ class VoiceChatModel(nn.Module):
 
     def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
                                  use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False):
+                                 profile: bool = False, on_frame=None):
+        """`on_frame`: optional callable handed a `voicechat.session.FrameRecord` (the frame's mel,
+        encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame."""
         from .session import VoiceChatStreamingSession
 
         return VoiceChatStreamingSession(
             self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
-            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile)
+            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
+            on_frame=on_frame)
 
     def create_asr_session(self):
         from .asr import AsrStreamSession

@@ -170,43 +170,102 @@ def _float32_transposed_halves(weight: mx.array, bias: mx.array | None = None) -
     return {"parts": [lo, hi]}
 
 
+FLOAT32_COPIES_ENV = "VOICECHAT_FLOAT32_COPIES"
+# The language path (embed, heads, every Linear of the LLM) keeps its stored dtype: it is
+# quantized in the published 4/8-bit checkpoints, and at the published shapes a float32
+# copy of the bf16 checkpoint's would take 38 GB.
+NO_COPY_PREFIXES = ("stt_model.llm", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
+
+
+def _language_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in NO_COPY_PREFIXES)
+
+
+def default_float32_copies() -> bool:
+    """Whether `prepare_linears` replaces 16-bit dense weights by float32 copies by default:
+    on a CPU device yes (MLX's CPU backend converts a bf16 weight fed float32 inputs on every
+    call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read per
+    frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides."""
+    env = os.environ.get(FLOAT32_COPIES_ENV, "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{FLOAT32_COPIES_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 class FastLinear(nn.Linear):
     """`nn.Linear` for float32 activations against 16-bit weights, and for large products.
 
-    * A bf16 / f16 weight fed float32 inputs is converted to float32 by MLX on
-      every call (the weight is promoted); `FastLinear` keeps that float32 copy,
-      made once by `prepare_linears`, so a frame does not convert weights again,
-      stored transposed (W.T contiguous, twice as fast in MLX's CPU BLAS; a
-      layer that splits keeps its two halves so). The product is the same (the
-      conversion is exact).
-    * Large products are split across two CPU streams like `ParallelQuantizedLinear`.
+    * Float32 copy (`prepare_linears(..., float32_copies=True)`): a bf16 / f16 weight fed
+      float32 inputs is converted to float32 by MLX on every call; instead the layer's
+      weight is replaced, once, by its float32 copy (the same values: the conversion is
+      exact), stored as W.T contiguous (twice as fast in MLX's CPU BLAS) and exposed as the
+      parameter `weight` = that array's transposed view, so the layer holds one copy. A
+      16-bit input gets the weight converted back to its stored dtype (exact), so its
+      product and result dtype are what the stored weight gives. Such a layer does not split
+      across streams (its two halves would need a second copy in two contiguous pieces).
+    * Large products of the other layers are split across two CPU streams like
+      `ParallelQuantizedLinear`.
     """
 
     _names = ("weight", "bias")
 
+    def _replaced(self) -> bool:
+        """True while `weight` is the float32 copy `prepare_linears` put in place (not since replaced)."""
+        return self.__dict__.get("_float32_view") is self["weight"]
+
     def _weights(self, x) -> dict:
         stored = {n: self[n] for n in self._names if n in self}
+        if self._replaced():
+            if x.dtype == mx.float32:
+                out = {"weight_t": self.__dict__["_float32_t"]}
+                if "bias" in stored:
+                    out["bias"] = stored["bias"]
+                return out
+            # Converted per call, not cached: a cached 16-bit copy would be a second resident copy.
+            dtype = self.__dict__["_stored_dtype"]
+            return {n: v.astype(dtype) for n, v in stored.items()}
         if x.dtype == mx.float32 and self.__dict__.get("_float32_copies") \
                 and stored["weight"].dtype in (mx.bfloat16, mx.float16):
+            # Weights replaced after `prepare_linears`: a derived float32 copy (second copy)
+            # until `prepare_linears` is called again.
             if self.__dict__.get("_split", False):
                 return derived(self, "float32_t_halves", tuple(stored.values()), _float32_transposed_halves)
             return derived(self, "float32_t", tuple(stored.values()), _float32_transposed)
         return stored
 
+    def _splits(self) -> bool:
+        return self.__dict__.get("_split", False) and not self._replaced()
+
     def unsplit_weights(self, x) -> dict | None:
         """The weights a call on `x` would use, or None when the call would split across streams
         (callers that fuse the product into a compiled piece must then call the layer)."""
-        if self.__dict__.get("_split", False) and secondary_stream() is not None:
+        if self._splits() and secondary_stream() is not None:
             return None
         return self._weights(x)
 
     def __call__(self, x):
         weights = self._weights(x)
-        stream = secondary_stream() if self.__dict__.get("_split", False) else None
+        stream = secondary_stream() if self._splits() else None
         if stream is None:
             return linear(x, weights)
         lo, hi = weights["parts"] if "parts" in weights else _row_halves(self, weights)
         return mx.concatenate([linear(x, lo), linear(x, hi, stream)], axis=-1)
+
+
+def _replace_by_float32(layer: FastLinear) -> None:
+    """The layer's 16-bit weight (and bias) -> its float32 copy, as the only resident copy."""
+    w = layer["weight"]
+    w_t = mx.contiguous(w.astype(mx.float32).T)
+    layer.__dict__["_stored_dtype"] = w.dtype
+    layer["weight"] = w_t.T
+    if "bias" in layer:
+        layer["bias"] = layer["bias"].astype(mx.float32)
+    layer.__dict__.pop("_derived", None)  # nothing cached may keep the 16-bit arrays alive
+    layer.__dict__["_float32_t"] = w_t
+    layer.__dict__["_float32_view"] = layer["weight"]
+    mx.eval(layer.parameters(), w_t)
 
 
 def _macs(layer: nn.Module) -> int:
@@ -217,31 +276,66 @@ def _macs(layer: nn.Module) -> int:
 
 
 def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
-                    float32_copies: bool = True) -> dict[str, list[str]]:
-    """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters,
-    bit-identical results); returns the paths that split and that got float32 copies.
+                    float32_copies: bool | None = None, prefix: str = "") -> dict[str, list[str]]:
+    """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters
+    up to the exact float32 conversion, bit-identical results); returns the paths that split and
+    that got float32 copies.
 
-    Split: >= `min_split_macs` multiply-adds per input row and >= 2 output rows; whether a
-    call splits is decided per call by `cpu_streams()`. Float32 copies: dense layers with a
-    16-bit weight (made and evaluated here, so their memory is taken at load). Calling it
-    again re-decides both for every layer."""
+    Float32 copies (default: `default_float32_copies()`): dense layers with a 16-bit weight,
+    outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix + path`), get their
+    weight replaced by its float32 copy (made and evaluated here, so the memory is taken at
+    load; the 16-bit original is released). Split: the other layers with >= `min_split_macs`
+    multiply-adds per input row and >= 2 output rows; whether a call splits is decided per
+    call by `cpu_streams()`. Calling it again re-decides splitting for every layer."""
+    if float32_copies is None:
+        float32_copies = default_float32_copies()
     split, copied = [], []
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
         big = layer["weight"].shape[0] >= 2 and _macs(layer) >= min_split_macs
-        if big:
-            split.append(path)
         if isinstance(layer, nn.QuantizedLinear):
             layer.__class__ = ParallelQuantizedLinear if big else nn.QuantizedLinear
+            if big:
+                split.append(path)
             continue
         layer.__class__ = FastLinear
         layer.__dict__["_split"] = big
-        layer.__dict__["_float32_copies"] = float32_copies
-        if float32_copies and layer["weight"].dtype in (mx.bfloat16, mx.float16):
-            mx.eval(layer._weights(mx.zeros((1,), dtype=mx.float32)))  # make the copy now, at load
+        copies = float32_copies and not _language_path(prefix + path)
+        layer.__dict__["_float32_copies"] = copies
+        if copies and not layer._replaced() and layer["weight"].dtype in (mx.bfloat16, mx.float16):
+            _replace_by_float32(layer)
+        if layer._replaced():
             copied.append(path)
+        elif big:
+            split.append(path)
     return {"split": split, "float32": copied}
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of the arrays `module` keeps: parameters, plus the derived arrays cached on its
+    modules (voicechat.constants.derived), each buffer counted once."""
+    from mlx.utils import tree_flatten
+
+    seen, total = set(), 0
+
+    def add(a):
+        nonlocal total
+        if isinstance(a, mx.array) and id(a) not in seen:
+            seen.add(id(a))
+            total += a.nbytes
+
+    for _, a in tree_flatten(module.parameters()):
+        add(a)
+    for _, m in module.named_modules():
+        if "_float32_view" in m.__dict__ and m._replaced():
+            seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
+        for name, (_, value) in m.__dict__.get("_derived", {}).items():
+            if name.startswith("row_halves_"):
+                continue  # views of the parameters
+            for _, a in tree_flatten(value):
+                add(a)
+    return total
 
 
 def split_rows(fn, x: mx.array) -> mx.array:

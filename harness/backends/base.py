@@ -54,9 +54,6 @@ class StreamRun:
     first_text_s: float | None = None
     wall_s: float = 0.0
     transcript_frame_tokens: list[list[int]] | None = None  # RNNT tokens emitted per streamed frame
-    # max abs difference between the session's perception/RNNT state and the backend's replay of the
-    # same pushes that recorded `mel` / `encoder` (0.0: the recorded frames are the session's own)
-    perception_replay_diff: float | None = None
     decoded_codes: np.ndarray | None = None  # int32 (K, Q): the Audio events' codes (control codes replaced)
 
 

@@ -3,14 +3,9 @@
 Offline path: `model.generate(...)`. Streamed path: `model.create_streaming_session(...)`
 fed `chunk_samples` at a time, then `flush()`; ids come from the session's
 per-frame records, codes and audio from its `Audio` events, the tail from
-`AudioTail`.
-
-The session does not hand out its intermediate mel / encoder frames, so the
-backend replays the same pushes through the same public component classes
-(`StreamingLogMel` with one frame of look-ahead, `ConformerStream`,
-`RnntStream`) and records their outputs; it then checks the replay's final
-state against `session.states()` (bit for bit, `StreamRun.perception_replay_diff`),
-which proves the recorded frames are the session's own.
+`AudioTail`. The streamed mel / encoder frames, RNNT tokens per frame and
+logits are the session's own values, handed out per frame by its observation
+point (`create_streaming_session(on_frame=...)`, `voicechat.session.FrameRecord`).
 
 Component checks (`component_checks`) drive the model's components directly:
 Nemotron-H single cached steps vs the no-cache recompute over the same inputs,
@@ -63,10 +58,10 @@ class VoiceChatBackend(Backend):
     events carry).
     component_max_frames: cap the audio frames of the component checks (the
     EAR-TTS recompute is quadratic in the timeline length).
-    record_intermediates: replay the streamed pushes to record mel / encoder
-    frames and per-frame RNNT tokens (after the timed session). None = record
+    record_intermediates: record the session's per-frame mel / encoder frames,
+    RNNT tokens and logits through its `on_frame` observer. None = record
     unless `stream(profile=True)`: profiled runs are measurement runs (the
-    benchmark runner) and are left unperturbed.
+    benchmark runner) and run without an observer.
     """
 
     name = "voicechat"
@@ -191,14 +186,25 @@ class VoiceChatBackend(Backend):
         return [rnnt.step(enc[t]) for t in range(enc.shape[0])]
 
     def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
-        """Text / function logits (T, V) of the audio positions, recomputed in one sequence pass over
-        the inputs the given ids imply (used for argmax margins only)."""
+        """Text / function logits (T, V) of the audio positions, recomputed over the inputs the given
+        ids imply as the offline path computes them: the prompt as one sequence pass (as
+        `Timeline.start`), then one cached step per audio position (as `Timeline.language_step`)."""
         model = self._require()
+        llm = model.stt_model.llm
         x = self._timeline_inputs(encoder_frames, prompt, text_ids, function_ids)
-        hidden = model.stt_model.llm.sequence(x)[0, len(prompt):]
-        tl, fl = model.heads(hidden)
-        mx.eval(tl, fl)
-        return _np(tl, np.float32), _np(fl, np.float32)
+        state = llm.make_state()
+        p = len(prompt)
+        if p:
+            llm(x[:, :p], state)
+        text, function = [], []
+        for t in range(p, x.shape[1]):
+            tl, fl = model.heads(llm(x[:, t:t + 1], state)[:, -1])
+            mx.eval(tl, fl, state.arrays())
+            text.append(_np(tl[0], np.float32))
+            function.append(_np(fl[0], np.float32))
+        if not text:
+            return None, None
+        return np.stack(text), np.stack(function)
 
     def _timeline_inputs(self, encoder_frames, prompt: list[int], text_ids, function_ids) -> mx.array:
         """LLM inputs (1, P + T, H) of the timeline: prompt positions, then audio positions fed the
@@ -257,8 +263,11 @@ class VoiceChatBackend(Backend):
         model = self._require()
         cfg = model.config
         wave = load_audio(audio, cfg.input_sample_rate, allow_empty=False)
+        record = (not profile) if self.record_intermediates is None else self.record_intermediates
+        frames: list = []
         t0 = time.perf_counter()
-        session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile)
+        session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile,
+                                                 on_frame=frames.append if record else None)
         create_s = time.perf_counter() - t0
         events: list = []
         first_audio = first_text = None
@@ -273,7 +282,6 @@ class VoiceChatBackend(Backend):
             events.extend(got)
         events.extend(session.flush())
         wall = time.perf_counter() - t0
-        states = session.states()
         audio_events = [e for e in events if e.kind == "audio"]
         tails = [e for e in events if e.kind == "audio_tail"]
         q = cfg.tts_config.num_quantizers
@@ -300,9 +308,8 @@ class VoiceChatBackend(Backend):
             run.frame_timings = [f.as_dict() for f in session.profile.frames]
             run.profile_summary = session.profile.summary()
 
-        record = (not profile) if self.record_intermediates is None else self.record_intermediates
         if record:
-            self._record_intermediates(run, wave, states, len(session.text_ids))
+            _take_frame_records(run, frames, with_logits)
         return run
 
     def asr_frame_ms(self, audio: np.ndarray, *, chunk_samples: int = 1280) -> list[float]:
@@ -320,38 +327,6 @@ class VoiceChatBackend(Backend):
             times.append((time.perf_counter() - t0) * 1000.0)
         session.finish()
         return times
-
-    def _record_intermediates(self, run: StreamRun, wave: np.ndarray, states: dict, frames: int) -> None:
-        """Replay the session's perception pushes to record the streamed mel / encoder frames."""
-        from voicechat.audio.conformer import ConformerStream
-        from voicechat.audio.mel import StreamingLogMel
-        from voicechat.audio.rnnt import RnntStream, RnntText
-
-        model = self._require()
-        cfg = model.config
-        n = cfg.frame_samples
-        padded = np.zeros(frames * n, np.float32)
-        padded[: min(wave.size, frames * n)] = wave[: frames * n]
-        mel_stream = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=n)
-        conformer = ConformerStream(model.stt_model.perception.encoder)
-        text = RnntText(list(cfg.rnnt_vocabulary))
-        rnnt = RnntStream(model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint, cfg.audio_config.max_symbols,
-                          skip_ids=text.special_ids)
-        mels, encs, frame_tokens = [], [], []
-        for k in range(frames):
-            mel = mel_stream.push(padded[k * n:(k + 1) * n])
-            enc = conformer.push_one(mel)
-            mels.append(mel)
-            encs.append(enc)
-            frame_tokens.append(rnnt.step(enc))
-        if frames:
-            run.mel = _np(mx.concatenate(mels), np.float32)
-            run.encoder = _np(mx.stack(encs), np.float32)
-        run.transcript_frame_tokens = frame_tokens
-        replay = {f"perception.mel.{k}": v for k, v in mel_stream.arrays().items()}
-        replay.update({f"perception.conformer.{k}": v for k, v in conformer.state.arrays().items()})
-        replay.update({f"rnnt.{k}": v for k, v in rnnt.state.arrays().items()})
-        run.perception_replay_diff = _state_diff(replay, states)
 
     # -- component checks
 
@@ -458,16 +433,17 @@ class VoiceChatBackend(Backend):
         )
 
 
-def _state_diff(replay: dict, session: dict) -> float:
-    """Max abs difference over the replayed state arrays (inf if a key or a shape is missing)."""
-    worst = 0.0
-    for k, v in replay.items():
-        other = session.get(k)
-        if other is None or tuple(other.shape) != tuple(v.shape):
-            return float("inf")
-        if v.size:
-            worst = max(worst, float(mx.abs(v.astype(mx.float32) - other.astype(mx.float32)).max().item()))
-    return worst
+def _take_frame_records(run: StreamRun, frames: list, with_logits: bool) -> None:
+    """Fill the run's per-frame intermediates from the session's `FrameRecord`s."""
+    run.transcript_frame_tokens = [list(f.rnnt_tokens) for f in frames]
+    if not frames:
+        return
+    if all(f.mel is not None for f in frames):
+        run.mel = np.concatenate([f.mel for f in frames])
+    run.encoder = np.stack([f.encoder for f in frames])
+    if with_logits:
+        run.text_logits = np.stack([f.text_logits for f in frames])
+        run.function_logits = np.stack([f.function_logits for f in frames])
 
 
 class SerialVoiceChatBackend(VoiceChatBackend):

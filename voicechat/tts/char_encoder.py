@@ -251,9 +251,12 @@ class CharAwareSubwordEncoder(nn.Module):
 
     def table_dtype(self) -> mx.Dtype:
         """The dtype of the char embedding's rows: the stored weight's, or for a quantized table
-        (packed uint32) that of its scales, which its dequantized rows have."""
+        (packed uint32) that of its dequantized rows (the affine scales' dtype; MLX decides it for
+        the scale-only modes, whose scales are uint8). Read from the lazy graph: nothing runs."""
         emb = self.embed_tokens
-        return emb.scales.dtype if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.dtype
+        if isinstance(emb, nn.QuantizedEmbedding):
+            return emb(mx.zeros((1,), dtype=mx.int32)).dtype
+        return emb.weight.dtype
 
     def activation_dtype(self, in_weight_dtype: bool) -> mx.Dtype:
         """float32, or with `in_weight_dtype` the char embedding's (float) dtype."""

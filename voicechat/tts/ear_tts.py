@@ -325,12 +325,13 @@ def _mog_trunk_core(eps, x, scales, mlps):
 def _mus_rows(mus, k, num_predictions: int, low_rank: int, hidden: int, quant) -> mx.array:
     """The low_rank rows of component k of `proj_mus` (R, hidden). `mus` = (weight,) dense, or
     (weight, scales, biases) packed with `quant` = (group_size, bits, mode): only the chosen rows
-    are dequantized (a checkpoint may store proj_mus quantized; architecture.md §3.3)."""
+    are dequantized (a checkpoint may store proj_mus quantized; architecture.md §3.3). The
+    floating-point modes (mxfp4, ...) have no biases (None)."""
     if quant is None:
         return mx.take(mus[0].reshape(num_predictions, low_rank, hidden), k, axis=0)
     group_size, bits, mode = quant
-    rows = [mx.take(a.reshape(num_predictions, low_rank, -1), k, axis=0) for a in mus]
-    return mx.dequantize(*rows, group_size=group_size, bits=bits, mode=mode)
+    rows = [None if a is None else mx.take(a.reshape(num_predictions, low_rank, -1), k, axis=0) for a in mus]
+    return mx.dequantize(*rows, group_size=group_size, bits=bits, mode=mode)  # biases None: scale-only modes
 
 
 def _mog_sample_core(static, x, u, eps, mus, low_mat, proj):
