@@ -80,6 +80,12 @@ class VoiceChatModel(nn.Module):
         w = self.config.function_channel_weight
         return self.embed(prev_text) + audio_emb.astype(mx.float32) + w * self.embed(prev_function)
 
+    def prompt_input(self, ids: mx.array) -> mx.array:
+        """LLM inputs (P, H) of system-prompt positions: the prompt token's embedding in the audio
+        slot, PAD in both id slots, summed in `fused_input`'s order as the reference does."""
+        pad = mx.full(ids.shape, self.config.pad_token_id, dtype=mx.int32)
+        return self.fused_input(pad, self.embed(ids), pad)
+
     # -- EAR-TTS speaker warm-up (depends on the weights only: computed once per model)
 
     def speaker_prompt_codes(self) -> mx.array:
