@@ -459,3 +459,19 @@ def test_bad_input_raises(cfg):
         model(mx.zeros((1, 1, hid)), other.make_state())
     with pytest.raises(ValueError, match="ssd_chunk_size"):
         NemotronH(cfg, ssd_chunk_size=0)
+
+
+def test_model_numerics_choose_the_language_rounding(tiny_ckpt):
+    """`voicechat.load(..., numerics=...)` sets the language path's rounding per model: two models
+    with different settings coexist, and their first-step hidden states differ (A's bf16 rounding)."""
+    import voicechat
+
+    ref, f32 = voicechat.load(tiny_ckpt), voicechat.load(tiny_ckpt, numerics="float32")
+    for model, want in ((ref, True), (f32, False)):
+        llm = model.stt_model.llm
+        assert llm.reference_rounding is want
+        assert all(b.mixer.reference_rounding is want for b in llm.layers if b.layer_type == "mamba")
+    x = inputs(ref.config.text_config, 6)
+    a = run_steps(ref.stt_model.llm, x)[0]
+    b = run_steps(f32.stt_model.llm, x)[0]
+    assert max_abs(a, b) > 0
