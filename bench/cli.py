@@ -48,6 +48,12 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the bandwidth measurement and the floor table")
     p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--frames", type=int, default=None, metavar="N",
+                   help="stream only the first N frames of input + silence (full-size checkpoints on a CPU take "
+                        "seconds per frame); the offline timing still uses the whole input, see --no-offline")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each load + stream (and the floor model) in its own process, for checkpoints too "
+                        "large for two models to sit in memory one after the other")
     p.add_argument("--bandwidth-mb", type=float, default=256.0,
                    help="size of each matrix of the bandwidth measurement (default 256 MB)")
     p.add_argument("--out", default=None, help="run folder (default reports/bench/<date>-<time>)")
@@ -55,6 +61,9 @@ def add_bench_parser(subparsers) -> None:
                    help="regenerate the generated section of --docs from RUN_DIR; without RUN_DIR (with -m), "
                         "from this run's folder when it finishes")
     p.add_argument("--docs", default="docs/performance.md", help="page --update-docs writes (default %(default)s)")
+    p.add_argument("--section", default=None, metavar="NAME",
+                   help="with --update-docs: write the named generated section (e.g. full: the full-shape run) "
+                        "instead of the default one; appended to the page if it has none yet")
     p.add_argument("--rerender", metavar="RUN_DIR", default=None,
                    help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
@@ -74,7 +83,7 @@ def cmd_bench(args) -> int:
         print(f"re-rendered {run_dir}")
         return 0
     if args.update_docs and not args.models:
-        changed = update_docs(Path(args.update_docs), Path(args.docs))
+        changed = update_docs(Path(args.update_docs), Path(args.docs), args.section)
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {args.update_docs}")
         return 0
     if not args.models:
@@ -97,11 +106,12 @@ def cmd_bench(args) -> int:
         backends=list(args.backends or ["voicechat"]), runs=args.runs, warmup=args.warmup,
         drop_first=args.drop_first, extra_decoding_seconds=args.extra_decoding_seconds,
         chunk_samples=args.chunk_samples, seed=args.seed, system_prompt=args.system_prompt,
-        offline=args.offline, floor=args.floor, bandwidth_mb=args.bandwidth_mb, plots=args.plots)
+        offline=args.offline, floor=args.floor, bandwidth_mb=args.bandwidth_mb, plots=args.plots,
+        frames=args.frames, isolate=args.isolate)
     result = run_bench(opts, progress=Progress(enabled=not args.quiet))
     print((out / "summary.md").read_text())
     if args.update_docs is not None:
-        changed = update_docs(out, Path(args.docs))
+        changed = update_docs(out, Path(args.docs), args.section)
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
     if not result.ok:
         print(f"voicechat bench: {result.failed} run(s) failed; see {out / 'summary.md'}", file=sys.stderr)

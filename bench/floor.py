@@ -290,9 +290,37 @@ def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
     return total * 1e3
 
 
+def resident_bytes_by_stage(model) -> dict[str, int]:
+    """Bytes each stage keeps resident after `voicechat.load`: its parameters (float32 copies
+    replace their 16-bit originals, voicechat.parallel) plus the derived arrays cached on its
+    modules (voicechat.constants.derived; row-half views excluded). Arrays outside the five
+    stages (speaker latents, control codes) go to "other"; "total" is the sum."""
+    out = {s: 0 for s in (*STAGES, "other")}
+    seen: set[int] = set()
+
+    def add(path: str, a) -> None:
+        if isinstance(a, mx.array) and id(a) not in seen:
+            seen.add(id(a))
+            out[_stage_of(path + ".") or "other"] += a.nbytes
+
+    for name, arr in tree_flatten(model.parameters()):
+        add(name, arr)
+    for path, m in model.named_modules():
+        if "_float32_t" in m.__dict__:
+            seen.add(id(m.__dict__["_float32_t"]))  # the buffer behind the `weight` view
+        for key, (_, value) in m.__dict__.get("_derived", {}).items():
+            if key.startswith("row_halves_"):
+                continue
+            for _, a in tree_flatten(value):
+                add(path, a)
+    out["total"] = sum(out.values())
+    return out
+
+
 def floor_table(model, bandwidth: dict[str, dict]) -> list[dict]:
-    """One row per stage (and `total`): weight MB by format, state MB, floor ms."""
+    """One row per stage (and `total`): weight MB by format, state MB, floor ms, resident MB."""
     per_stage = frame_weight_bytes(model)
+    resident = resident_bytes_by_stage(model)
     rows = []
     tot = StageBytes("total")
     for stage in STAGES:
@@ -300,17 +328,18 @@ def floor_table(model, bandwidth: dict[str, dict]) -> list[dict]:
         for fmt, v in b.by_format.items():
             tot.add(fmt, v)
         tot.state_bytes += b.state_bytes
-        rows.append(_row(b, bandwidth))
-    rows.append(_row(tot, bandwidth))
+        rows.append(_row(b, bandwidth, resident[stage]))
+    rows.append(_row(tot, bandwidth, resident["total"]))
     return rows
 
 
-def _row(b: StageBytes, bandwidth) -> dict:
+def _row(b: StageBytes, bandwidth, resident: int) -> dict:
     row = {"stage": b.stage, "weight_mb": b.weight_bytes / 1e6, "state_mb": b.state_bytes / 1e6}
     for fmt in FORMATS:
         row[f"{fmt}_mb"] = b.by_format[fmt] / 1e6
     row["floor_ms"] = floor_ms(b, bandwidth)
+    row["resident_mb"] = resident / 1e6
     return row
 
 
-__all__ = ["STAGES", "FORMATS", "StageBytes", "frame_weight_bytes", "measure_bandwidth", "floor_ms", "floor_table"]
+__all__ = ["STAGES", "FORMATS", "StageBytes", "frame_weight_bytes", "resident_bytes_by_stage", "measure_bandwidth", "floor_ms", "floor_table"]

@@ -39,7 +39,7 @@ RUN_COLUMNS = ["checkpoint", "backend", "input", "phase", "run", "status", "erro
                "offline_wall_s", "offline_frames", "offline_rtf", "mlx_peak_mb", "rss_peak_mb", "rss_peak_scope",
                "offline_mlx_peak_mb", "asr_mean_ms", "asr_p50_ms"]
 FLOOR_BASE_COLUMNS = ["checkpoint", "stage", "weight_mb", "state_mb", "bf16_mb", "f32_mb", "q4_mb", "q8_mb",
-                      "floor_ms"]
+                      "floor_ms", "resident_mb"]
 FLOOR_COLUMNS = ["checkpoint", "backend", *FLOOR_BASE_COLUMNS[1:], "measured_mean_ms", "measured_p50_ms",
                  "p50_over_floor"]
 PER_RUN_MEDIANS = ("load_s", "create_s", "first_audio_s", "first_text_s", "offline_wall_s", "offline_rtf",
@@ -156,7 +156,7 @@ def floor_with_measured(floor: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFr
         fl = floor[floor.checkpoint == s.checkpoint] if len(floor) else floor
         for _, f in fl.iterrows():
             row = {"checkpoint": s.checkpoint, "backend": s.backend}
-            row.update({k: f[k] for k in FLOOR_BASE_COLUMNS[1:]})
+            row.update({k: f.get(k, math.nan) for k in FLOOR_BASE_COLUMNS[1:]})
             row["measured_mean_ms"] = s[f"{f.stage}_mean_ms"]
             row["measured_p50_ms"] = s[f"{f.stage}_p50_ms"]
             row["p50_over_floor"] = (row["measured_p50_ms"] / f.floor_ms if f.floor_ms > 0 else math.nan)
@@ -423,13 +423,16 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         for _, f in floor.iterrows():
             rows.append([f"`{f.checkpoint}`", f.backend, f.stage if f.stage != "total" else "**total**",
                          _ms(f.weight_mb), _ms(f.state_mb), _ms(f.floor_ms), _ms(f.measured_p50_ms),
-                         _fmt(f.p50_over_floor, 1, "×")])
+                         _fmt(f.p50_over_floor, 1, "×"), _fmt(f.get("resident_mb", math.nan), 0)])
         out.append(_table(["checkpoint", "backend", "stage", "weights MB/frame", "state MB/frame", "floor ms",
-                           "measured p50 ms", "measured / floor"], rows, "lll" + "r" * 5))
+                           "measured p50 ms", "measured / floor", "resident MB"], rows, "lll" + "r" * 6))
         out.append("")
         out.append("measured / floor: how many times faster the stage could get if it did nothing but read its "
                    "weights (and states) once at the measured rate. Near 1× the stage is bound by that rate; far "
-                   "above it, by per-operation overhead, host synchronisation or recomputation.")
+                   "above it, by per-operation overhead, host synchronisation or recomputation. resident MB: "
+                   "what this project's loaded model keeps for the stage (parameters, float32 copies in place "
+                   "of their bf16 originals on a CPU, cached derived arrays; `total` includes speaker latents "
+                   "and control codes).")
         out.append("")
     for e in env.get("floor_errors") or []:
         out.append(f"- floor model failed: {e}")

@@ -51,6 +51,8 @@ class BenchOptions:
     bandwidth_mb: float = 256.0
     heartbeat_s: float = 30.0
     plots: bool = True
+    frames: int | None = None  # stream at most this many frames of input + silence (None: all)
+    isolate: bool = False  # each run (and the floor model) in a fresh process
 
     def validate(self) -> None:
         if not self.checkpoints:
@@ -63,6 +65,8 @@ class BenchOptions:
             raise ValueError(f"backends repeated: {self.backends}")
         if len(set(self.checkpoints)) != len(self.checkpoints):
             raise ValueError(f"checkpoints repeated: {self.checkpoints}")
+        if self.frames is not None and self.frames < 1:
+            raise ValueError(f"frames must be at least 1 (frames streamed per run), got {self.frames}")
         for name, v, lo in (("runs", self.runs, 1), ("warmup", self.warmup, 0), ("drop_first", self.drop_first, 0),
                             ("chunk_samples", self.chunk_samples, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -305,6 +309,8 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
         wave = load_input(path)
         silence = np.zeros(int(round(opts.extra_decoding_seconds * 16000)), np.float32)
         stream_wave = np.concatenate([wave, silence])
+        if opts.frames is not None:
+            stream_wave = stream_wave[: opts.frames * FRAME_SAMPLES]
         inputs.append({"path": str(path), "name": _input_name(path, opts.audio), "wave": wave,
                        "stream_wave": stream_wave})
 
@@ -360,7 +366,8 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
         progress(f"checkpoint {ci + 1}/{len(ckpts)}: {spec} ({folder})")
         if opts.floor:
             try:
-                floor_rows.extend(_floor_rows(spec, folder, bandwidth))
+                floor_rows.extend(_isolated(_floor_rows, spec, folder, bandwidth) if opts.isolate
+                                  else _floor_rows(spec, folder, bandwidth))
             except Exception as e:
                 progress(f"    floor model failed for {spec}: {type(e).__name__}: {e}")
                 floor_errors.append(f"{spec}: {type(e).__name__}: {e}")
@@ -375,8 +382,14 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
                     progress(f"[{done}/{total_runs}] {label}: ~{n_frames} frames "
                              f"({inp['wave'].size / 16000:.2f} s input + {opts.extra_decoding_seconds:g} s silence)")
                     base = {"checkpoint": spec, "backend": name, "input": inp["name"], "run": r}
-                    rec, frames = run_once(factory, name, folder, wave=inp["wave"], stream_wave=inp["stream_wave"],
-                                           opts=opts, base=base, progress=progress, label=label)
+                    if opts.isolate:
+                        if backend_factory is not None:
+                            raise ValueError("isolate=True runs the registered backends; it takes no backend_factory")
+                        rec, frames = _isolated(_run_once_default, name, folder, inp["wave"], inp["stream_wave"],
+                                                opts, base, progress.enabled, label)
+                    else:
+                        rec, frames = run_once(factory, name, folder, wave=inp["wave"], stream_wave=inp["stream_wave"],
+                                               opts=opts, base=base, progress=progress, label=label)
                     rec = {**{"checkpoint": spec, "backend": name, "input": inp["name"], "phase": phase, "run": r},
                            **rec}
                     run_rows.append(rec)
@@ -412,13 +425,28 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def _isolated(fn, *args):
+    """fn(*args) in a fresh Python process (spawned, so nothing of this one's memory is shared):
+    a run's memory peaks are its own, and a model too large to sit beside another never does."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _run_once_default(name, folder, wave, stream_wave, opts, base, progress_enabled, label):
+    return run_once(_default_factory, name, folder, wave=wave, stream_wave=stream_wave, opts=opts, base=base,
+                    progress=Progress(enabled=progress_enabled), label=label)
+
+
 def _floor_rows(spec: str, folder: Path, bandwidth: dict) -> list[dict]:
-    """Floor table of one checkpoint, from this project's loader (the parameter set is the checkpoint's)."""
+    """Floor table of one checkpoint, from this project's loader (the parameter set is the checkpoint's;
+    no warm-up: the floor needs only the parameters and what loading derives from them)."""
     import voicechat
 
     from .floor import floor_table
 
-    model = voicechat.load(str(folder))
+    model = voicechat.load(str(folder), warmup=False)
     try:
         rows = floor_table(model, bandwidth)
     finally:

@@ -24,6 +24,9 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "reports" / "parity"
 class ParityReport:
     header: dict
     rows: list[FamilyResult] = field(default_factory=list)
+    # cross mode: per path ("offline" / "streamed"), per frame, the logits against the reference
+    # (harness.families.logits_per_frame)
+    per_frame: dict = field(default_factory=dict)
     runs: object = field(default=None, repr=False, compare=False)  # engine.Runs of the primary backend
 
     # -- summary
@@ -72,6 +75,7 @@ class ParityReport:
             "rows": [r.as_dict() for r in self.rows],
             "tolerances": {k: {"value": t.value, "justification": t.justification} for k, t in TOLERANCES.items()},
             "documented_differences_applied": [DIFFERENCES[i].as_dict() for i in applied],
+            "per_frame_logits": self.per_frame,
         }
 
     def to_json(self) -> str:
@@ -80,7 +84,8 @@ class ParityReport:
     @classmethod
     def from_json(cls, text: str) -> "ParityReport":
         d = json.loads(text)
-        return cls(header=d["header"], rows=[FamilyResult.from_dict(r) for r in d["rows"]])
+        return cls(header=d["header"], rows=[FamilyResult.from_dict(r) for r in d["rows"]],
+                   per_frame=d.get("per_frame_logits") or {})
 
     # -- Markdown
 
@@ -128,7 +133,30 @@ class ParityReport:
                 d = DIFFERENCES[i]
                 lines.append(f"| {d.id} | {_cell(d.spec)} | {_cell(d.summary)} | {_cell(d.verified_by)} | "
                              f"{_cell(', '.join(d.pinned_by))} |")
+        lines += self._per_frame_markdown()
         return "\n".join(lines) + "\n"
+
+    def _per_frame_markdown(self) -> list[str]:
+        lines: list[str] = []
+        against = self.header.get("against") or "the reference"
+        for path, frames in self.per_frame.items():
+            if not frames:
+                continue
+            worst = {ch: max((f[f"{ch}_abs"] for f in frames if not f["after_divergence"]), default=None)
+                     for ch in ("text", "function")}
+            lines += ["", f"<details><summary>Per-frame logits, {path}: max abs vs {against} "
+                          f"(text {_num(worst['text'])}, function {_num(worst['function'])}) with "
+                          f"{against}'s top-2 gap</summary>", "",
+                      "| frame | text max abs | ref text top-2 gap | text id | function max abs "
+                      "| ref function top-2 gap | function id |", "|---|---|---|---|---|---|---|"]
+            for f in frames:
+                mark = lambda ok: "equal" if ok else "**differs**"  # noqa: E731
+                tail = " (after divergence)" if f["after_divergence"] else ""
+                lines.append(f"| {f['frame']}{tail} | {_num(f['text_abs'])} | {_num(f['text_gap_ref'])} | "
+                             f"{mark(f['text_id_equal'])} | {_num(f['function_abs'])} | "
+                             f"{_num(f['function_gap_ref'])} | {mark(f['function_id_equal'])} |")
+            lines += ["", "</details>"]
+        return lines
 
     # -- files
 

@@ -72,7 +72,7 @@ def run_server_parity(checkpoint: str, wave, *, system_prompt=None, seed: int = 
         "title": COMPARISON, "mode": "server", "checkpoint": model_arg or checkpoint, "backend": "voicechat-server",
         "against": "mlx-vlm-server",
         "input": f"{input_name} ({pcm.size} samples, {pcm.size / 16000:.2f} s, sha256 {audio_digest(wave)})",
-        "input_name": input_name, "seed": seed, "system_prompt": system_prompt or "", "chunk_samples": 1280,
+        "input_name": input_name, "ours": "voicechat serve --reference-numerics", "seed": seed, "system_prompt": system_prompt or "", "chunk_samples": 1280,
         "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "elapsed_s": round(time.perf_counter() - t0, 2),
     }

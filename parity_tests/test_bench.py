@@ -366,3 +366,69 @@ def test_bench_whole_frame(benchmark, warm_session, question_wav):
     events = benchmark(lambda: warm_session.push_audio(frame))
     audio = [e for e in events if e.kind == "audio"]
     assert len(audio) == 1 and audio[0].samples.shape == (warm_session.codec.samples_per_frame,)
+
+
+def test_isolated_runs_and_frame_limit(tiny_ckpt_4bit, wav_path, tmp_path):
+    """--isolate runs each load + stream (and the floor model) in a spawned process; --frames
+    streams only the first N frames. The records come back whole."""
+    out = tmp_path / "iso"
+    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=out, backends=["voicechat"],
+                        runs=1, warmup=0, drop_first=1, extra_decoding_seconds=EXTRA_S, bandwidth_mb=4.0,
+                        heartbeat_s=0, offline=False, plots=False, frames=4, isolate=True)
+    result = run_bench(opts, progress=Progress(stream=io.StringIO()))
+    assert result.failed == 0
+    frames = pd.read_csv(out / "frames.csv")
+    assert len(frames) == 4 and list(frames.frame_index) == [0, 1, 2, 3]
+    runs = pd.read_csv(out / "runs.csv")
+    assert (runs.status == "ok").all() and runs.load_s.iloc[0] > 0 and runs.rss_peak_mb.iloc[0] > 0
+    floor = pd.read_csv(out / "floor.csv").set_index("stage")
+    assert (floor.resident_mb > 0).all()
+    with pytest.raises(ValueError, match="frames must be at least 1"):
+        BenchOptions(checkpoints=["x"], audio=["y"], out=out, frames=0).validate()
+
+
+def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
+    """Resident MB per stage: with float32 copies each copied layer costs 2 more bytes per
+    element than its bf16 original (one copy, not two), counted from the layers' shapes."""
+    import voicechat
+    from bench.floor import resident_bytes_by_stage
+    from bench.floor import _stage_of
+
+    resident = {}
+    for copies in ("0", "1"):
+        monkeypatch.setenv("VOICECHAT_FLOAT32_COPIES", copies)
+        model = voicechat.load(tiny_ckpt, warmup=False)
+        resident[copies] = resident_bytes_by_stage(model)
+        if copies == "1":
+            from voicechat.parallel import FastLinear
+
+            grown = {}
+            for path, m in model.named_modules():
+                if isinstance(m, FastLinear) and m._replaced():
+                    n = m.weight.size + (m.bias.size if "bias" in m else 0)
+                    stage = _stage_of(path + ".")
+                    grown[stage] = grown.get(stage, 0) + 2 * n
+        del model
+    assert grown.get("language", 0) == 0 and grown["perception"] > 0 and grown["tts"] > 0
+    for stage in ("perception", "rnnt", "language", "tts", "codec"):
+        assert resident["1"][stage] - resident["0"][stage] == grown.get(stage, 0), stage
+    for r in resident.values():
+        assert r["total"] == sum(v for k, v in r.items() if k != "total")
+
+
+def test_named_docs_section_is_appended_then_replaced(bench_run, tmp_path):
+    """`--section full` keeps the default section as it is and writes its own block, appended
+    the first time and replaced in place afterwards."""
+    from bench.docs import markers
+
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\n{BEGIN}\nsmall run\n{END}\n\nhand-written outro\n")
+    begin, end = markers("full")
+    assert update_docs(bench_run["out"], page, "full")
+    text = page.read_text()
+    assert text.startswith(f"# Performance\n\n{BEGIN}\nsmall run\n{END}\n\nhand-written outro\n\n{begin}")
+    assert text.rstrip().endswith(end) and "Full published shapes (synthetic weights on a CPU)" in text
+    assert "--section full" in text
+    assert not update_docs(bench_run["out"], page, "full")
+    with pytest.raises(ValueError, match="section name must be a word"):
+        update_docs(bench_run["out"], page, "a b")

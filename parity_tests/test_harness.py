@@ -40,7 +40,7 @@ class MemoBackend(VoiceChatBackend):
     """VoiceChatBackend whose offline / streamed runs are computed once per (model, input, arguments)."""
 
     def _memo(self, kind, fn, audio, kw):
-        key = (kind, id(self.model), self.reference_rounding, audio_digest(np.asarray(audio, np.float32)),
+        key = (kind, id(self.model), self.numerics, audio_digest(np.asarray(audio, np.float32)),
                tuple(sorted(kw.items())))
         if key not in _MEMO:
             _MEMO[key] = fn(audio, **kw)
@@ -58,6 +58,14 @@ def model(tiny_ckpt_4bit):
     import voicechat
 
     return voicechat.load(tiny_ckpt_4bit)
+
+
+@pytest.fixture(scope="module")
+def model_f32(tiny_ckpt_4bit):
+    """The same checkpoint with the float32 EAR-TTS option (its codes differ from the reference's)."""
+    import voicechat
+
+    return voicechat.load(tiny_ckpt_4bit, numerics="float32")
 
 
 @pytest.fixture(scope="module")
@@ -266,13 +274,11 @@ def test_primitives_fail_where_expected():
 
 class ReferenceLike(MemoBackend):
     """Behaves as architecture.md §12.2 says the reference does: no-prompt offline frame 0 is an all-zero
-    code row (decoded as such), no codec tail at flush, the backbone norm's '1 + w' in the weight dtype."""
+    code row (decoded as such), no codec tail at flush, the reference's roundings (numerics "reference",
+    or whatever numerics the given model has)."""
 
     name = "reference-like"
     extra_corruption = False
-
-    def __init__(self, model):
-        super().__init__(model, reference_rounding=True)
 
     def offline(self, audio, **kw):
         run = super().offline(audio, **kw)
@@ -293,11 +299,15 @@ class ReferenceLikeBroken(ReferenceLike):
     extra_corruption = True
 
 
-def test_cross_documented_differences(model, question_wav):
-    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model), components=False)
+def test_cross_documented_differences(model, model_f32, question_wav):
+    """This project with numerics="float32" against the reference: the frame-0 row and the float32 code
+    differences are documented, each verified (the latter by re-running with numerics="reference")."""
+    report = run_parity(MemoBackend(model_f32), question_wav, against=ReferenceLike(model), components=False)
     assert report.ok, report.to_markdown()
     applied = {r.difference_id for r in report.rows if r.status == DOCUMENTED}
-    assert {"frame0_codes_no_prompt", "codec_tail"} <= applied
+    assert {"frame0_codes_no_prompt", "codec_tail", "float32_numerics"} <= applied
+    c_off = "offline: voicechat vs reference-like"
+    assert report.row(E2E, "codes per frame", c_off).difference_id == "float32_numerics"
     c_off = "offline: voicechat vs reference-like"
     assert report.row(E2E, "first audio frame: codes", c_off).difference_id == "frame0_codes_no_prompt"
     assert report.row(E2E, "our decode of their codes vs their audio", c_off).status == PASS
@@ -308,6 +318,31 @@ def test_cross_documented_differences(model, question_wav):
     # Every documented entry names the tests that pin it, and they exist.
     for d in DIFFERENCES.values():
         assert d.pinned_by and all("::test_" in p for p in d.pinned_by)
+
+
+def test_default_numerics_pass_codes_against_the_reference(model, question_wav):
+    """Default numerics: the codes equal the reference's on every frame (frame 0 included), so the
+    codes rows pass; only the codec tail is documented."""
+    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model), components=False)
+    assert report.ok, report.to_markdown()
+    cross = [r for r in report.rows if "vs reference-like" in r.comparison]
+    assert {r.difference_id for r in cross if r.status == DOCUMENTED} == {"codec_tail"}
+    for c in ("offline: voicechat vs reference-like", "streamed: voicechat vs reference-like"):
+        for metric in ("codes per frame", "decoded codes per frame", "first audio frame: codes"):
+            assert report.row(E2E, metric, c).status == PASS, (c, metric)
+
+
+def test_default_numerics_code_mismatch_is_never_documented(model, model_f32, question_wav):
+    """A code mismatch with the ids equal, on the default numerics, stays a failure: here the
+    'reference' is the float32 model (the mismatch the float32_numerics entry documents for a
+    float32 run)."""
+    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model_f32), components=False)
+    c_off = "offline: voicechat vs reference-like"
+    assert report.row(E2E, "text ids per frame", c_off).status == PASS
+    assert report.row(E2E, "codes per frame", c_off).status == FAIL
+    cross = [r for r in report.rows if "vs reference-like" in r.comparison]
+    assert not any(r.difference_id in ("float32_numerics", "frame0_codes_no_prompt") for r in cross)
+    assert not report.ok
 
 
 def test_cross_undocumented_difference_still_fails(model, question_wav):
@@ -393,3 +428,88 @@ def test_margin_tells_near_tie_from_clear_decision():
     assert near.first_failing_frame == 1 and near.margin == pytest.approx(1e-6) and "near tie" in near.note
     assert clear.first_failing_frame == 2 and clear.margin == pytest.approx(2.0) and "clear decision" in clear.note
     assert near.status == clear.status == FAIL
+
+
+# ----------------------------------------------------------------- per-frame logits against the reference
+
+K_TIE = 3  # the frame where the fabricated near tie sits
+
+
+class TiedLogits(MemoBackend):
+    """Our streamed run with frame K_TIE's text logits made a near tie: the runner-up 1e-6 below the top."""
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        row = run.text_logits[K_TIE]
+        top, second = np.argsort(row)[-1], np.argsort(row)[-2]
+        row[second] = row[top] - 1e-6
+        return run
+
+
+class FlippedOnTie(TiedLogits):
+    """A reference that decides the tie the other way: its runner-up moved to `lift` + 1e-6 above the
+    top (and `drop` taken off the top), so it emits the other id at K_TIE. Here: its gap is 2e-6,
+    the difference 3e-6 (the runner-up moved by 1e-6 + 2e-6): a near tie."""
+
+    name = "tie-ref"
+    lift, drop = 1e-6, 0.0
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        row = run.text_logits[K_TIE]
+        top, second = np.argsort(row)[-1], np.argsort(row)[-2]
+        row[second] = row[top] + self.lift + 1e-6  # was 1e-6 below the top: now `lift` above it
+        row[top] -= self.drop
+        run.text_ids[K_TIE] = second
+        return run
+
+
+class FlippedClearly(FlippedOnTie):
+    """The reference's top-2 gap (8e-6) exceeds the measured difference (5e-6): not a near tie."""
+
+    lift, drop = 3e-6, 4e-6
+
+
+def test_near_tie_flip_is_documented_only_below_the_error(model, question_wav, tmp_path):
+    report = run_parity(TiedLogits(model), question_wav, against=FlippedOnTie(model), components=False)
+    c = "streamed: voicechat vs tie-ref"
+    text = report.row(NEMOTRON, "text logits per frame (max abs)", c)
+    assert text.status == PASS and text.observed == pytest.approx(3e-6, abs=5e-7)  # float32 logits ~4
+    assert report.row(NEMOTRON, "function logits per frame (max abs)", c).observed == 0
+    ids = report.row(E2E, "text ids per frame", c)
+    assert ids.status == DOCUMENTED and ids.difference_id == "near_tie_flip" and ids.first_failing_frame == K_TIE
+    frames = report.per_frame["streamed"]
+    assert len(frames) == len(report.runs.stream.text_ids)
+    assert frames[K_TIE]["text_gap_ref"] < frames[K_TIE]["text_abs"] and not frames[K_TIE]["text_id_equal"]
+    assert all(f["after_divergence"] == (f["frame"] > K_TIE) for f in frames)
+    assert report.ok, report.to_markdown()
+    # Both formats carry the per-frame table.
+    jp, mp = report.write(tmp_path)
+    again = ParityReport.from_json(jp.read_text())
+    assert again.per_frame["streamed"][K_TIE] == pytest.approx(frames[K_TIE])
+    assert "Per-frame logits, streamed" in mp.read_text()
+
+    clear = run_parity(TiedLogits(model), question_wav, against=FlippedClearly(model), components=False)
+    ids = clear.row(E2E, "text ids per frame", c)
+    assert ids.status == FAIL and "not a near tie" in ids.note
+    assert not clear.ok
+
+
+class DriftedLogits(MemoBackend):
+    """Logits 3e-5 off from frame 5 on (ids unchanged): above cross_logits_abs."""
+
+    name = "drift-ref"
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        run.function_logits[5:] += 3e-5
+        return run
+
+
+def test_logits_drift_fails_nemotron_at_that_frame(model, question_wav):
+    report = run_parity(MemoBackend(model), question_wav, against=DriftedLogits(model), components=False)
+    c = "streamed: voicechat vs drift-ref"
+    row = report.row(NEMOTRON, "function logits per frame (max abs)", c)
+    assert row.status == FAIL and row.first_failing_frame == 5
+    assert report.row(NEMOTRON, "text logits per frame (max abs)", c).status == PASS
+    assert report.row(NEMOTRON, "text logits per frame (max abs)", "offline: voicechat vs drift-ref").observed == 0

@@ -14,8 +14,10 @@ asserts, on the **default path**:
   convolution stack on samples of magnitude ~1). Streamed audio is compared after the codec
   lead-in, skipping the 2·lead_in warm-up samples, as test_peers.py does.
 
-No frame is exempt: offline without a system prompt the default numerics ("reference") also
-reproduce the reference's all-zero code row at frame 0 (architecture.md §12.2 item 7).
+No frame is exempt: offline without a system prompt, the reference decodes an all-zero code row
+at frame 0 (architecture.md §12.2 item 7), and so does this project with its default numerics
+("reference"; docs/voicechat.md row 1). Both raw codes (the input of control-code replacement)
+and decoded codes (the result / Audio events) are compared.
 
 Rows form a covering set of the axes real checkpoints vary (not their product): geometry (31
 codebooks, control codes inside / outside the generated range), dtypes (float32; bf16 with
@@ -93,6 +95,7 @@ def row_runs(tmp_path_factory):
                 out = {mode: (getattr(ours, mode)(wav, system_prompt=row.prompt, seed=5),
                               getattr(ref, mode)(wav, system_prompt=row.prompt, seed=5))
                        for mode in ("offline", "stream")}
+                out["silence"] = np.array(ours.model.tts_model.codec_silence_tokens).astype(np.int32)
                 out["ref_decode"] = {m: ref.decode_codes(out[m][0].codes, float32_latent=True)
                                      for m in ("offline", "stream")}
                 out["lead_in"], out["control"] = ref.lead_in, set(
@@ -118,12 +121,17 @@ def test_ids_and_codes_identical(row_runs, row, mode):
     assert diff is None, f"text ids differ first at frame {diff[0]} ({o.text_ids.shape[0]} frames)"
     diff = _first_difference(o.function_ids, r.function_ids)
     assert diff is None, f"function ids differ first at frame {diff[0]} ({o.function_ids.shape[0]} frames)"
-    diff = _first_difference(o.codes, r.codes)
-    if diff is not None:
-        frame, books = diff
-        n_diff = sum(not np.array_equal(a, b) for a, b in zip(o.codes, r.codes))
-        pytest.fail(f"codes differ first at frame {frame}, codebooks {books[:8]}{'...' if len(books) > 8 else ''}"
-                    f" ({n_diff} of {o.codes.shape[0]} frames differ)")
+    if mode == "offline" and row.prompt is None:
+        # The reference's all-zero row at offline frame 0 (no prompt), reproduced by default.
+        np.testing.assert_array_equal(r.codes[0], np.zeros_like(runs["silence"]))
+    for what, ours_codes, ref_codes in (("codes", o.codes, r.codes),
+                                        ("decoded codes", o.decoded_codes, r.decoded_codes)):
+        diff = _first_difference(ours_codes, ref_codes)
+        if diff is not None:
+            frame, books = diff
+            n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes, ref_codes))
+            pytest.fail(f"{what} differ first at frame {frame}, codebooks {books[:8]}"
+                        f"{'...' if len(books) > 8 else ''} ({n_diff} of {ours_codes.shape[0]} frames differ)")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)

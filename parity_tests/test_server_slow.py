@@ -103,7 +103,10 @@ def _wait(driver, cond, timeout, what):
 @pytest.mark.slow
 @pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
                     reason="needs Debian's chromium + chromium-driver (.ci/run installs them)")
-def test_browser_page_talks_to_the_server(server):
+@pytest.mark.parametrize("capture", ["browser", "native"])
+def test_browser_page_talks_to_the_server(server, capture):
+    """capture=browser: a 16 kHz AudioContext (Chromium resamples the mic); native: the device rate and
+    the page's own resampler in the capture worklet."""
     pytest.importorskip("selenium")
     from selenium.webdriver.common.by import By
 
@@ -111,7 +114,7 @@ def test_browser_page_talks_to_the_server(server):
 
     driver = _chrome(Path(sample_path("question")))
     try:
-        driver.get(server.http + "/")
+        driver.get(server.http + ("/?capture=native" if capture == "native" else "/"))
         driver.find_element(By.ID, "prompt").send_keys("You are a helpful assistant.")
         driver.find_element(By.ID, "start").click()
         # The fake microphone loops the sample: stream ~4 s, then Stop (commit).
@@ -124,7 +127,7 @@ def test_browser_page_talks_to_the_server(server):
         time.sleep(0.3)
         st = driver.execute_script("return window.voicechat;")
         REPORTS.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(REPORTS / "browser.png"))
+        driver.save_screenshot(str(REPORTS / ("browser.png" if capture == "browser" else "browser_native.png")))
         dom_transcript = driver.find_element(By.ID, "transcript").text
     finally:
         driver.quit()
@@ -138,7 +141,9 @@ def test_browser_page_talks_to_the_server(server):
     # Frames = the audio the page sent (16 kHz PCM16, 1280 samples per frame, last one padded).
     assert st["frames"] == -(-st["samplesSent"] // 1280)
     assert dom_transcript.strip() == st["transcript"].strip() and dom_transcript.strip()
-    (REPORTS / "browser.json").write_text(json.dumps({k: st[k] for k in (
+    if capture == "native":
+        assert st["micRate"] != 16000  # the worklet's resampler ran
+    (REPORTS / f"browser_{capture}.json").write_text(json.dumps({k: st[k] for k in (
         "frames", "samplesSent", "samplesReceived", "samplesPlayed", "tailSamples", "outputFrameSamples",
         "outputRate", "underruns", "micRate", "transcript", "text")}, indent=1) + "\n")
     print({k: st[k] for k in ("frames", "samplesPlayed", "underruns", "micRate")},

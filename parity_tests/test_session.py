@@ -10,6 +10,7 @@ import voicechat
 from voicechat.errors import ContextLimitError, SessionClosedError, WrongThreadError
 from voicechat.profiler import FrameTiming, Profile, percentile
 from voicechat.synthetic import write_checkpoint
+from voicechat.tts.ear_tts import replace_control_codes
 
 
 def run_stream(model, audio, push=1280, **kw):
@@ -110,16 +111,29 @@ def test_streaming_matches_offline(request, which, prompt, question_wav):
     k = codes.shape[0]
     # Offline has one frame more than the stream (the centred last mel frame).
     assert off.text_tokens.shape[0] == k + 1
-    # First audio frame: text id, function id and every code identical.
+    silence = np.array(model.tts_model.codec_silence_tokens).astype(np.int32)
+    offline_audio = off.audio
+    # First audio frame: text id, function id and every code identical, except without a prompt:
+    # streamed frame 0 is the codec silence codes, offline frame 0 the reference's all-zero row
+    # (default numerics, test_numerics.py::test_offline_frame0_follows_numerics).
     assert s.text_ids[0] == off.text_tokens[0] and s.function_ids[0] == off.function_tokens[0]
-    np.testing.assert_array_equal(codes[0], off.audio_codes[0])
+    first = 0
+    if prompt is None:
+        np.testing.assert_array_equal(codes[0], silence)
+        np.testing.assert_array_equal(off.raw_audio_codes[0], np.zeros_like(silence))
+        first = 1
+        # The offline audio of the same codes with the streamed frame 0.
+        tts = model.tts_model
+        raw = off.raw_audio_codes.copy()
+        raw[0] = silence
+        offline_audio = np.array(tts.audio_codec.decode(
+            replace_control_codes(raw, tts.control_codes, tts.codec_silence_tokens)))
+    np.testing.assert_array_equal(codes[first:first + 1], off.audio_codes[first:first + 1])
     # All common frames.
     np.testing.assert_array_equal(np.array(s.text_ids), off.text_tokens[:k])
     np.testing.assert_array_equal(np.array(s.function_ids), off.function_tokens[:k])
-    np.testing.assert_array_equal(codes, off.audio_codes[:k])
-    if prompt is None:
-        # Frame 0 carries the codec silence codes in both paths (the reference's offline zero-row bug is not copied).
-        np.testing.assert_array_equal(codes[0], np.array(model.tts_model.codec_silence_tokens))
+    np.testing.assert_array_equal(codes[first:], off.audio_codes[first:k])
+    np.testing.assert_array_equal(np.stack(s.raw_audio_codes)[first:], off.raw_audio_codes[first:k])
     # Audio: streamed (after the codec lead-in) vs offline over the common frames. The first
     # `warmup_samples` differ by design (causal warm-up) and the last (n_fft - hop) / 2 samples of
     # the common region depend on the frame that follows, which only the offline decode has.
@@ -129,7 +143,7 @@ def test_streaming_matches_offline(request, which, prompt, question_wav):
     assert streamed.shape[0] == k * ratio + codec.lead_in
     edge = (model.config.codec_config.n_fft - model.config.codec_config.hop_length) // 2
     a = streamed[codec.lead_in:][codec.warmup_samples:k * ratio - edge]
-    b = off.audio[codec.warmup_samples:k * ratio - edge]
+    b = offline_audio[codec.warmup_samples:k * ratio - edge]
     # float32 decode of identical codes in a different chunking: agreement to rounding (<< 1e-4)
     assert np.max(np.abs(a - b)) <= 1e-4
     assert s.transcript.text == off.user_transcript or off.user_transcript.startswith(s.transcript.text)
@@ -243,3 +257,41 @@ def test_session_profile(tiny_model, question_wav):
     for stage in ("perception", "rnnt", "language", "tts", "codec", "total"):
         assert np.isfinite(summ[stage]["p95_ms"]) and summ[stage]["mean_ms"] >= 0
     assert summ["total"]["mean_ms"] >= summ["tts"]["mean_ms"]
+
+
+def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
+    """The observation point (`on_frame`) hands out the frame's own intermediates: they agree with the
+    session's ids / transcript / events and with what the offline path computes from the same audio
+    (streamed and offline log-mel / encoder frames run the same code on the same samples: measured
+    bit-identical; bounds 1e-5 / 1e-4 as the harness's mel / encoder rows, far below a frame shift)."""
+    records = []
+    s, events = run_stream(tiny_model, question_wav, on_frame=records.append)
+    audio = [e for e in events if e.kind == "audio"]
+    assert [r.frame_index for r in records] == list(range(len(audio))) and len(records) == len(s.text_ids)
+    for r, e in zip(records, audio):
+        assert r.text_id == s.text_ids[r.frame_index] == int(np.argmax(r.text_logits))
+        assert r.function_id == s.function_ids[r.frame_index] == int(np.argmax(r.function_logits))
+        assert np.array_equal(r.samples, e.samples)
+        # decoded codes: the raw codes with control codes replaced, so none remains
+        control = set(np.asarray(tiny_model.tts_model.control_codes).tolist())
+        keep = ~np.isin(r.raw_codes, list(control))
+        assert np.array_equal(r.codes[keep], r.raw_codes[keep]) and not np.isin(r.codes, list(control)).any()
+    assert [t for r in records for t in r.rnnt_tokens] == s.transcript_tokens
+    off = tiny_model.generate(question_wav)
+    mel = np.concatenate([r.mel for r in records])
+    off_mel = np.asarray(off.mel)
+    off_mel = off_mel if off_mel.shape[-1] == mel.shape[-1] else off_mel.T
+    n = min(len(mel), len(off_mel))
+    assert n >= 8 * (len(records) - 1)
+    assert np.abs(mel[:n] - off_mel[:n]).max() <= 1e-5
+    enc = np.stack([r.encoder for r in records])
+    assert np.abs(enc - np.asarray(off.encoder_frames)[:len(enc)]).max() <= 1e-4
+    assert s.text_ids == list(off.text_tokens[:len(s.text_ids)])
+
+
+def test_frame_records_without_perception_cache_and_bad_observer(wide_window_model, question_wav):
+    records = []
+    run_stream(wide_window_model, question_wav[:4 * 1280], on_frame=records.append, use_perception_cache=False)
+    assert len(records) == 4 and all(r.mel is None and r.encoder.ndim == 1 for r in records)
+    with pytest.raises(TypeError, match="on_frame"):
+        wide_window_model.create_streaming_session(on_frame="not callable")

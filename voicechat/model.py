@@ -24,6 +24,7 @@ from .audio.rnnt import RnntDecoder, RnntJoint
 from .config import VoiceChatConfig
 from .llm.nemotron_h import NemotronH
 from .tts.ear_tts import EarTts
+from .tts.numerics import DEFAULT_NUMERICS, Numerics, numerics_from
 
 # EAR-TTS speaker prompt length in frames (fixed by the reference; the stored latent's shape).
 SPEAKER_PROMPT_FRAMES = 37
@@ -43,10 +44,10 @@ class SttModel(nn.Module):
 
 
 class SpeechDecoder(nn.Module):
-    def __init__(self, cfg: VoiceChatConfig):
+    def __init__(self, cfg: VoiceChatConfig, numerics: Numerics | str = DEFAULT_NUMERICS):
         super().__init__()
         s = cfg.tts_config
-        self.tts_model = EarTts(s)
+        self.tts_model = EarTts(s, numerics=numerics)
         self.audio_codec = Codec(cfg.codec_config)
         # Integer buffers (int64 in the published files; the stored dtype is kept on load).
         self.control_codes = mx.full((3,), s.codebook_size, dtype=mx.int32)
@@ -55,15 +56,25 @@ class SpeechDecoder(nn.Module):
 
 
 class VoiceChatModel(nn.Module):
-    """The whole model. Build with `voicechat.load(...)`; runtime entry points below."""
+    """The whole model. Build with `voicechat.load(...)`; runtime entry points below.
 
-    def __init__(self, cfg: VoiceChatConfig):
+    `numerics` ("reference", the default, or "float32"; voicechat/tts/numerics.py) is fixed for
+    the model's life: everything it caches (the speaker warm-up, codebook norms, compiled
+    pieces) is computed under it."""
+
+    def __init__(self, cfg: VoiceChatConfig, numerics: Numerics | str = DEFAULT_NUMERICS):
         super().__init__()
+        numerics = numerics_from(numerics)
         self.config = cfg
         self.stt_model = SttModel(cfg)
-        self.tts_model = SpeechDecoder(cfg)
+        self.tts_model = SpeechDecoder(cfg, numerics)
         self.tokenizer = None  # set by the loader (voicechat.tokenizer.TextTokenizer)
         self.source = None  # where it was loaded from (path or repo id)
+
+    @property
+    def numerics(self) -> Numerics:
+        """The EAR-TTS numerics this model was built with (`model.numerics.name`)."""
+        return self.tts_model.tts_model.numerics
 
     # -- small building blocks used by generation, sessions and the harness
 
@@ -175,12 +186,15 @@ class VoiceChatModel(nn.Module):
 
     def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
                                  use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False):
+                                 profile: bool = False, on_frame=None):
+        """`on_frame`: optional callable handed a `voicechat.session.FrameRecord` (the frame's mel,
+        encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame."""
         from .session import VoiceChatStreamingSession
 
         return VoiceChatStreamingSession(
             self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
-            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile)
+            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
+            on_frame=on_frame)
 
     def create_asr_session(self):
         from .asr import AsrStreamSession

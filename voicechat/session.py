@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +31,28 @@ from .profiler import FrameTiming, Profile
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
 from .tts.ear_tts import replace_control_codes
+
+
+@dataclass(frozen=True)
+class FrameRecord:
+    """The session's own intermediate values of one frame, handed to `on_frame` (host copies).
+
+    mel: (n, n_mels) log-mel frames the conformer consumed (None with the uncached perception
+    fallback); encoder: (d,) encoder frame; rnnt_tokens: transcript tokens this frame emitted;
+    text_logits / function_logits: (V,) float32; raw_codes: (Q,) codes the TTS generated;
+    codes: (Q,) the decoded codes (control codes replaced); samples: the frame's audio."""
+
+    frame_index: int
+    mel: np.ndarray | None
+    encoder: np.ndarray
+    rnnt_tokens: tuple[int, ...]
+    text_logits: np.ndarray
+    function_logits: np.ndarray
+    text_id: int
+    function_id: int
+    raw_codes: np.ndarray
+    codes: np.ndarray
+    samples: np.ndarray
 
 
 class StreamingPerception:
@@ -46,11 +70,13 @@ class StreamingPerception:
         else:
             self.mel = self.conformer = None
             self.fallback = PerceptionFallback(per.encoder, cfg.audio_config.preprocessor, cfg.frame_samples)
+        self.last_mel = None  # the log-mel frames of the last push (cached path)
 
     def push_frame(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
         """-> (encoder frame (d,), audio embedding (H,))."""
         if self.use_cache:
             mel = self.mel.push(samples)
+            self.last_mel = mel
             enc = self.conformer.push_one(mel)
         else:
             enc = self.fallback.push_frame(samples)
@@ -69,8 +95,12 @@ class VoiceChatStreamingSession:
 
     def __init__(self, model, *, system_prompt: str | None = None, seed: int = 0,
                  max_streaming_seconds: float | None = None, use_language_cache: bool = True,
-                 use_perception_cache: bool = True, profile: bool = False):
+                 use_perception_cache: bool = True, profile: bool = False,
+                 on_frame: Callable[[FrameRecord], None] | None = None):
         cfg = model.config
+        if on_frame is not None and not callable(on_frame):
+            raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
+        self._on_frame = on_frame
         self.model = model
         self.config = cfg
         self._owner = threading.get_ident()
@@ -96,9 +126,11 @@ class VoiceChatStreamingSession:
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False
-        # Host-side copies for the harness: ids and codes per emitted frame.
+        # Host-side copies for the harness: ids and the generated (raw) codes per emitted frame; the
+        # Audio events carry the decoded codes (after control-code replacement).
         self.text_ids: list[int] = []
         self.function_ids: list[int] = []
+        self.raw_audio_codes: list[np.ndarray] = []
         self.transcript_tokens: list[int] = []
 
     # -- helpers
@@ -140,7 +172,7 @@ class VoiceChatStreamingSession:
                 events.append(UserTranscriptDelta(self.frame_index, delta, text))
         t2 = time.perf_counter()
         tl = self.timeline
-        text_id, function_id, _, _ = tl.language_step(emb)
+        text_id, function_id, text_logits, function_logits = tl.language_step(emb)
         if prof:
             mx.eval(text_id, function_id)
         t3 = time.perf_counter()
@@ -153,24 +185,37 @@ class VoiceChatStreamingSession:
         audio = self.codec.decode_step(clean, self.codec_state)
         # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
         # products in numpy, voicechat.host_gemm, the codec evaluated its inputs on the way).
-        mx.eval(text_id, function_id, codes, audio, self.codec_state.arrays())
+        mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays())
         t5 = time.perf_counter()
         tid, fid = text_id.item(), function_id.item()
         self.text_ids.append(tid)
         self.function_ids.append(fid)
+        self.raw_audio_codes.append(np.array(codes, dtype=np.int32))
         r = self.text.push(tid)
         if r is not None:
             events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
         r = self.function_text.push(fid)
         if r is not None:
             events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
-        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(codes, dtype=np.int32)))
+        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(clean, dtype=np.int32)))
+        record = None  # after the timed frame; the arrays are already evaluated
+        if self._on_frame is not None:
+            record = self._record(enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio)
         if prof:
             ms = lambda a, b: (b - a) * 1000.0  # noqa: E731
             self.profile.add(FrameTiming(self.frame_index, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
                                          ms(t4, t5), ms(t0, t5)))
         self.frame_index += 1
+        if record is not None:  # the session is consistent before the observer runs
+            self._on_frame(record)
         return events
+
+    def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio) -> FrameRecord:
+        mel = self.perception.last_mel if self.perception.use_cache else None
+        f32 = lambda a: np.array(a, dtype=np.float32)  # noqa: E731
+        return FrameRecord(self.frame_index, None if mel is None else f32(mel), f32(enc), tuple(int(t) for t in tokens),
+                           f32(text_logits), f32(function_logits), tid, fid, np.array(codes, dtype=np.int32),
+                           np.array(clean, dtype=np.int32), f32(audio))
 
     # -- public API
 

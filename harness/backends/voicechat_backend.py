@@ -3,14 +3,9 @@
 Offline path: `model.generate(...)`. Streamed path: `model.create_streaming_session(...)`
 fed `chunk_samples` at a time, then `flush()`; ids come from the session's
 per-frame records, codes and audio from its `Audio` events, the tail from
-`AudioTail`.
-
-The session does not hand out its intermediate mel / encoder frames, so the
-backend replays the same pushes through the same public component classes
-(`StreamingLogMel` with one frame of look-ahead, `ConformerStream`,
-`RnntStream`) and records their outputs; it then checks the replay's final
-state against `session.states()` (bit for bit, `StreamRun.perception_replay_diff`),
-which proves the recorded frames are the session's own.
+`AudioTail`. The streamed mel / encoder frames, RNNT tokens per frame and
+logits are the session's own values, handed out per frame by its observation
+point (`create_streaming_session(on_frame=...)`, `voicechat.session.FrameRecord`).
 
 Component checks (`component_checks`) drive the model's components directly:
 Nemotron-H single cached steps vs the no-cache recompute over the same inputs,
@@ -52,27 +47,38 @@ def _event_dict(e) -> dict:
 class VoiceChatBackend(Backend):
     """This project. `VoiceChatBackend(model=...)` wraps an already loaded model.
 
-    reference_rounding: run EAR-TTS with the reference's bf16 roundings
-    (`voicechat.tts.ear_tts.reference_numerics()`: the backbone norms' "1 + w",
-    architecture.md §12.2 item 6, and the other switchable roundings) while this
-    backend computes; used to verify that a cross-implementation code
-    difference is exactly that documented difference.
+    numerics: the EAR-TTS numerics to load with (`voicechat.load(..., numerics=)`:
+    "reference", the default, rounds as the reference does, so the codes equal
+    its codes; "float32" is the float32 option, whose code differences the engine
+    verifies by re-running with "reference"). With `model=...` it is the model's
+    own (a different value is an error).
+    Codes: `codes` of a run are the generated (raw) codes, before control-code
+    replacement, as the reference backend records them; `decoded_codes` are the
+    codes that were decoded (what `OfflineResult.audio_codes` and the `Audio`
+    events carry).
     component_max_frames: cap the audio frames of the component checks (the
     EAR-TTS recompute is quadratic in the timeline length).
-    record_intermediates: replay the streamed pushes to record mel / encoder
-    frames and per-frame RNNT tokens (after the timed session). None = record
+    record_intermediates: record the session's per-frame mel / encoder frames,
+    RNNT tokens and logits through its `on_frame` observer. None = record
     unless `stream(profile=True)`: profiled runs are measurement runs (the
-    benchmark runner) and are left unperturbed.
+    benchmark runner) and run without an observer.
     """
 
     name = "voicechat"
 
-    def __init__(self, model=None, *, reference_rounding: bool = False, component_max_frames: int | None = None,
+    def __init__(self, model=None, *, numerics: str | None = None, component_max_frames: int | None = None,
                  record_intermediates: bool | None = None):
+        from voicechat.tts.numerics import DEFAULT_NUMERICS, numerics_from
+
         self.model = model
         self.record_intermediates = record_intermediates
         self.checkpoint = getattr(model, "source", None) if model is not None else None
-        self.reference_rounding = bool(reference_rounding)
+        if model is not None:
+            own = model.numerics.name
+            if numerics is not None and numerics_from(numerics).name != own:
+                raise ValueError(f"numerics={numerics!r} but the given model was loaded with numerics={own!r}")
+            numerics = own
+        self.numerics = numerics_from(DEFAULT_NUMERICS if numerics is None else numerics).name
         if component_max_frames is not None and (not isinstance(component_max_frames, int) or component_max_frames < 1):
             raise ValueError(f"component_max_frames must be a positive int or None, got {component_max_frames!r}")
         self.component_max_frames = component_max_frames
@@ -90,7 +96,7 @@ class VoiceChatBackend(Backend):
         from voicechat.synthetic import resolve_model_arg
 
         self.checkpoint = str(checkpoint)
-        self.model = voicechat.load(resolve_model_arg(str(checkpoint)))
+        self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics)
         return self.model
 
     def _require(self):
@@ -133,26 +139,6 @@ class VoiceChatBackend(Backend):
 
     def close(self) -> None:
         self.model = None
-
-    @contextlib.contextmanager
-    def _rounding(self):
-        """Apply `reference_rounding` for the duration of a run (and drop the warm-up made without it)."""
-        if not self.reference_rounding:
-            yield
-            return
-        from voicechat.tts import ear_tts
-
-        model = self._require()
-        switch = getattr(ear_tts, "reference_numerics", None)
-        if switch is None:  # older EAR-TTS: only the backbone-norm flag exists
-            switch = _backbone_norm_flag
-        # The model caches its speaker warm-up, which depends on the rounding.
-        model._warm_tts = None
-        try:
-            with switch(True):
-                yield
-        finally:
-            model._warm_tts = None
 
     # -- helpers shared by the paths
 
@@ -200,14 +186,25 @@ class VoiceChatBackend(Backend):
         return [rnnt.step(enc[t]) for t in range(enc.shape[0])]
 
     def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
-        """Text / function logits (T, V) of the audio positions, recomputed in one sequence pass over
-        the inputs the given ids imply (used for argmax margins only)."""
+        """Text / function logits (T, V) of the audio positions, recomputed over the inputs the given
+        ids imply as the offline path computes them: the prompt as one sequence pass (as
+        `Timeline.start`), then one cached step per audio position (as `Timeline.language_step`)."""
         model = self._require()
+        llm = model.stt_model.llm
         x = self._timeline_inputs(encoder_frames, prompt, text_ids, function_ids)
-        hidden = model.stt_model.llm.sequence(x)[0, len(prompt):]
-        tl, fl = model.heads(hidden)
-        mx.eval(tl, fl)
-        return _np(tl, np.float32), _np(fl, np.float32)
+        state = llm.make_state()
+        p = len(prompt)
+        if p:
+            llm(x[:, :p], state)
+        text, function = [], []
+        for t in range(p, x.shape[1]):
+            tl, fl = model.heads(llm(x[:, t:t + 1], state)[:, -1])
+            mx.eval(tl, fl, state.arrays())
+            text.append(_np(tl[0], np.float32))
+            function.append(_np(fl[0], np.float32))
+        if not text:
+            return None, None
+        return np.stack(text), np.stack(function)
 
     def _timeline_inputs(self, encoder_frames, prompt: list[int], text_ids, function_ids) -> mx.array:
         """LLM inputs (1, P + T, H) of the timeline: prompt positions, then audio positions fed the
@@ -231,15 +228,15 @@ class VoiceChatBackend(Backend):
     def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                 extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
         model = self._require()
-        with self._rounding():
-            t0 = time.perf_counter()
-            r = model.generate(audio, system_prompt=system_prompt, seed=seed,
-                               extra_decoding_seconds=extra_decoding_seconds)
-            wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        r = model.generate(audio, system_prompt=system_prompt, seed=seed,
+                           extra_decoding_seconds=extra_decoding_seconds)
+        wall = time.perf_counter() - t0
         run = OfflineRun(
             text_ids=np.asarray(r.text_tokens, np.int32),
             function_ids=np.asarray(r.function_tokens, np.int32),
-            codes=np.asarray(r.audio_codes, np.int32),
+            codes=np.asarray(r.raw_audio_codes, np.int32),
+            decoded_codes=np.asarray(r.audio_codes, np.int32),
             audio=np.asarray(r.audio, np.float32),
             text=r.text,
             transcript=r.user_transcript,
@@ -266,32 +263,35 @@ class VoiceChatBackend(Backend):
         model = self._require()
         cfg = model.config
         wave = load_audio(audio, cfg.input_sample_rate, allow_empty=False)
-        with self._rounding():
-            t0 = time.perf_counter()
-            session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile)
-            create_s = time.perf_counter() - t0
-            events: list = []
-            first_audio = first_text = None
-            t_push = time.perf_counter()
-            for start in range(0, wave.size, chunk_samples):
-                got = session.push_audio(wave[start:start + chunk_samples])
-                now = time.perf_counter() - t_push
-                if first_audio is None and any(e.kind == "audio" for e in got):
-                    first_audio = now
-                if first_text is None and any(e.kind == "assistant_text_delta" for e in got):
-                    first_text = now
-                events.extend(got)
-            events.extend(session.flush())
-            wall = time.perf_counter() - t0
-            states = session.states()
+        record = (not profile) if self.record_intermediates is None else self.record_intermediates
+        frames: list = []
+        t0 = time.perf_counter()
+        session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile,
+                                                 on_frame=frames.append if record else None)
+        create_s = time.perf_counter() - t0
+        events: list = []
+        first_audio = first_text = None
+        t_push = time.perf_counter()
+        for start in range(0, wave.size, chunk_samples):
+            got = session.push_audio(wave[start:start + chunk_samples])
+            now = time.perf_counter() - t_push
+            if first_audio is None and any(e.kind == "audio" for e in got):
+                first_audio = now
+            if first_text is None and any(e.kind == "assistant_text_delta" for e in got):
+                first_text = now
+            events.extend(got)
+        events.extend(session.flush())
+        wall = time.perf_counter() - t0
         audio_events = [e for e in events if e.kind == "audio"]
         tails = [e for e in events if e.kind == "audio_tail"]
         q = cfg.tts_config.num_quantizers
         run = StreamRun(
             text_ids=np.asarray(session.text_ids, np.int32),
             function_ids=np.asarray(session.function_ids, np.int32),
-            codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
+            codes=(np.stack(session.raw_audio_codes).astype(np.int32) if session.raw_audio_codes
                    else np.zeros((0, q), np.int32)),
+            decoded_codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
+                           else np.zeros((0, q), np.int32)),
             audio=(np.concatenate([e.samples for e in audio_events]).astype(np.float32) if audio_events
                    else np.zeros(0, np.float32)),
             tail=(np.concatenate([e.samples for e in tails]).astype(np.float32) if tails else np.zeros(0, np.float32)),
@@ -308,9 +308,8 @@ class VoiceChatBackend(Backend):
             run.frame_timings = [f.as_dict() for f in session.profile.frames]
             run.profile_summary = session.profile.summary()
 
-        record = (not profile) if self.record_intermediates is None else self.record_intermediates
         if record:
-            self._record_intermediates(run, wave, states, len(session.text_ids))
+            _take_frame_records(run, frames, with_logits)
         return run
 
     def asr_frame_ms(self, audio: np.ndarray, *, chunk_samples: int = 1280) -> list[float]:
@@ -328,38 +327,6 @@ class VoiceChatBackend(Backend):
             times.append((time.perf_counter() - t0) * 1000.0)
         session.finish()
         return times
-
-    def _record_intermediates(self, run: StreamRun, wave: np.ndarray, states: dict, frames: int) -> None:
-        """Replay the session's perception pushes to record the streamed mel / encoder frames."""
-        from voicechat.audio.conformer import ConformerStream
-        from voicechat.audio.mel import StreamingLogMel
-        from voicechat.audio.rnnt import RnntStream, RnntText
-
-        model = self._require()
-        cfg = model.config
-        n = cfg.frame_samples
-        padded = np.zeros(frames * n, np.float32)
-        padded[: min(wave.size, frames * n)] = wave[: frames * n]
-        mel_stream = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=n)
-        conformer = ConformerStream(model.stt_model.perception.encoder)
-        text = RnntText(list(cfg.rnnt_vocabulary))
-        rnnt = RnntStream(model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint, cfg.audio_config.max_symbols,
-                          skip_ids=text.special_ids)
-        mels, encs, frame_tokens = [], [], []
-        for k in range(frames):
-            mel = mel_stream.push(padded[k * n:(k + 1) * n])
-            enc = conformer.push_one(mel)
-            mels.append(mel)
-            encs.append(enc)
-            frame_tokens.append(rnnt.step(enc))
-        if frames:
-            run.mel = _np(mx.concatenate(mels), np.float32)
-            run.encoder = _np(mx.stack(encs), np.float32)
-        run.transcript_frame_tokens = frame_tokens
-        replay = {f"perception.mel.{k}": v for k, v in mel_stream.arrays().items()}
-        replay.update({f"perception.conformer.{k}": v for k, v in conformer.state.arrays().items()})
-        replay.update({f"rnnt.{k}": v for k, v in rnnt.state.arrays().items()})
-        run.perception_replay_diff = _state_diff(replay, states)
 
     # -- component checks
 
@@ -390,68 +357,67 @@ class VoiceChatBackend(Backend):
 
         model = self._require()
         cfg = model.config
-        with self._rounding():
-            if offline is not None and offline.encoder is not None:
-                enc = np.asarray(offline.encoder, np.float32)
+        if offline is not None and offline.encoder is not None:
+            enc = np.asarray(offline.encoder, np.float32)
+        else:
+            enc = np.array(offline_perception(model, audio).encoder, dtype=np.float32)
+        if self.component_max_frames is not None:
+            enc = enc[: self.component_max_frames]
+        prompt = self.prompt_ids(system_prompt)
+        p = len(prompt)
+        pad, w = cfg.pad_token_id, cfg.function_channel_weight
+        llm = model.stt_model.llm
+
+        # Nemotron-H: cached single steps, ids picked as the runtime does.
+        state = llm.make_state()
+        emb = model.stt_model.perception.project(mx.array(enc))
+        pad_emb = model.embed(mx.array([pad], dtype=mx.int32))
+        prev_t = prev_f = pad
+        inputs, c_text, c_func, tokens = [], [], [], []
+        for t in range(p + enc.shape[0]):
+            if t < p:
+                x = model.embed(mx.array([prompt[t]], dtype=mx.int32)) + (1.0 + w) * pad_emb
             else:
-                enc = np.array(offline_perception(model, audio).encoder, dtype=np.float32)
-            if self.component_max_frames is not None:
-                enc = enc[: self.component_max_frames]
-            prompt = self.prompt_ids(system_prompt)
-            p = len(prompt)
-            pad, w = cfg.pad_token_id, cfg.function_channel_weight
-            llm = model.stt_model.llm
+                x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
+                                      mx.array([prev_f], dtype=mx.int32))
+            x = x[None]
+            hidden = self.llm_cached_step(x, state, t)
+            tl, fl = model.heads(hidden)
+            mx.eval(tl, fl)
+            inputs.append(x)
+            c_text.append(tl[0])
+            c_func.append(fl[0])
+            if t < p:
+                tokens.append(pad)
+            else:
+                prev_t, prev_f = int(mx.argmax(tl[0]).item()), int(mx.argmax(fl[0]).item())
+                tokens.append(prev_t)
+        # The no-cache recompute: the whole history from a fresh state, one pass.
+        hidden_all = llm.forward_uncached(mx.concatenate(inputs, axis=1))[0]
+        r_text, r_func = model.heads(hidden_all)
+        mx.eval(r_text, r_func)
 
-            # Nemotron-H: cached single steps, ids picked as the runtime does.
-            state = llm.make_state()
-            emb = model.stt_model.perception.project(mx.array(enc))
-            pad_emb = model.embed(mx.array([pad], dtype=mx.int32))
-            prev_t = prev_f = pad
-            inputs, c_text, c_func, tokens = [], [], [], []
-            for t in range(p + enc.shape[0]):
-                if t < p:
-                    x = model.embed(mx.array([prompt[t]], dtype=mx.int32)) + (1.0 + w) * pad_emb
-                else:
-                    x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
-                                          mx.array([prev_f], dtype=mx.int32))
-                x = x[None]
-                hidden = self.llm_cached_step(x, state, t)
-                tl, fl = model.heads(hidden)
-                mx.eval(tl, fl)
-                inputs.append(x)
-                c_text.append(tl[0])
-                c_func.append(fl[0])
-                if t < p:
-                    tokens.append(pad)
-                else:
-                    prev_t, prev_f = int(mx.argmax(tl[0]).item()), int(mx.argmax(fl[0]).item())
-                    tokens.append(prev_t)
-            # The no-cache recompute: the whole history from a fresh state, one pass.
-            hidden_all = llm.forward_uncached(mx.concatenate(inputs, axis=1))[0]
-            r_text, r_func = model.heads(hidden_all)
-            mx.eval(r_text, r_func)
-
-            # EAR-TTS: cached steps vs recompute-from-history, positions 1 .. T-1, same seed.
-            model.ensure_char_table()
-            tts = model.tts_model.tts_model
-            silence = model.tts_model.codec_silence_tokens
-            eos = cfg.eos_token_id
-            tts_state = model.warm_tts_state()
-            history = tts.new_history(model.speaker_prompt_codes(), model.speaker_latent, pad)
-            rng_c, rng_r = SessionRandom(seed), SessionRandom(seed)
-            ch, cc, rh, rc = [], [], [], []
-            for t in range(1, len(tokens)):
-                tok = tokens[t]
-                h_c, codes_c = self.tts_cached_step(tts_state, tok, rng_c, t)
-                h_r = tts.uncached_hidden(history, tok, eos_id=eos, silence_codes=silence)
-                codes_r = tts.generate_codes(h_r, rng_r)
-                history.steps.append((history.previous_codes, tok, eos, silence))
-                history.previous_codes = codes_r[None]
-                mx.eval(h_c, codes_c, h_r, codes_r, tts_state.arrays())
-                ch.append(_np(h_c, np.float32))
-                cc.append(_np(codes_c, np.int32))
-                rh.append(_np(h_r, np.float32))
-                rc.append(_np(codes_r, np.int32))
+        # EAR-TTS: cached steps vs recompute-from-history, positions 1 .. T-1, same seed.
+        model.ensure_char_table()
+        tts = model.tts_model.tts_model
+        silence = model.tts_model.codec_silence_tokens
+        eos = cfg.eos_token_id
+        tts_state = model.warm_tts_state()
+        history = tts.new_history(model.speaker_prompt_codes(), model.speaker_latent, pad)
+        rng_c, rng_r = SessionRandom(seed), SessionRandom(seed)
+        ch, cc, rh, rc = [], [], [], []
+        for t in range(1, len(tokens)):
+            tok = tokens[t]
+            h_c, codes_c = self.tts_cached_step(tts_state, tok, rng_c, t)
+            h_r = tts.uncached_hidden(history, tok, eos_id=eos, silence_codes=silence)
+            codes_r = tts.generate_codes(h_r, rng_r)
+            history.steps.append((history.previous_codes, tok, eos, silence))
+            history.previous_codes = codes_r[None]
+            mx.eval(h_c, codes_c, h_r, codes_r, tts_state.arrays())
+            ch.append(_np(h_c, np.float32))
+            cc.append(_np(codes_c, np.int32))
+            rh.append(_np(h_r, np.float32))
+            rc.append(_np(codes_r, np.int32))
         q = cfg.tts_config.num_quantizers
         return ComponentRun(
             prompt_positions=p,
@@ -467,28 +433,17 @@ class VoiceChatBackend(Backend):
         )
 
 
-@contextlib.contextmanager
-def _backbone_norm_flag(enabled: bool):
-    from voicechat.tts import ear_tts
-
-    saved = ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE
-    ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = bool(enabled)
-    try:
-        yield
-    finally:
-        ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = saved
-
-
-def _state_diff(replay: dict, session: dict) -> float:
-    """Max abs difference over the replayed state arrays (inf if a key or a shape is missing)."""
-    worst = 0.0
-    for k, v in replay.items():
-        other = session.get(k)
-        if other is None or tuple(other.shape) != tuple(v.shape):
-            return float("inf")
-        if v.size:
-            worst = max(worst, float(mx.abs(v.astype(mx.float32) - other.astype(mx.float32)).max().item()))
-    return worst
+def _take_frame_records(run: StreamRun, frames: list, with_logits: bool) -> None:
+    """Fill the run's per-frame intermediates from the session's `FrameRecord`s."""
+    run.transcript_frame_tokens = [list(f.rnnt_tokens) for f in frames]
+    if not frames:
+        return
+    if all(f.mel is not None for f in frames):
+        run.mel = np.concatenate([f.mel for f in frames])
+    run.encoder = np.stack([f.encoder for f in frames])
+    if with_logits:
+        run.text_logits = np.stack([f.text_logits for f in frames])
+        run.function_logits = np.stack([f.function_logits for f in frames])
 
 
 class SerialVoiceChatBackend(VoiceChatBackend):

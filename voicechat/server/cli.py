@@ -111,8 +111,13 @@ def run_serve(args) -> int:
           f"http://{args.host}:{args.port}/  ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
                                            log_level=args.log_level))
-    server.run()
-    state.worker.stop()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already handled (graceful shutdown done)
+        pass
+    finally:
+        state.worker.stop()
+    print("voicechat serve: stopped", file=sys.stderr)
     return 0
 
 

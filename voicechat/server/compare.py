@@ -96,9 +96,10 @@ def stop_process(p) -> None:
 class ServerPair:
     """`mlx_vlm.server` and `voicechat serve --reference-numerics` on one checkpoint, as subprocesses."""
 
-    def __init__(self, checkpoint: str, log_dir):
+    def __init__(self, checkpoint: str, log_dir, *, reference_numerics: bool = True):
         self.checkpoint = str(checkpoint)
         self.log_dir = Path(log_dir)
+        self.reference_numerics = reference_numerics
         self.procs = []
 
     def __enter__(self):
@@ -107,7 +108,8 @@ class ServerPair:
             self.procs.append(start_process([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port",
                                              str(pv)], f"http://127.0.0.1:{pv}/health", self.log_dir / "mlx_vlm.log"))
             self.procs.append(start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", self.checkpoint,
-                                             "--port", str(po), "--reference-numerics", "--warmup-seconds", "0"],
+                                             "--port", str(po), "--warmup-seconds", "0",
+                                             *(["--reference-numerics"] if self.reference_numerics else [])],
                                             f"http://127.0.0.1:{po}/healthz", self.log_dir / "voicechat.log"))
         except BaseException:
             self.__exit__()

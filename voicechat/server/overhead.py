@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--audio", default="long_question", help="bundled sample name or a WAV path")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each session")
+    p.add_argument("--mlx-vlm", action="store_true",
+                   help="also time mlx_vlm.server (peers extra) with the same lock-step client")
     p.add_argument("--out", default="reports/server/overhead.json")
     args = p.parse_args(argv)
 
@@ -66,10 +68,18 @@ def main(argv=None) -> int:
                                      "--log-level", "warning", *extra],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             servers[name] = (proc, port)
-        for proc, port in servers.values():
+        if args.mlx_vlm:
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port", str(port)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            servers["mlx_vlm_server"] = (proc, port)
+        for name, (proc, port) in servers.items():
+            health = "health" if name == "mlx_vlm_server" else "healthz"
             for _ in range(600):
                 try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/{health}", timeout=1)
                     break
                 except Exception:
                     time.sleep(0.2)
@@ -91,21 +101,24 @@ def main(argv=None) -> int:
             s.flush()
             inproc += times[args.drop_first:]
             for name, (proc, port) in servers.items():
-                res = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n)
+                res = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n,
+                                       model=ckpt)
                 deltas = [e for e in res.events if e["type"] == "response.audio.delta"]
                 rts = res.frame_round_trip_ms
                 rt[name] += rts[args.drop_first:]
-                comp[name] += [e["compute_ms"] for e in deltas[args.drop_first:len(rts)]]
-                rmc[name] += [a - e["compute_ms"] for a, e in zip(rts[args.drop_first:], deltas[args.drop_first:])]
+                if name != "mlx_vlm_server":  # its events carry no compute time
+                    comp[name] += [e["compute_ms"] for e in deltas[args.drop_first:len(rts)]]
+                    rmc[name] += [a - e["compute_ms"] for a, e in zip(rts[args.drop_first:],
+                                                                        deltas[args.drop_first:])]
         out = {"model": args.model, "audio": Path(path).name, "rounds": args.rounds, "drop_first": args.drop_first,
                "in_process_push_ms": _stats(inproc)}
         for name in servers:
             out[name] = {
                 "server_round_trip_ms": _stats(rt[name]),
-                "server_compute_ms": _stats(comp[name]),
+                "server_compute_ms": _stats(comp[name]) if comp[name] else None,
                 "overhead_mean_ms": round(float(np.mean(rt[name]) - np.mean(inproc)), 3),
                 "overhead_p95_ms": round(_stats(rt[name])["p95_ms"] - _stats(inproc)["p95_ms"], 3),
-                "round_trip_minus_compute_ms": _stats(rmc[name]),
+                "round_trip_minus_compute_ms": _stats(rmc[name]) if rmc[name] else None,
             }
     finally:
         for proc, _ in servers.values():

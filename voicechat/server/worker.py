@@ -132,6 +132,19 @@ class ModelWorker:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX streams belong to the thread that made them; a thread that ends with live streams
+            # aborts the interpreter at exit ("terminate called without an active exception").
+            self.model = None
+            gc.collect()
+            import mlx.core as mx
+
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             model = self.model = self._load_model()
             cfg = model.config
             self.info = {

@@ -100,14 +100,26 @@ async function startAudio() {
   micStream = await navigator.mediaDevices.getUserMedia({
     audio: { channelCount: 1, echoCancellation: true, noiseSuppression: false, autoGainControl: false },
   });
-  try {
-    micCtx = new AudioContext({ sampleRate: 16000 });  // the browser resamples the mic
-  } catch (err) {
-    micCtx = new AudioContext();  // the worklet resamples
+  // A 16 kHz context lets the browser resample the mic; where it cannot (Firefox refuses a stream
+  // at another rate) or with ?capture=native, the context runs at the device rate and the
+  // capture worklet resamples.
+  let source = null;
+  if (new URLSearchParams(location.search).get('capture') !== 'native') {
+    try {
+      micCtx = new AudioContext({ sampleRate: 16000 });
+      source = micCtx.createMediaStreamSource(micStream);
+    } catch (err) {
+      if (micCtx) micCtx.close();
+      micCtx = null;
+      source = null;
+    }
+  }
+  if (!source) {
+    micCtx = new AudioContext();
+    source = micCtx.createMediaStreamSource(micStream);
   }
   state.micRate = micCtx.sampleRate;
   await micCtx.audioWorklet.addModule('/static/worklets.js');
-  const source = micCtx.createMediaStreamSource(micStream);
   micNode = new AudioWorkletNode(micCtx, 'pcm16-capture', { processorOptions: { chunk: 640 } });
   micNode.port.onmessage = (e) => {
     if (e.data === 'stopped') { send({ type: 'input_audio_buffer.commit', pad_partial: true }); return; }
