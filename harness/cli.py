@@ -41,12 +41,13 @@ def add_parity_parser(sub) -> None:
                    help="skip the Nemotron-H / EAR-TTS component checks (cached vs recompute)")
     p.add_argument("--component-max-frames", type=int, default=None,
                    help="cap the audio frames of the component checks (the EAR-TTS recompute is quadratic)")
-    p.add_argument("--reference-rounding", action="store_true",
-                   help="run this project with the reference's EAR-TTS bf16 roundings (architecture.md §12.2 item 6)")
+    p.add_argument("--numerics", choices=("reference", "float32"), default="reference",
+                   help="EAR-TTS numerics of this project's model (voicechat.load(..., numerics=)): 'reference' "
+                        "(default) rounds as mlx-vlm does, 'float32' is the float32 option")
     p.set_defaults(func=run_parity_cli)
 
 
-def make_backend(name: str, checkpoint: str, *, reference_rounding: bool = False,
+def make_backend(name: str, checkpoint: str, *, numerics: str | None = None,
                  component_max_frames: int | None = None, model=None):
     """A loaded backend by name ('voicechat' / 'mlx-vlm') or a DumpBackend for a .npz path."""
     if str(name).endswith(".npz"):
@@ -56,7 +57,7 @@ def make_backend(name: str, checkpoint: str, *, reference_rounding: bool = False
     if name == "voicechat":
         from .backends.voicechat_backend import VoiceChatBackend
 
-        b = VoiceChatBackend(model, reference_rounding=reference_rounding, component_max_frames=component_max_frames)
+        b = VoiceChatBackend(model, numerics=numerics, component_max_frames=component_max_frames)
         if model is None:
             b.load(checkpoint)
         else:
@@ -117,7 +118,7 @@ def run_parity_cli(args) -> int:
 
     if not resolve_input_path(args.audio).exists():  # before minutes of loading
         raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
-    backend = make_backend(args.backend, args.model, reference_rounding=args.reference_rounding,
+    backend = make_backend(args.backend, args.model, numerics=args.numerics,
                            component_max_frames=args.component_max_frames)
     against = None
     if args.against is not None:

@@ -183,11 +183,18 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
                                   note="audio + tail - lead_in"))
 
     # end to end
-    rows.extend(_first_frame_rows(E2E, c, st, off, logits=off))
+    frame0 = _self_frame0(off, st, backend)
+    first = _first_frame_rows(E2E, c, st, off, logits=off)
+    rows.extend(first)
     rows.append(compare_ids(E2E, c, "text ids per frame", st.text_ids, off.text_ids, logits=off.text_logits))
     rows.append(compare_ids(E2E, c, "function ids per frame", st.function_ids, off.function_ids,
                             logits=off.function_logits))
-    rows.append(compare_codes(E2E, c, "codes per frame", st.codes, off.codes))
+    codes_row = compare_codes(E2E, c, "codes per frame", st.codes, off.codes, skip_frames=(0,) if frame0 else ())
+    rows.append(codes_row)
+    if frame0 and codes_row.status == PASS and first[2].status == FAIL:
+        _documented(first[2], "frame0_codes_no_prompt", "offline frame 0 is the reference's all-zero row "
+                                                        "(numerics='reference'), streamed frame 0 the silence codes; "
+                                                        "all later frames are equal")
     expected = backend.expected_frames(n_samples) if hasattr(backend, "expected_frames") else None
     row = compare_value(E2E, c, "frame count (offline, streamed)", f"{T}, {K}",
                         None if expected is None else f"{expected[0]}, {expected[1]}",
@@ -203,15 +210,47 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
                               note=f"{K} x {spf} + {lead}"))
     rows.append(compare_value(E2E, c, "offline audio length (frames x spf)", int(len(off.audio)), T * spf,
                               first_failing_frame=max(T - 1, 0)))
-    mis = _first_code_mismatch(st.codes, off.codes)
+    st_codes, off_codes, off_audio = np.asarray(st.codes), np.asarray(off.codes), off.audio
+    if frame0 and callable(decode):
+        # The offline audio is the decode of its codes (frame 0 the zero row); the stream is compared
+        # with the decode of the same codes with the streamed frame 0, i.e. with what the offline path
+        # gives for those codes.
+        rows.append(compare_aligned_audio(E2E, c, "offline audio vs decode of its codes", off.audio,
+                                          decode(off_codes), delay=0, skip=0, samples_per_frame=spf,
+                                          tol_name="audio_abs", note="frame 0 is the zero row (frame0_codes_no_prompt)"))
+        off_codes = off_codes.copy()
+        off_codes[0] = st_codes[0]
+        off_audio = decode(off_codes)
+    if frame0 and not callable(decode):
+        rows.append(not_available(E2E, c, "audio samples (streamed delayed by lead-in)",
+                                  "offline frame 0 is the reference's zero row: comparing the rest needs the "
+                                  "backend's decode of given codes"))
+        return rows
+    mis = _first_code_mismatch(st_codes, off_codes)
     last = min(T, K) if mis is None else mis
     end = K * spf if (mis is None and T == K) else max(0, last * spf - lead)
     rows.append(compare_aligned_audio(E2E, c, "audio samples (streamed delayed by lead-in)", _concat_stream_audio(st),
-                                      off.audio, delay=lead, skip=warm, samples_per_frame=spf, tol_name="audio_abs",
+                                      off_audio, delay=lead, skip=warm, samples_per_frame=spf, tol_name="audio_abs",
                                       end=end, note="; ".join(p for p in (
                                           f"up to the first code mismatch (frame {mis})" if mis is not None else "",
-                                          f"{warm} warm-up samples excluded") if p)))
+                                          f"{warm} warm-up samples excluded",
+                                          "against the decode of the offline codes with the streamed frame 0"
+                                          if frame0 and callable(decode) else "") if p)))
     return rows
+
+
+def _self_frame0(off, st, backend) -> bool:
+    """numerics='reference' without a system prompt: offline frame 0 is the reference's all-zero row,
+    the stream's frame 0 the codec silence codes (both as the reference emits them)."""
+    model = getattr(backend, "model", None)
+    numerics = getattr(model, "numerics", None)
+    if numerics is None or not numerics.offline_frame0_zero_codes or off.codes is None or st.codes is None:
+        return False
+    oc, sc = np.asarray(off.codes), np.asarray(st.codes)
+    if oc.shape[0] == 0 or sc.shape[0] == 0:
+        return False
+    silence = np.asarray(model.tts_model.codec_silence_tokens).astype(np.int64)
+    return bool((oc[0] == 0).all() and np.array_equal(sc[0], silence) and not np.array_equal(oc[0], sc[0]))
 
 
 def _first_frame_rows(family, comparison, a, b, *, logits=None) -> list[FamilyResult]:
@@ -333,9 +372,13 @@ def cross_rows(a: Runs, b: Runs, a_backend: Backend, b_backend: Backend, *, syst
         frames = _logits_rows(path_rows, c, ra, rb)
         if per_frame is not None and frames is not None:
             per_frame[path] = frames
-        frame0 = path == "offline" and _frame0_difference(a, b, system_prompt)
+        frame0 = path == "offline" and _frame0_difference(a, b, system_prompt, a_backend)
         codes_row = compare_codes(E2E, c, "codes per frame", ra.codes, rb.codes, skip_frames=(0,) if frame0 else ())
         path_rows.append(codes_row)
+        if ra.decoded_codes is not None and rb.decoded_codes is not None:
+            # What each implementation reports and decodes (control codes replaced).
+            path_rows.append(compare_codes(E2E, c, "decoded codes per frame", ra.decoded_codes, rb.decoded_codes,
+                                           skip_frames=(0,) if frame0 else ()))
         path_rows.append(compare_text(E2E, c, "assistant text", ra.text, rb.text))
         path_rows.append(compare_text(E2E, c, "user transcript", ra.transcript, rb.transcript))
         path_rows.append(compare_value(E2E, c, "audio length (frames x spf)", int(len(ra.audio)), int(len(rb.audio)),
@@ -451,8 +494,16 @@ def _logits_rows(path_rows: list[FamilyResult], comparison: str, ra, rb) -> list
     return frames
 
 
-def _frame0_difference(a: Runs, b: Runs, system_prompt) -> bool:
-    """The reference's no-prompt offline frame 0 is an all-zero row and ours is the streamed silence row."""
+def _default_numerics(backend) -> bool:
+    """This project ran with its default numerics ("reference"): no code difference may be documented."""
+    return getattr(backend, "numerics", None) == "reference"
+
+
+def _frame0_difference(a: Runs, b: Runs, system_prompt, a_backend) -> bool:
+    """The reference's no-prompt offline frame 0 is an all-zero row and ours is the streamed silence row
+    (numerics="float32" only: the default numerics reproduce the zero row)."""
+    if _default_numerics(a_backend):
+        return False
     if system_prompt and system_prompt.strip():
         return False
     ca, cb = np.asarray(a.offline.codes), np.asarray(b.offline.codes)
@@ -508,26 +559,38 @@ def _apply_xscaling(rows: list[FamilyResult], a_backend) -> None:
 
 
 def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, audio, seed, chunk_samples) -> None:
-    """Code rows that fail while the ids agree: re-run ours with the reference's norm rounding."""
-    code_metrics = ("codes per frame", "first audio frame: codes")
-    failing = [r for r in rows if r.metric in code_metrics and r.status == FAIL and r.family == E2E]
-    if not failing or not hasattr(a_backend, "reference_rounding") or a_backend.reference_rounding:
+    """Code rows that fail while the ids agree, on a numerics="float32" run: re-run ours with
+    numerics="reference" (a second load of the checkpoint). On the default numerics a code
+    mismatch stays a failure."""
+    code_metrics = ("codes per frame", "decoded codes per frame", "first audio frame: codes")
+    logit_metrics = ("text logits per frame (max abs)", "function logits per frame (max abs)")
+    failing = [r for r in rows if r.status == FAIL and ((r.family == E2E and r.metric in code_metrics)
+                                                        or (r.family == NEMOTRON and r.metric in logit_metrics))]
+    if not failing or getattr(a_backend, "numerics", None) != "float32" or not getattr(a_backend, "checkpoint", None):
         return
     rerun = copy.copy(a_backend)
-    rerun.reference_rounding = True
+    rerun.numerics = "reference"
+    rerun.load(a_backend.checkpoint)
     cache: dict[str, object] = {}
     for r in failing:
         path = "offline" if r.comparison.startswith("offline:") else "streamed"
+        if path not in cache:
+            cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
+                           if path == "offline" else
+                           rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples,
+                                        with_logits=True))
+        if r.metric in logit_metrics:
+            _float32_logits(r, cache[path], b.offline if path == "offline" else b.stream)
+            continue
         ids_ok = all(x.status != FAIL for x in rows if x.comparison == r.comparison
                      and x.metric in ("text ids per frame", "function ids per frame"))
         if not ids_ok:
             continue
-        if path not in cache:
-            cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed) if path == "offline" else
-                           rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples))
-        ours = np.asarray(cache[path].codes)
-        theirs = np.asarray((b.offline if path == "offline" else b.stream).codes)
-        skip = 1 if (path == "offline" and _frame0_difference(a, b, system_prompt)) else 0
+        decoded = r.metric == "decoded codes per frame"
+        theirs_run = b.offline if path == "offline" else b.stream
+        ours = np.asarray(cache[path].decoded_codes if decoded else cache[path].codes)
+        theirs = np.asarray(theirs_run.decoded_codes if decoded else theirs_run.codes)
+        skip = 1 if (path == "offline" and _frame0_difference(a, b, system_prompt, a_backend)) else 0
         if r.metric == "first audio frame: codes" and skip:
             continue  # frame 0 is the frame0_codes_no_prompt entry's
         if r.metric == "first audio frame: codes":
@@ -535,8 +598,7 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
         else:
             equal = ours.shape == theirs.shape and np.array_equal(ours[skip:], theirs[skip:])
         if equal:
-            _documented(r, "backbone_norm_precision", "with the reference's '1 + w' rounding our codes equal theirs "
-                                                      "exactly")
+            _documented(r, "float32_numerics", "with numerics='reference' our codes equal theirs exactly")
             if r.metric == "codes per frame" and not skip:
                 # With the codes equal again, the whole audio can be compared (the regular row stops at the
                 # first code difference).
@@ -550,6 +612,26 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
             k = _first_code_mismatch(ours[skip:], theirs[skip:])
             r.note = "; ".join(p for p in (r.note, "with the reference's rounding the codes still differ at frame "
                                                     f"{None if k is None else k + skip}") if p)
+
+
+def _float32_logits(row: FamilyResult, ours, theirs) -> None:
+    """A logits row of a numerics="float32" run: documented if our numerics="reference" logits are
+    within the bound on every compared frame."""
+    channel = row.metric.split()[0]
+    have = all(x is not None for x in (ours.text_logits, theirs.text_logits, ours.function_logits,
+                                       theirs.function_logits))
+    if not have:
+        return
+    frames = logits_per_frame(ours.text_logits, theirs.text_logits, ours.function_logits, theirs.function_logits,
+                              (ours.text_ids, ours.function_ids), (theirs.text_ids, theirs.function_ids))
+    check = compare_logits_per_frame(NEMOTRON, row.comparison, channel, frames)
+    if check.status == PASS:
+        _documented(row, "float32_numerics", f"with numerics='reference' our {channel} logits are within "
+                                             f"cross_logits_abs of theirs on all {check.frames_compared} frames "
+                                             f"(max abs {check.observed:.3g})")
+    else:
+        row.note = "; ".join(p for p in (row.note, f"with numerics='reference' still {check.observed:.3g} at frame "
+                                                   f"{check.first_failing_frame}") if p)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -1,7 +1,7 @@
 """EAR-TTS (architecture.md §8): cached steps vs recompute-from-history, the
 sliding window and its ring layout, seeded sampling, the top-p rule, the EOS
 rule, control-code replacement, the MoG pass schedule, the char table, the
-reference-numerics flags (exact comparison against mlx-vlm: test_peers_codes.py)
+per-model numerics ("reference" / "float32") (exact comparison against mlx-vlm: test_peers_codes.py)
 and input validation.
 
 Tolerances. Every path computes in float32; the backbone output is RMS-normed,
@@ -30,6 +30,7 @@ from voicechat.tts import ear_tts as ear_tts_module
 from voicechat.tts.char_encoder import FLAG_TABLE_VOCAB, CharTable
 from voicechat.tts.ear_tts import EarTts, EarTtsState, mog_pass_schedule, replace_control_codes
 from voicechat.tts.rng import SessionRandom
+from voicechat.tts.numerics import FLOAT32, NUMERICS, REFERENCE, numerics_from
 
 F32_TOL = 1e-4
 EOS, PAD = 2, 12
@@ -460,89 +461,77 @@ def test_char_table_errors(cfg, vocab, model):
                                   mx.zeros((1, PROMPT_FRAMES, cfg.hidden_size)), PAD)
 
 
-# ----------------------------------------------------------------- norm flag
+# ----------------------------------------------------------------- per-model numerics
+
+
+def copy_with(model, cfg, numerics: str, dtype=None) -> EarTts:
+    """A new EarTts with `numerics` and `model`'s weights (floats cast to `dtype` if given: bf16 is
+    the published checkpoints' dtype); integer buffers kept."""
+    out = EarTts(cfg, char_table=model.char_table, numerics=numerics)
+    out.load_weights([(n, w.astype(dtype) if dtype is not None and mx.issubdtype(w.dtype, mx.floating) else w)
+                      for n, w in tree_flatten(model.parameters())])
+    mx.eval(out.parameters())
+    return out
+
+
+def test_numerics_setting_and_validation(model, cfg):
+    """The setting is per model, fixed at construction and validated with the choices named."""
+    assert set(NUMERICS) == {"reference", "float32"}
+    assert EarTts(cfg).numerics is REFERENCE  # the default reproduces the reference
+    ref, f32 = copy_with(model, cfg, "reference"), copy_with(model, cfg, "float32")
+    assert ref.numerics is REFERENCE and f32.numerics is FLOAT32
+    assert all(getattr(REFERENCE, f) is True for f in REFERENCE.__dataclass_fields__ if f != "name")
+    assert all(getattr(FLOAT32, f) is False for f in FLOAT32.__dataclass_fields__ if f != "name")
+    assert ref.backbone.layers[0].input_layernorm.one_plus_in_weight_dtype is True
+    assert f32.backbone.norm.one_plus_in_weight_dtype is False
+    with pytest.raises(ValueError, match="expected one of 'reference', 'float32', got 'bf16'"):
+        EarTts(cfg, numerics="bf16")
+    with pytest.raises(TypeError, match="expected one of 'reference', 'float32', got bool True"):
+        EarTts(cfg, numerics=True)
+    with pytest.raises(AttributeError):
+        ref.numerics = FLOAT32  # a property: the modules were built for the setting
+    assert numerics_from(FLOAT32) is FLOAT32 and numerics_from("reference") is REFERENCE
 
 
 def test_backbone_norm_flag(model, cfg):
-    """With bf16 norm weights the flag rounds 1 + w to bf16: equal to float32 weights pre-rounded
-    that way (exact: (1 + w)_bf16 - 1 is representable in float32), different from float32 1 + w."""
-    bf16 = EarTts(cfg)
-    bf16.load_weights(tree_flatten(model.parameters()))
-    rounded = EarTts(cfg)
-    rounded.load_weights(tree_flatten(model.parameters()))
+    """With bf16 norm weights, numerics="reference" rounds 1 + w to bf16: equal to float32 weights
+    pre-rounded that way (exact: (1 + w)_bf16 - 1 is representable in float32), different from
+    float32 1 + w (numerics="float32")."""
+    flagged_model = copy_with(model, cfg, "reference")
+    plain_model = copy_with(model, cfg, "float32")
+    rounded = copy_with(model, cfg, "float32")
     weights_bf = [(n, (mx.random.normal(w.shape, key=mx.random.key(i)) * 0.3).astype(mx.bfloat16))
                   for i, (n, w) in enumerate(tree_flatten(model.backbone.parameters())) if "norm" in n]
-    bf16.backbone.load_weights(weights_bf, strict=False)
+    flagged_model.backbone.load_weights(weights_bf, strict=False)
+    plain_model.backbone.load_weights(weights_bf, strict=False)
     rounded.backbone.load_weights([(n, (1 + w).astype(mx.float32) - 1) for n, w in weights_bf], strict=False)
     x = mx.random.normal((2, 5, cfg.hidden_size), key=mx.random.key(3))
-    assert ear_tts_module.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE is False
-    try:
-        ear_tts_module.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = True
-        flagged = bf16.backbone(x)
-        mx.eval(flagged)
-    finally:
-        ear_tts_module.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = False
-    plain = bf16.backbone(x)
+    flagged = flagged_model.backbone(x)
+    plain = plain_model.backbone(x)
     reference = rounded.backbone(x)
     assert flagged.dtype == mx.float32
     assert mx.abs(flagged - reference).max().item() <= 1e-6
     assert mx.abs(flagged - plain).max().item() > 1e-4
 
 
-# ----------------------------------------------------------------- reference-numerics flags
-
-
-FLAGS = ear_tts_module.REFERENCE_NUMERICS_FLAGS
-
-
-def flag_values() -> list[bool]:
-    return [getattr(ear_tts_module, name) for name in FLAGS]
-
-
-def bf16_copy(model, cfg) -> EarTts:
-    """The same weights stored in bf16 (the published checkpoints' dtype); integer buffers kept."""
-    out = EarTts(cfg, char_table=model.char_table)
-    out.load_weights([(n, w.astype(mx.bfloat16) if mx.issubdtype(w.dtype, mx.floating) else w)
-                      for n, w in tree_flatten(model.parameters())])
-    mx.eval(out.parameters())
-    return out
-
-
-def test_reference_numerics_switch():
-    assert set(FLAGS) == {"BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE", "TEXT_SIDE_IN_WEIGHT_DTYPE",
-                          "RVQ_NORMS_IN_WEIGHT_DTYPE", "MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX"}
-    assert flag_values() == [False] * len(FLAGS)  # this project's float32 behaviour by default
-    with ear_tts_module.reference_numerics():
-        assert flag_values() == [True] * len(FLAGS)
-        with ear_tts_module.reference_numerics(False):
-            assert flag_values() == [False] * len(FLAGS)
-        assert flag_values() == [True] * len(FLAGS)
-    assert flag_values() == [False] * len(FLAGS)
-    with pytest.raises(KeyError):
-        with ear_tts_module.reference_numerics():
-            raise KeyError("restored on errors too")
-    assert flag_values() == [False] * len(FLAGS)
-
-
-def test_reference_numerics_on_float32_weights(model, prompt, silence):
-    """Three flags only round to the weight dtype, a no-op for float32 weights (bit-identical
+def test_reference_numerics_on_float32_weights(model, cfg, prompt, silence):
+    """Three roundings only round to the weight dtype, a no-op for float32 weights (bit-identical
     hidden states); the fourth (log(softmax) log-probs) moves values by ~1 ulp, which flips no
     sampling decision here: the same codes."""
-    plain = run_codes(model, prompt, silence, seed=0, n=20)
-    h_plain = model.step_hidden(warm(model, prompt), 300, eos_id=EOS, silence_codes=silence)
-    with ear_tts_module.reference_numerics():
-        flagged = run_codes(model, prompt, silence, seed=0, n=20)
-        h_flagged = model.step_hidden(warm(model, prompt), 300, eos_id=EOS, silence_codes=silence)
-    assert mx.array_equal(h_plain, h_flagged).item()
-    assert flagged == plain
+    ref, f32 = copy_with(model, cfg, "reference"), copy_with(model, cfg, "float32")
+    h_ref = ref.step_hidden(warm(ref, prompt), 300, eos_id=EOS, silence_codes=silence)
+    h_f32 = f32.step_hidden(warm(f32, prompt), 300, eos_id=EOS, silence_codes=silence)
+    assert mx.array_equal(h_ref, h_f32).item()
+    assert run_codes(ref, prompt, silence, seed=0, n=20) == run_codes(f32, prompt, silence, seed=0, n=20)
 
 
 def test_text_side_flag(model, cfg, prompt, silence):
-    """With bf16 weights the flag keeps the char encoder and flag embeddings in bf16 (the reference's
-    activation dtype) and projects the text in bf16; the fused input stays float32. bf16 carries
-    2^-8 relative rounding per op on O(1) values: the two paths differ by more than 1e-3 and less
-    than 0.1 (a wrong formula would move them by O(1))."""
-    bf = bf16_copy(model, cfg)
+    """With bf16 weights, numerics="reference" keeps the char encoder and flag embeddings in bf16
+    (the reference's activation dtype) and projects the text in bf16; the fused input stays
+    float32. bf16 carries 2^-8 relative rounding per op on O(1) values: the two paths differ by
+    more than 1e-3 and less than 0.1 (a wrong formula would move them by O(1))."""
+    bf = copy_with(model, cfg, "reference", mx.bfloat16)
+    bf_f32 = copy_with(model, cfg, "float32", mx.bfloat16)
     enc, table = bf.embed_subword, bf.char_table
     ids, mask = [PAD, 300, 13 + 72, 400, 273], [False, True, True, True, True]
     f32 = enc.embed_host(ids, mask, table)
@@ -556,23 +545,19 @@ def test_text_side_flag(model, cfg, prompt, silence):
         dev = enc.embed_device(mx.array(tok, dtype=mx.int32), table, in_weight_dtype=True)
         assert dev.dtype == mx.bfloat16 and mx.array_equal(dev[0], low[t]).item(), tok
     prev = prompt[0][-1:]
-    x_plain = bf.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
-    try:
-        ear_tts_module.TEXT_SIDE_IN_WEIGHT_DTYPE = True
-        x_flag = bf.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
-        mx.eval(x_flag)
-    finally:
-        ear_tts_module.TEXT_SIDE_IN_WEIGHT_DTYPE = False
+    x_plain = bf_f32.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
+    x_flag = bf.step_inputs(prev, 300, eos_id=EOS, silence_codes=silence)
     assert x_plain.dtype == x_flag.dtype == mx.float32 and x_flag.shape == (2, 1, cfg.hidden_size)
     assert 1e-4 < mx.abs(x_flag - x_plain).max().item() < 0.1
 
 
 def test_rvq_norm_flag(model, cfg):
-    """quantize_residual with bf16 codebooks: the flag computes ‖e_j‖² in bf16 (the reference). Every
-    flagged choice is optimal up to that rounding (float64 distances, bound 2·max|Δ‖e‖²|), some
-    near ties flip, and without the flag the choice is the float64 optimum except at ties closer
-    than float32 rounding (1e-4 on distances of O(10))."""
-    bf = bf16_copy(model, cfg)
+    """quantize_residual with bf16 codebooks: numerics="reference" computes ‖e_j‖² in bf16 (the
+    reference). Every such choice is optimal up to that rounding (float64 distances, bound
+    2·max|Δ‖e‖²|), some near ties flip, and with numerics="float32" the choice is the float64
+    optimum except at ties closer than float32 rounding (1e-4 on distances of O(10))."""
+    bf = copy_with(model, cfg, "reference", mx.bfloat16)
+    bf_f32 = copy_with(model, cfg, "float32", mx.bfloat16)
     books = np.array(bf.rvq_embs.astype(mx.float32), dtype=np.float64)
     stored = bf.rvq_embs[0]
     norm_err = np.abs(np.array((stored * stored).sum(axis=-1).astype(mx.float32)) - (books[0] ** 2).sum(-1)).max()
@@ -584,12 +569,8 @@ def test_rvq_norm_flag(model, cfg):
         # Midpoints between two codewords: near ties, where the rounding matters.
         r = 0.5 * (books[0, a] + books[0, b]) + 0.05 * rs.randn(cfg.latent_size)
         res = mx.array(r[None].astype(np.float32))
-        plain = bf.quantize_residual(res, 0, 1)[0][0].item()
-        try:
-            ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = True
-            flagged = bf.quantize_residual(res, 0, 1)[0][0].item()
-        finally:
-            ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = False
+        plain = bf_f32.quantize_residual(res, 0, 1)[0][0].item()
+        flagged = bf.quantize_residual(res, 0, 1)[0][0].item()
         dist = (books[0] ** 2).sum(-1) - 2.0 * books[0] @ r.astype(np.float32)
         assert dist[plain] - dist.min() <= 1e-4
         assert dist[flagged] - dist.min() <= 2 * norm_err
@@ -597,13 +578,9 @@ def test_rvq_norm_flag(model, cfg):
     assert flips > 0
     # Float32 codebooks: ‖e_j‖² in the weight dtype is the float32 one, no change at all.
     res = mx.random.normal((1, cfg.latent_size), key=mx.random.key(9))
-    codes_plain, rest_plain = model.quantize_residual(res, 0, cfg.num_quantizers)
-    try:
-        ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = True
-        codes_flag, rest_flag = model.quantize_residual(res, 0, cfg.num_quantizers)
-        mx.eval(rest_flag)
-    finally:
-        ear_tts_module.RVQ_NORMS_IN_WEIGHT_DTYPE = False
+    ref, f32 = copy_with(model, cfg, "reference"), copy_with(model, cfg, "float32")
+    codes_plain, rest_plain = f32.quantize_residual(res, 0, cfg.num_quantizers)
+    codes_flag, rest_flag = ref.quantize_residual(res, 0, cfg.num_quantizers)
     assert mx.array_equal(mx.concatenate(codes_plain), mx.concatenate(codes_flag)).item()
     assert mx.array_equal(rest_plain, rest_flag).item()
 

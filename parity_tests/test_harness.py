@@ -40,7 +40,7 @@ class MemoBackend(VoiceChatBackend):
     """VoiceChatBackend whose offline / streamed runs are computed once per (model, input, arguments)."""
 
     def _memo(self, kind, fn, audio, kw):
-        key = (kind, id(self.model), self.reference_rounding, audio_digest(np.asarray(audio, np.float32)),
+        key = (kind, id(self.model), self.numerics, audio_digest(np.asarray(audio, np.float32)),
                tuple(sorted(kw.items())))
         if key not in _MEMO:
             _MEMO[key] = fn(audio, **kw)
@@ -58,6 +58,14 @@ def model(tiny_ckpt_4bit):
     import voicechat
 
     return voicechat.load(tiny_ckpt_4bit)
+
+
+@pytest.fixture(scope="module")
+def model_f32(tiny_ckpt_4bit):
+    """The same checkpoint with the float32 EAR-TTS option (its codes differ from the reference's)."""
+    import voicechat
+
+    return voicechat.load(tiny_ckpt_4bit, numerics="float32")
 
 
 @pytest.fixture(scope="module")
@@ -266,13 +274,11 @@ def test_primitives_fail_where_expected():
 
 class ReferenceLike(MemoBackend):
     """Behaves as architecture.md §12.2 says the reference does: no-prompt offline frame 0 is an all-zero
-    code row (decoded as such), no codec tail at flush, the backbone norm's '1 + w' in the weight dtype."""
+    code row (decoded as such), no codec tail at flush, the reference's roundings (numerics "reference",
+    or whatever numerics the given model has)."""
 
     name = "reference-like"
     extra_corruption = False
-
-    def __init__(self, model):
-        super().__init__(model, reference_rounding=True)
 
     def offline(self, audio, **kw):
         run = super().offline(audio, **kw)
@@ -293,11 +299,19 @@ class ReferenceLikeBroken(ReferenceLike):
     extra_corruption = True
 
 
-def test_cross_documented_differences(model, question_wav):
-    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model), components=False)
+def test_cross_documented_differences(model, model_f32, question_wav):
+    """This project with numerics="float32" against the reference: the frame-0 row and the float32 code
+    differences are documented, each verified (the latter by re-running with numerics="reference")."""
+    report = run_parity(MemoBackend(model_f32), question_wav, against=ReferenceLike(model), components=False)
     assert report.ok, report.to_markdown()
     applied = {r.difference_id for r in report.rows if r.status == DOCUMENTED}
-    assert {"frame0_codes_no_prompt", "codec_tail"} <= applied
+    assert {"frame0_codes_no_prompt", "codec_tail", "float32_numerics"} <= applied
+    c_off = "offline: voicechat vs reference-like"
+    assert report.row(E2E, "codes per frame", c_off).difference_id == "float32_numerics"
+    for c in (c_off, "streamed: voicechat vs reference-like"):  # the float32 decay rate moves the logits
+        for ch in ("text", "function"):
+            row = report.row(NEMOTRON, f"{ch} logits per frame (max abs)", c)
+            assert row.difference_id == "float32_numerics" and row.observed > 1e-5, row
     c_off = "offline: voicechat vs reference-like"
     assert report.row(E2E, "first audio frame: codes", c_off).difference_id == "frame0_codes_no_prompt"
     assert report.row(E2E, "our decode of their codes vs their audio", c_off).status == PASS
@@ -308,6 +322,31 @@ def test_cross_documented_differences(model, question_wav):
     # Every documented entry names the tests that pin it, and they exist.
     for d in DIFFERENCES.values():
         assert d.pinned_by and all("::test_" in p for p in d.pinned_by)
+
+
+def test_default_numerics_pass_codes_against_the_reference(model, question_wav):
+    """Default numerics: the codes equal the reference's on every frame (frame 0 included), so the
+    codes rows pass; only the codec tail is documented."""
+    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model), components=False)
+    assert report.ok, report.to_markdown()
+    cross = [r for r in report.rows if "vs reference-like" in r.comparison]
+    assert {r.difference_id for r in cross if r.status == DOCUMENTED} == {"codec_tail"}
+    for c in ("offline: voicechat vs reference-like", "streamed: voicechat vs reference-like"):
+        for metric in ("codes per frame", "decoded codes per frame", "first audio frame: codes"):
+            assert report.row(E2E, metric, c).status == PASS, (c, metric)
+
+
+def test_default_numerics_code_mismatch_is_never_documented(model, model_f32, question_wav):
+    """A code mismatch with the ids equal, on the default numerics, stays a failure: here the
+    'reference' is the float32 model (the mismatch the float32_numerics entry documents for a
+    float32 run)."""
+    report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model_f32), components=False)
+    c_off = "offline: voicechat vs reference-like"
+    assert report.row(E2E, "text ids per frame", c_off).status == PASS
+    assert report.row(E2E, "codes per frame", c_off).status == FAIL
+    cross = [r for r in report.rows if "vs reference-like" in r.comparison]
+    assert not any(r.difference_id in ("float32_numerics", "frame0_codes_no_prompt") for r in cross)
+    assert not report.ok
 
 
 def test_cross_undocumented_difference_still_fails(model, question_wav):

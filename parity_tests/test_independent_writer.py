@@ -175,4 +175,4 @@ def test_quantized_model_computes_what_its_dense_twin_does(tmp_path, clip):
                          ids=lambda s: s.name())
 def test_real_depth_layout_streams_like_offline(tmp_path, spec, long_question_wav):
     model = voicechat.load(write(tmp_path / "ckpt", spec))
-    check_stream_equals_offline(model, long_question_wav[: 1280 * 80])
+    check_stream_equals_offline(model, long_question_wav[: 1280 * 80], prompt="hello")

@@ -17,7 +17,6 @@ import pytest
 import voicechat
 from voicechat import parallel
 from voicechat.parallel import FastLinear, ParallelQuantizedLinear, prepare_linears, split_rows
-from voicechat.tts import ear_tts
 
 
 @pytest.fixture
@@ -205,18 +204,23 @@ def test_cpu_streams_validation(monkeypatch):
         parallel.set_cpu_streams(None)
 
 
-def test_rvq_books_follow_the_norm_flag(tiny_model):
-    """The cached codebooks / norms equal a direct computation, per RVQ_NORMS_IN_WEIGHT_DTYPE."""
+def test_rvq_books_follow_the_numerics(tiny_ckpt, tiny_model):
+    """The cached codebooks / norms equal a direct computation, per the model's numerics: norms from
+    the stored (bf16) codebooks with "reference" (the default), from float32 with "float32"."""
+    import voicechat
+
     tts = tiny_model.tts_model.tts_model
     stored = tts.rvq_embs
-    books_t, norms = tts.rvq_books()
+    assert stored.dtype == mx.bfloat16
+    books_t, norms16 = tts.rvq_books()
     _same(books_t, stored.astype(mx.float32).transpose(0, 2, 1))
+    _same(norms16, (stored * stored).sum(axis=-1).astype(mx.float32))
+    f32 = voicechat.load(tiny_ckpt, numerics="float32", warmup=False).tts_model.tts_model
+    _, norms = f32.rvq_books()
     _same(norms, (stored.astype(mx.float32) ** 2).sum(axis=-1))
-    with ear_tts.reference_numerics():
-        _, norms16 = tts.rvq_books()
-        _same(norms16, (stored * stored).sum(axis=-1).astype(mx.float32))
+    assert not mx.array_equal(norms, norms16).item()
     _, again = tts.rvq_books()
-    _same(again, norms)
+    _same(again, norms16)
 
 
 def _streamed_and_offline(model, audio) -> dict:

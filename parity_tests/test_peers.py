@@ -261,12 +261,12 @@ def test_extra_decoding_seconds_adds_frames(vlm4, clip):
 def cross_runs(vlm4, tiny_ckpt_4bit, question_wav):
     """(voicechat, mlx-vlm) x (offline, stream) with a system prompt, and the no-prompt offline pair.
 
-    The project's backend runs with `reference_rounding=True`: the reference rounds parts of
-    EAR-TTS to bf16 (backbone norms' "1 + w", §12.2 item 6; the text side; RVQ norms; MoG
-    log-probabilities), which moves the sampled codes; the language path does not depend on it.
+    The project's backend runs with its default numerics ("reference"): EAR-TTS rounds to bf16
+    where the reference does (backbone norms' "1 + w", §12.2 item 6; the text side; RVQ norms;
+    MoG log-probabilities), so the sampled codes are the reference's.
     """
     vc_backend = pytest.importorskip("harness.backends.voicechat_backend")
-    vc = vc_backend.VoiceChatBackend(reference_rounding=True)
+    vc = vc_backend.VoiceChatBackend()
     vc.load(str(tiny_ckpt_4bit))
     out = {
         "vc": (vc.offline(question_wav, system_prompt=PROMPT, with_logits=True),
@@ -293,15 +293,18 @@ def test_cross_first_frame(cross_runs):
 
 
 def test_cross_first_frame_without_prompt(cross_runs, vlm4):
-    """Streamed frame 0 is the silence row in both; offline, only mlx-vlm has the all-zero row (§12.2 item 7)."""
+    """Streamed frame 0 is the silence row in both; offline, both have the reference's all-zero row
+    (§12.2 item 7; this project with its default numerics), decoded after control-code replacement."""
     vo, mo = cross_runs["vc_none"], cross_runs["vlm_none"]
     vs, ms = cross_runs["vc_none_stream"], cross_runs["vlm_none_stream"]
     silence = np.array(vlm4.model.tts_model.codec_silence_tokens).astype(np.int32)
     assert vo.text_ids[0] == mo.text_ids[0] and vo.function_ids[0] == mo.function_ids[0]
     np.testing.assert_array_equal(vs.codes[0], silence)
     np.testing.assert_array_equal(ms.codes[0], silence)
-    np.testing.assert_array_equal(vo.codes[0], silence)
+    np.testing.assert_array_equal(vo.codes[0], np.zeros_like(silence))
     np.testing.assert_array_equal(mo.codes[0], np.zeros_like(silence))
+    for a, b in ((vo, mo), (vs, ms)):
+        np.testing.assert_array_equal(a.decoded_codes, b.decoded_codes)
 
 
 @pytest.mark.parametrize("path", ["offline", "stream"])

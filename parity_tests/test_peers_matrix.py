@@ -14,10 +14,10 @@ asserts, on the **default path**:
   convolution stack on samples of magnitude ~1). Streamed audio is compared after the codec
   lead-in, skipping the 2·lead_in warm-up samples, as test_peers.py does.
 
-The one frame exempt from the code comparison is documented difference 1 (docs/voicechat.md;
-architecture.md §12.2 item 7): offline without a system prompt, the reference decodes an
-all-zero code row at frame 0 where this project uses the codec silence codes. That frame is
-asserted to be exactly that; every other frame is compared.
+No frame is exempt: offline without a system prompt, the reference decodes an all-zero code row
+at frame 0 (architecture.md §12.2 item 7), and so does this project with its default numerics
+("reference"; docs/voicechat.md row 1). Both raw codes (the input of control-code replacement)
+and decoded codes (the result / Audio events) are compared.
 
 Rows form a covering set of the axes real checkpoints vary (not their product): geometry (31
 codebooks, control codes inside / outside the generated range), dtypes (float32; bf16 with
@@ -121,18 +121,17 @@ def test_ids_and_codes_identical(row_runs, row, mode):
     assert diff is None, f"text ids differ first at frame {diff[0]} ({o.text_ids.shape[0]} frames)"
     diff = _first_difference(o.function_ids, r.function_ids)
     assert diff is None, f"function ids differ first at frame {diff[0]} ({o.function_ids.shape[0]} frames)"
-    ours_codes, ref_codes, start = o.codes, r.codes, 0
     if mode == "offline" and row.prompt is None:
-        # Documented difference 1: the reference's all-zero row at offline frame 0 (no prompt).
-        np.testing.assert_array_equal(o.codes[0], runs["silence"])
+        # The reference's all-zero row at offline frame 0 (no prompt), reproduced by default.
         np.testing.assert_array_equal(r.codes[0], np.zeros_like(runs["silence"]))
-        start = 1
-    diff = _first_difference(ours_codes[start:], ref_codes[start:])
-    if diff is not None:
-        frame, books = diff[0] + start, diff[1]
-        n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes[start:], ref_codes[start:]))
-        pytest.fail(f"codes differ first at frame {frame}, codebooks {books[:8]}{'...' if len(books) > 8 else ''}"
-                    f" ({n_diff} of {ours_codes.shape[0] - start} frames differ)")
+    for what, ours_codes, ref_codes in (("codes", o.codes, r.codes),
+                                        ("decoded codes", o.decoded_codes, r.decoded_codes)):
+        diff = _first_difference(ours_codes, ref_codes)
+        if diff is not None:
+            frame, books = diff
+            n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes, ref_codes))
+            pytest.fail(f"{what} differ first at frame {frame}, codebooks {books[:8]}"
+                        f"{'...' if len(books) > 8 else ''} ({n_diff} of {ours_codes.shape[0]} frames differ)")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)

@@ -10,6 +10,7 @@ import voicechat
 from voicechat.errors import ContextLimitError, SessionClosedError, WrongThreadError
 from voicechat.profiler import FrameTiming, Profile, percentile
 from voicechat.synthetic import write_checkpoint
+from voicechat.tts.ear_tts import replace_control_codes
 
 
 def run_stream(model, audio, push=1280, **kw):
@@ -110,16 +111,29 @@ def test_streaming_matches_offline(request, which, prompt, question_wav):
     k = codes.shape[0]
     # Offline has one frame more than the stream (the centred last mel frame).
     assert off.text_tokens.shape[0] == k + 1
-    # First audio frame: text id, function id and every code identical.
+    silence = np.array(model.tts_model.codec_silence_tokens).astype(np.int32)
+    offline_audio = off.audio
+    # First audio frame: text id, function id and every code identical, except without a prompt:
+    # streamed frame 0 is the codec silence codes, offline frame 0 the reference's all-zero row
+    # (default numerics, test_numerics.py::test_offline_frame0_follows_numerics).
     assert s.text_ids[0] == off.text_tokens[0] and s.function_ids[0] == off.function_tokens[0]
-    np.testing.assert_array_equal(codes[0], off.audio_codes[0])
+    first = 0
+    if prompt is None:
+        np.testing.assert_array_equal(codes[0], silence)
+        np.testing.assert_array_equal(off.raw_audio_codes[0], np.zeros_like(silence))
+        first = 1
+        # The offline audio of the same codes with the streamed frame 0.
+        tts = model.tts_model
+        raw = off.raw_audio_codes.copy()
+        raw[0] = silence
+        offline_audio = np.array(tts.audio_codec.decode(
+            replace_control_codes(raw, tts.control_codes, tts.codec_silence_tokens)))
+    np.testing.assert_array_equal(codes[first:first + 1], off.audio_codes[first:first + 1])
     # All common frames.
     np.testing.assert_array_equal(np.array(s.text_ids), off.text_tokens[:k])
     np.testing.assert_array_equal(np.array(s.function_ids), off.function_tokens[:k])
-    np.testing.assert_array_equal(codes, off.audio_codes[:k])
-    if prompt is None:
-        # Frame 0 carries the codec silence codes in both paths (the reference's offline zero-row bug is not copied).
-        np.testing.assert_array_equal(codes[0], np.array(model.tts_model.codec_silence_tokens))
+    np.testing.assert_array_equal(codes[first:], off.audio_codes[first:k])
+    np.testing.assert_array_equal(np.stack(s.raw_audio_codes)[first:], off.raw_audio_codes[first:k])
     # Audio: streamed (after the codec lead-in) vs offline over the common frames. The first
     # `warmup_samples` differ by design (causal warm-up) and the last (n_fft - hop) / 2 samples of
     # the common region depend on the frame that follows, which only the offline decode has.
@@ -129,7 +143,7 @@ def test_streaming_matches_offline(request, which, prompt, question_wav):
     assert streamed.shape[0] == k * ratio + codec.lead_in
     edge = (model.config.codec_config.n_fft - model.config.codec_config.hop_length) // 2
     a = streamed[codec.lead_in:][codec.warmup_samples:k * ratio - edge]
-    b = off.audio[codec.warmup_samples:k * ratio - edge]
+    b = offline_audio[codec.warmup_samples:k * ratio - edge]
     # float32 decode of identical codes in a different chunking: agreement to rounding (<< 1e-4)
     assert np.max(np.abs(a - b)) <= 1e-4
     assert s.transcript.text == off.user_transcript or off.user_transcript.startswith(s.transcript.text)

@@ -37,7 +37,7 @@ class UserTranscriptDelta:
 class Audio:
     frame_index: int
     samples: np.ndarray  # float32, exactly one output frame (1764 at 22050 Hz)
-    audio_codes: np.ndarray  # int32, num_quantizers
+    audio_codes: np.ndarray  # int32, num_quantizers: the decoded codes (after control-code replacement)
     kind: str = field(default="audio", init=False)
 
     def __eq__(self, other):

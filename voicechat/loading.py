@@ -112,20 +112,25 @@ def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loadi
         raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
 
 
-def load(path_or_repo, *, revision: str | None = None, check_finite: bool = True, warmup: bool = True):
+def load(path_or_repo, *, revision: str | None = None, numerics: str = "reference", check_finite: bool = True,
+         warmup: bool = True):
     """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError.
 
-    `warmup=False` skips the EAR-TTS speaker warm-up (it then runs at the first session).
+    `numerics`: "reference" (EAR-TTS rounds as mlx-vlm does: same codes) or "float32"
+    (voicechat/tts/numerics.py); fixed for this model. `warmup=False` skips the EAR-TTS speaker
+    warm-up (it then runs at the first session).
     """
     from .model import VoiceChatModel
+    from .tts.numerics import numerics_from
 
+    numerics = numerics_from(numerics)  # a bad value fails before anything is read
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
     steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py
     weights, _ = read_safetensors(folder)
     if is_raw_layout(weights):
         weights = sanitize(weights, cfg)
-    model = VoiceChatModel(cfg)
+    model = VoiceChatModel(cfg, numerics)
     plan = quantization_plan(weights, cfg)
     if plan:
         quantizable = {p for p, m in model.named_modules() if hasattr(m, "to_quantized")}

@@ -126,9 +126,11 @@ class VoiceChatStreamingSession:
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False
-        # Host-side copies for the harness: ids and codes per emitted frame.
+        # Host-side copies for the harness: ids and the generated (raw) codes per emitted frame; the
+        # Audio events carry the decoded codes (after control-code replacement).
         self.text_ids: list[int] = []
         self.function_ids: list[int] = []
+        self.raw_audio_codes: list[np.ndarray] = []
         self.transcript_tokens: list[int] = []
 
     # -- helpers
@@ -183,18 +185,19 @@ class VoiceChatStreamingSession:
         audio = self.codec.decode_step(clean, self.codec_state)
         # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
         # products in numpy, voicechat.host_gemm, the codec evaluated its inputs on the way).
-        mx.eval(text_id, function_id, codes, audio, self.codec_state.arrays())
+        mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays())
         t5 = time.perf_counter()
         tid, fid = text_id.item(), function_id.item()
         self.text_ids.append(tid)
         self.function_ids.append(fid)
+        self.raw_audio_codes.append(np.array(codes, dtype=np.int32))
         r = self.text.push(tid)
         if r is not None:
             events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
         r = self.function_text.push(fid)
         if r is not None:
             events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
-        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(codes, dtype=np.int32)))
+        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(clean, dtype=np.int32)))
         record = None  # after the timed frame; the arrays are already evaluated
         if self._on_frame is not None:
             record = self._record(enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio)

@@ -18,7 +18,7 @@ import numpy as np
 class OfflineRun:
     text_ids: np.ndarray  # int32 (T,) per audio frame (prompt positions dropped)
     function_ids: np.ndarray  # int32 (T,)
-    codes: np.ndarray  # int32 (T, Q)
+    codes: np.ndarray  # int32 (T, Q): generated (raw) codes, before control-code replacement
     audio: np.ndarray  # float32 (T * samples_per_frame,)
     text: str
     transcript: str
@@ -29,13 +29,14 @@ class OfflineRun:
     function_logits: np.ndarray | None = None
     wall_s: float = 0.0
     transcript_frame_tokens: list[list[int]] | None = None  # RNNT tokens emitted per encoder frame
+    decoded_codes: np.ndarray | None = None  # int32 (T, Q): the codes decoded (control codes replaced)
 
 
 @dataclass
 class StreamRun:
     text_ids: np.ndarray  # int32 (K,) per streamed frame
     function_ids: np.ndarray
-    codes: np.ndarray  # int32 (K, Q)
+    codes: np.ndarray  # int32 (K, Q): generated (raw) codes, before control-code replacement
     audio: np.ndarray  # float32 concatenated Audio events (K * samples_per_frame,)
     tail: np.ndarray  # float32 codec tail emitted at flush (empty if the backend emits none)
     text: str
@@ -53,6 +54,7 @@ class StreamRun:
     first_text_s: float | None = None
     wall_s: float = 0.0
     transcript_frame_tokens: list[list[int]] | None = None  # RNNT tokens emitted per streamed frame
+    decoded_codes: np.ndarray | None = None  # int32 (K, Q): the Audio events' codes (control codes replaced)
 
 
 class Backend:

@@ -14,7 +14,7 @@ Conventions of the returned runs (shared with this project's backend):
 * `codes` are the TTS output codes *before* control-code replacement (what the
   TTS generated), captured at the reference's `_replace_control_codes`; the
   codec decodes the replaced codes. mlx-vlm's own result and Audio events carry
-  the replaced codes.
+  the replaced codes: they are `decoded_codes`.
 * `mel` is (frames, n_mel) and `encoder` is (frames, d_model): frame-major, as
   the harness compares them (base.py's comment says (n_mel, F) for `mel`).
 * Offline runs use `use_language_cache=True` (the reference default `False`
@@ -310,6 +310,7 @@ class MlxVlmBackend(Backend):
             text_ids=text_ids,
             function_ids=_np(result.function_tokens, np.int32),
             codes=_np(seen.raw_codes[0], np.int32),
+            decoded_codes=_np(result.audio_codes, np.int32),
             audio=_np(result.audio, np.float32),
             text=result.text,
             transcript=result.user_transcript or "",
@@ -416,6 +417,8 @@ class MlxVlmBackend(Backend):
             text_ids=np.array([f["text_id"] for f in frames], dtype=np.int32),
             function_ids=np.array([f["function_id"] for f in frames], dtype=np.int32),
             codes=codes,
+            decoded_codes=(np.stack([_np(e.audio_codes, np.int32) for e in audio_events]) if audio_events
+                           else np.zeros((0, q), np.int32)),
             audio=out_audio,
             tail=np.zeros((0,), np.float32),  # mlx-vlm never flushes the codec (§12.2 item 13)
             text=s._text.text,

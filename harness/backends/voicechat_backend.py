@@ -47,11 +47,15 @@ def _event_dict(e) -> dict:
 class VoiceChatBackend(Backend):
     """This project. `VoiceChatBackend(model=...)` wraps an already loaded model.
 
-    reference_rounding: run EAR-TTS with the reference's bf16 roundings
-    (`voicechat.tts.ear_tts.reference_numerics()`: the backbone norms' "1 + w",
-    architecture.md §12.2 item 6, and the other switchable roundings) while this
-    backend computes; used to verify that a cross-implementation code
-    difference is exactly that documented difference.
+    numerics: the EAR-TTS numerics to load with (`voicechat.load(..., numerics=)`:
+    "reference", the default, rounds as the reference does, so the codes equal
+    its codes; "float32" is the float32 option, whose code differences the engine
+    verifies by re-running with "reference"). With `model=...` it is the model's
+    own (a different value is an error).
+    Codes: `codes` of a run are the generated (raw) codes, before control-code
+    replacement, as the reference backend records them; `decoded_codes` are the
+    codes that were decoded (what `OfflineResult.audio_codes` and the `Audio`
+    events carry).
     component_max_frames: cap the audio frames of the component checks (the
     EAR-TTS recompute is quadratic in the timeline length).
     record_intermediates: record the session's per-frame mel / encoder frames,
@@ -62,12 +66,19 @@ class VoiceChatBackend(Backend):
 
     name = "voicechat"
 
-    def __init__(self, model=None, *, reference_rounding: bool = False, component_max_frames: int | None = None,
+    def __init__(self, model=None, *, numerics: str | None = None, component_max_frames: int | None = None,
                  record_intermediates: bool | None = None):
+        from voicechat.tts.numerics import DEFAULT_NUMERICS, numerics_from
+
         self.model = model
         self.record_intermediates = record_intermediates
         self.checkpoint = getattr(model, "source", None) if model is not None else None
-        self.reference_rounding = bool(reference_rounding)
+        if model is not None:
+            own = model.numerics.name
+            if numerics is not None and numerics_from(numerics).name != own:
+                raise ValueError(f"numerics={numerics!r} but the given model was loaded with numerics={own!r}")
+            numerics = own
+        self.numerics = numerics_from(DEFAULT_NUMERICS if numerics is None else numerics).name
         if component_max_frames is not None and (not isinstance(component_max_frames, int) or component_max_frames < 1):
             raise ValueError(f"component_max_frames must be a positive int or None, got {component_max_frames!r}")
         self.component_max_frames = component_max_frames
@@ -85,7 +96,7 @@ class VoiceChatBackend(Backend):
         from voicechat.synthetic import resolve_model_arg
 
         self.checkpoint = str(checkpoint)
-        self.model = voicechat.load(resolve_model_arg(str(checkpoint)))
+        self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics)
         return self.model
 
     def _require(self):
@@ -128,26 +139,6 @@ class VoiceChatBackend(Backend):
 
     def close(self) -> None:
         self.model = None
-
-    @contextlib.contextmanager
-    def _rounding(self):
-        """Apply `reference_rounding` for the duration of a run (and drop the warm-up made without it)."""
-        if not self.reference_rounding:
-            yield
-            return
-        from voicechat.tts import ear_tts
-
-        model = self._require()
-        switch = getattr(ear_tts, "reference_numerics", None)
-        if switch is None:  # older EAR-TTS: only the backbone-norm flag exists
-            switch = _backbone_norm_flag
-        # The model caches its speaker warm-up, which depends on the rounding.
-        model._warm_tts = None
-        try:
-            with switch(True):
-                yield
-        finally:
-            model._warm_tts = None
 
     # -- helpers shared by the paths
 
@@ -196,7 +187,7 @@ class VoiceChatBackend(Backend):
 
     def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
         """Text / function logits (T, V) of the audio positions, recomputed over the inputs the given
-        ids imply as the offline path computes them: the prompt as one sequence pass (as
+        ids imply as the offline path computes them: the prompt by `NemotronH.prefill` (as
         `Timeline.start`), then one cached step per audio position (as `Timeline.language_step`)."""
         model = self._require()
         llm = model.stt_model.llm
@@ -204,7 +195,7 @@ class VoiceChatBackend(Backend):
         state = llm.make_state()
         p = len(prompt)
         if p:
-            llm(x[:, :p], state)
+            llm.prefill(x[:, :p], state)
         text, function = [], []
         for t in range(p, x.shape[1]):
             tl, fl = model.heads(llm(x[:, t:t + 1], state)[:, -1])
@@ -224,8 +215,7 @@ class VoiceChatBackend(Backend):
         w = cfg.function_channel_weight
         rows = []
         if prompt:
-            emb = model.embed(mx.array(prompt, dtype=mx.int32))
-            rows.append(emb + (1.0 + w) * model.embed(mx.array([pad], dtype=mx.int32)))
+            rows.append(model.prompt_input(mx.array(prompt, dtype=mx.int32)))
         emb = model.stt_model.perception.project(mx.array(np.asarray(encoder_frames, dtype=np.float32)))
         prev_t = mx.array([pad] + [int(i) for i in text_ids[:-1]], dtype=mx.int32)
         prev_f = mx.array([pad] + [int(i) for i in function_ids[:-1]], dtype=mx.int32)
@@ -237,15 +227,15 @@ class VoiceChatBackend(Backend):
     def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                 extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
         model = self._require()
-        with self._rounding():
-            t0 = time.perf_counter()
-            r = model.generate(audio, system_prompt=system_prompt, seed=seed,
-                               extra_decoding_seconds=extra_decoding_seconds)
-            wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        r = model.generate(audio, system_prompt=system_prompt, seed=seed,
+                           extra_decoding_seconds=extra_decoding_seconds)
+        wall = time.perf_counter() - t0
         run = OfflineRun(
             text_ids=np.asarray(r.text_tokens, np.int32),
             function_ids=np.asarray(r.function_tokens, np.int32),
-            codes=np.asarray(r.audio_codes, np.int32),
+            codes=np.asarray(r.raw_audio_codes, np.int32),
+            decoded_codes=np.asarray(r.audio_codes, np.int32),
             audio=np.asarray(r.audio, np.float32),
             text=r.text,
             transcript=r.user_transcript,
@@ -274,32 +264,33 @@ class VoiceChatBackend(Backend):
         wave = load_audio(audio, cfg.input_sample_rate, allow_empty=False)
         record = (not profile) if self.record_intermediates is None else self.record_intermediates
         frames: list = []
-        with self._rounding():
-            t0 = time.perf_counter()
-            session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile,
-                                                     on_frame=frames.append if record else None)
-            create_s = time.perf_counter() - t0
-            events: list = []
-            first_audio = first_text = None
-            t_push = time.perf_counter()
-            for start in range(0, wave.size, chunk_samples):
-                got = session.push_audio(wave[start:start + chunk_samples])
-                now = time.perf_counter() - t_push
-                if first_audio is None and any(e.kind == "audio" for e in got):
-                    first_audio = now
-                if first_text is None and any(e.kind == "assistant_text_delta" for e in got):
-                    first_text = now
-                events.extend(got)
-            events.extend(session.flush())
-            wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile,
+                                                 on_frame=frames.append if record else None)
+        create_s = time.perf_counter() - t0
+        events: list = []
+        first_audio = first_text = None
+        t_push = time.perf_counter()
+        for start in range(0, wave.size, chunk_samples):
+            got = session.push_audio(wave[start:start + chunk_samples])
+            now = time.perf_counter() - t_push
+            if first_audio is None and any(e.kind == "audio" for e in got):
+                first_audio = now
+            if first_text is None and any(e.kind == "assistant_text_delta" for e in got):
+                first_text = now
+            events.extend(got)
+        events.extend(session.flush())
+        wall = time.perf_counter() - t0
         audio_events = [e for e in events if e.kind == "audio"]
         tails = [e for e in events if e.kind == "audio_tail"]
         q = cfg.tts_config.num_quantizers
         run = StreamRun(
             text_ids=np.asarray(session.text_ids, np.int32),
             function_ids=np.asarray(session.function_ids, np.int32),
-            codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
+            codes=(np.stack(session.raw_audio_codes).astype(np.int32) if session.raw_audio_codes
                    else np.zeros((0, q), np.int32)),
+            decoded_codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
+                           else np.zeros((0, q), np.int32)),
             audio=(np.concatenate([e.samples for e in audio_events]).astype(np.float32) if audio_events
                    else np.zeros(0, np.float32)),
             tail=(np.concatenate([e.samples for e in tails]).astype(np.float32) if tails else np.zeros(0, np.float32)),
@@ -365,68 +356,66 @@ class VoiceChatBackend(Backend):
 
         model = self._require()
         cfg = model.config
-        with self._rounding():
-            if offline is not None and offline.encoder is not None:
-                enc = np.asarray(offline.encoder, np.float32)
+        if offline is not None and offline.encoder is not None:
+            enc = np.asarray(offline.encoder, np.float32)
+        else:
+            enc = np.array(offline_perception(model, audio).encoder, dtype=np.float32)
+        if self.component_max_frames is not None:
+            enc = enc[: self.component_max_frames]
+        prompt = self.prompt_ids(system_prompt)
+        p = len(prompt)
+        pad, w = cfg.pad_token_id, cfg.function_channel_weight
+        llm = model.stt_model.llm
+
+        # Nemotron-H: cached single steps, ids picked as the runtime does.
+        state = llm.make_state()
+        emb = model.stt_model.perception.project(mx.array(enc))
+        prev_t = prev_f = pad
+        inputs, c_text, c_func, tokens = [], [], [], []
+        for t in range(p + enc.shape[0]):
+            if t < p:
+                x = model.prompt_input(mx.array([prompt[t]], dtype=mx.int32))
             else:
-                enc = np.array(offline_perception(model, audio).encoder, dtype=np.float32)
-            if self.component_max_frames is not None:
-                enc = enc[: self.component_max_frames]
-            prompt = self.prompt_ids(system_prompt)
-            p = len(prompt)
-            pad, w = cfg.pad_token_id, cfg.function_channel_weight
-            llm = model.stt_model.llm
+                x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
+                                      mx.array([prev_f], dtype=mx.int32))
+            x = x[None]
+            hidden = self.llm_cached_step(x, state, t)
+            tl, fl = model.heads(hidden)
+            mx.eval(tl, fl)
+            inputs.append(x)
+            c_text.append(tl[0])
+            c_func.append(fl[0])
+            if t < p:
+                tokens.append(pad)
+            else:
+                prev_t, prev_f = int(mx.argmax(tl[0]).item()), int(mx.argmax(fl[0]).item())
+                tokens.append(prev_t)
+        # The no-cache recompute: the whole history from a fresh state, one pass.
+        hidden_all = llm.forward_uncached(mx.concatenate(inputs, axis=1))[0]
+        r_text, r_func = model.heads(hidden_all)
+        mx.eval(r_text, r_func)
 
-            # Nemotron-H: cached single steps, ids picked as the runtime does.
-            state = llm.make_state()
-            emb = model.stt_model.perception.project(mx.array(enc))
-            pad_emb = model.embed(mx.array([pad], dtype=mx.int32))
-            prev_t = prev_f = pad
-            inputs, c_text, c_func, tokens = [], [], [], []
-            for t in range(p + enc.shape[0]):
-                if t < p:
-                    x = model.embed(mx.array([prompt[t]], dtype=mx.int32)) + (1.0 + w) * pad_emb
-                else:
-                    x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
-                                          mx.array([prev_f], dtype=mx.int32))
-                x = x[None]
-                hidden = self.llm_cached_step(x, state, t)
-                tl, fl = model.heads(hidden)
-                mx.eval(tl, fl)
-                inputs.append(x)
-                c_text.append(tl[0])
-                c_func.append(fl[0])
-                if t < p:
-                    tokens.append(pad)
-                else:
-                    prev_t, prev_f = int(mx.argmax(tl[0]).item()), int(mx.argmax(fl[0]).item())
-                    tokens.append(prev_t)
-            # The no-cache recompute: the whole history from a fresh state, one pass.
-            hidden_all = llm.forward_uncached(mx.concatenate(inputs, axis=1))[0]
-            r_text, r_func = model.heads(hidden_all)
-            mx.eval(r_text, r_func)
-
-            # EAR-TTS: cached steps vs recompute-from-history, positions 1 .. T-1, same seed.
-            model.ensure_char_table()
-            tts = model.tts_model.tts_model
-            silence = model.tts_model.codec_silence_tokens
-            eos = cfg.eos_token_id
-            tts_state = model.warm_tts_state()
-            history = tts.new_history(model.speaker_prompt_codes(), model.speaker_latent, pad)
-            rng_c, rng_r = SessionRandom(seed), SessionRandom(seed)
-            ch, cc, rh, rc = [], [], [], []
-            for t in range(1, len(tokens)):
-                tok = tokens[t]
-                h_c, codes_c = self.tts_cached_step(tts_state, tok, rng_c, t)
-                h_r = tts.uncached_hidden(history, tok, eos_id=eos, silence_codes=silence)
-                codes_r = tts.generate_codes(h_r, rng_r)
-                history.steps.append((history.previous_codes, tok, eos, silence))
-                history.previous_codes = codes_r[None]
-                mx.eval(h_c, codes_c, h_r, codes_r, tts_state.arrays())
-                ch.append(_np(h_c, np.float32))
-                cc.append(_np(codes_c, np.int32))
-                rh.append(_np(h_r, np.float32))
-                rc.append(_np(codes_r, np.int32))
+        # EAR-TTS: cached steps vs recompute-from-history, positions 1 .. T-1, same seed.
+        model.ensure_char_table()
+        tts = model.tts_model.tts_model
+        silence = model.tts_model.codec_silence_tokens
+        eos = cfg.eos_token_id
+        tts_state = model.warm_tts_state()
+        history = tts.new_history(model.speaker_prompt_codes(), model.speaker_latent, pad)
+        rng_c, rng_r = SessionRandom(seed), SessionRandom(seed)
+        ch, cc, rh, rc = [], [], [], []
+        for t in range(1, len(tokens)):
+            tok = tokens[t]
+            h_c, codes_c = self.tts_cached_step(tts_state, tok, rng_c, t)
+            h_r = tts.uncached_hidden(history, tok, eos_id=eos, silence_codes=silence)
+            codes_r = tts.generate_codes(h_r, rng_r)
+            history.steps.append((history.previous_codes, tok, eos, silence))
+            history.previous_codes = codes_r[None]
+            mx.eval(h_c, codes_c, h_r, codes_r, tts_state.arrays())
+            ch.append(_np(h_c, np.float32))
+            cc.append(_np(codes_c, np.int32))
+            rh.append(_np(h_r, np.float32))
+            rc.append(_np(codes_r, np.int32))
         q = cfg.tts_config.num_quantizers
         return ComponentRun(
             prompt_positions=p,
@@ -440,18 +429,6 @@ class VoiceChatBackend(Backend):
             tts_recompute_hidden=np.stack(rh) if rh else None,
             notes={"audio_frames": int(enc.shape[0])},
         )
-
-
-@contextlib.contextmanager
-def _backbone_norm_flag(enabled: bool):
-    from voicechat.tts import ear_tts
-
-    saved = ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE
-    ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = bool(enabled)
-    try:
-        yield
-    finally:
-        ear_tts.BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = saved
 
 
 def _take_frame_records(run: StreamRun, frames: list, with_logits: bool) -> None:

@@ -34,22 +34,9 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
 
 
 def _reference_numerics(kwargs: dict) -> None:
-    """The reference's (mlx-vlm's) EAR-TTS roundings, for code-exact comparisons with its server.
-
-    Per model where `voicechat.load` takes `numerics`; otherwise the EAR-TTS module switch, which
-    is process-wide: acceptable in a `voicechat serve` process, whose worker is the only MLX user.
-    """
-    import inspect
-
-    from voicechat.loading import load
-
-    if "numerics" in inspect.signature(load).parameters:
-        kwargs["numerics"] = "reference"
-        return
-    from voicechat.tts import ear_tts
-
-    for name in ear_tts.REFERENCE_NUMERICS_FLAGS:  # set for good (the context manager would restore them)
-        setattr(ear_tts, name, True)
+    """The reference's (mlx-vlm's) EAR-TTS roundings, for code-exact comparisons with its server: the
+    model's numerics "reference" (also `voicechat.load`'s default; the flag makes it explicit)."""
+    kwargs["numerics"] = "reference"
 
 
 def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info"):

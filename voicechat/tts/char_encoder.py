@@ -18,8 +18,7 @@ Precision: activations are float32 by default. `in_weight_dtype=True` keeps
 them in the weight dtype instead (bf16 for the published checkpoints): the
 reference (mlx-vlm) runs this whole encoder, the flag embeddings and their sums
 with the activations in the char embedding's dtype (only the norms and the
-attention softmax compute in float32 internally). The EAR-TTS flag
-`TEXT_SIDE_IN_WEIGHT_DTYPE` (ear_tts.py) selects it.
+attention softmax compute in float32 internally). The model's `Numerics.text_side_in_weight_dtype` (voicechat/tts/numerics.py) selects it.
 """
 
 from __future__ import annotations

@@ -14,29 +14,17 @@ Paths:
   positions from scratch (`EarTtsBackbone` without a state, causal + sliding
   masks) and uses the last position.
 
-Precision: activations are float32 whatever the weight dtype. The reference
-(mlx-vlm) rounds differently (mostly to the bf16 weight dtype) in four places
-that move the sampled codes; each is a module-level flag here (default False =
-this project's float32 behaviour, read at call time), and `reference_numerics()`
-switches all of them on for a parity run (codes then equal the reference's):
-
-* `BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE`: "1 + w" of the backbone norms
-  (§12.2 item 6);
-* `TEXT_SIDE_IN_WEIGHT_DTYPE`: the char-aware subword encoder, the flag
-  embeddings, `null_emb`, the text projection of the fusion and the fusion's
-  σ(gate), σ(residual_scale) (the reference keeps the text side in the char
-  embedding's dtype, ~1e-2 on the fused input);
-* `RVQ_NORMS_IN_WEIGHT_DTYPE`: the squared codebook norms ‖e_j‖² of the greedy
-  RVQ distances (up to 0.12 off at the tiny preset: flips near-tie argmins);
-* `MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX`: the component log-probabilities as
-  log(softmax) instead of logits - logsumexp (~1 ulp; matters only at a
-  Gumbel near-tie).
+Precision: activations are float32 whatever the weight dtype, apart from the
+places where the reference (mlx-vlm) rounds to the weight dtype: the model's
+`Numerics` (voicechat/tts/numerics.py), fixed when the model is built, says
+which of them are reproduced ("reference", the default: all, so the codes equal
+the reference's; "float32": none). Every module reads the setting of its own
+model; nothing is process-wide.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +33,7 @@ import mlx.nn as nn
 
 from ..config import TtsConfig
 from .char_encoder import CharAwareSubwordEncoder, CharTable
+from .numerics import DEFAULT_NUMERICS, Numerics, numerics_from
 from .layers import (
     GeluGatedMLP,
     gated_mlp,
@@ -59,28 +48,6 @@ from .rng import SessionRandom
 from ..compiled import linear_piece
 from ..constants import derived
 from ..parallel import apply, split_rows
-
-# The reference forms "1 + w" of the backbone norms in the weight dtype (bf16
-# rounding, §12.2 item 6); HF/NeMo and the reference's other norms use float32.
-# False = float32 here. A parity harness may set it to True (read at call time)
-# to reproduce the reference's rounding exactly.
-BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE = False
-# The reference runs the whole text side (char encoder, flag embeddings,
-# null_emb, text_proj, sigmoid of gate / residual_scale) in the weight dtype.
-TEXT_SIDE_IN_WEIGHT_DTYPE = False
-# The reference computes ‖e_j‖² of the RVQ distances from the stored (bf16)
-# codebooks in that dtype; the -2·r·e_j term is float32 in both.
-RVQ_NORMS_IN_WEIGHT_DTYPE = False
-# The reference takes the MoG component log-probabilities as log(softmax(·)) of
-# the top-p filtered logits; here logits - logsumexp (no underflow to -inf for a
-# kept component of tiny probability). Same values to ~1 ulp, different bits.
-MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX = False
-REFERENCE_NUMERICS_FLAGS = (
-    "BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE",
-    "TEXT_SIDE_IN_WEIGHT_DTYPE",
-    "RVQ_NORMS_IN_WEIGHT_DTYPE",
-    "MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX",
-)
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
 GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
@@ -97,25 +64,6 @@ def top_p_keep(probs: mx.array, top_p: float) -> mx.array:
     order = mx.argsort(probs, axis=-1)[..., ::-1]
     mass_above = mx.cumsum(mx.take_along_axis(probs, order, axis=-1), axis=-1, inclusive=False)
     return mx.take_along_axis(mass_above < top_p, mx.argsort(order, axis=-1), axis=-1)
-
-
-@contextmanager
-def reference_numerics(enabled: bool = True):
-    """Set every flag of REFERENCE_NUMERICS_FLAGS to `enabled` while active, then restore them.
-
-    With all of them on, this project's EAR-TTS codes equal the reference's
-    (mlx-vlm) for the same checkpoint, inputs and seed. Anything cached that was
-    computed under other settings (e.g. a model's speaker warm-up) must be
-    recomputed by the caller.
-    """
-    module = globals()
-    saved = {name: module[name] for name in REFERENCE_NUMERICS_FLAGS}
-    try:
-        for name in REFERENCE_NUMERICS_FLAGS:
-            module[name] = bool(enabled)
-        yield
-    finally:
-        module.update(saved)
 
 
 def mog_pass_schedule(num_quantizers: int, num_iterations: int, exponent: float) -> list[int]:
@@ -330,17 +278,19 @@ class EarTtsHistory:
 
 
 class BackboneRMSNorm(nn.Module):
-    """Backbone norm: "1 + w", in float32 unless BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE."""
+    """Backbone norm: "1 + w", formed in float32, or in the weight dtype with
+    `one_plus_in_weight_dtype` (the reference's rounding, §12.2 item 6)."""
 
-    def __init__(self, dims: int, eps: float):
+    def __init__(self, dims: int, eps: float, one_plus_in_weight_dtype: bool = False):
         super().__init__()
         self.weight = mx.zeros((dims,))
         self.eps = eps
+        self.one_plus_in_weight_dtype = bool(one_plus_in_weight_dtype)
 
     def scale(self) -> mx.array:
-        """The float32 1 + w, made once per weight and BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE."""
-        flag = BACKBONE_NORM_ONE_PLUS_W_IN_WEIGHT_DTYPE  # read at call time (reference_numerics)
-        return derived(self, f"scale_{flag}", (self.weight,), lambda w: one_plus_scale(w, flag))
+        """The float32 1 + w, made once per weight."""
+        flag = self.one_plus_in_weight_dtype
+        return derived(self, "scale", (self.weight,), lambda w: one_plus_scale(w, flag))
 
     def __call__(self, x: mx.array) -> mx.array:
         return one_plus_rms_norm(x, self.weight, self.eps, scale=self.scale())
@@ -417,7 +367,7 @@ def _post_attention_core(eps, x, attn, scales, mlp):
 
 
 class BackboneAttention(nn.Module):
-    def __init__(self, cfg: TtsConfig, layer_index: int):
+    def __init__(self, cfg: TtsConfig, layer_index: int, numerics: Numerics):
         super().__init__()
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if h % kv:
@@ -426,8 +376,9 @@ class BackboneAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
-        self.q_norm = BackboneRMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = BackboneRMSNorm(d, cfg.rms_norm_eps)
+        in_weight_dtype = numerics.backbone_norm_one_plus_w_in_weight_dtype
+        self.q_norm = BackboneRMSNorm(d, cfg.rms_norm_eps, in_weight_dtype)
+        self.k_norm = BackboneRMSNorm(d, cfg.rms_norm_eps, in_weight_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.layer_index = layer_index
         is_global = cfg.is_global_layer(layer_index)
@@ -455,15 +406,15 @@ class BackboneAttention(nn.Module):
 
 
 class BackboneLayer(nn.Module):
-    def __init__(self, cfg: TtsConfig, layer_index: int):
+    def __init__(self, cfg: TtsConfig, layer_index: int, numerics: Numerics):
         super().__init__()
-        eps = cfg.rms_norm_eps
-        self.self_attn = BackboneAttention(cfg, layer_index)
+        eps, w = cfg.rms_norm_eps, numerics.backbone_norm_one_plus_w_in_weight_dtype
+        self.self_attn = BackboneAttention(cfg, layer_index, numerics)
         self.mlp = GeluGatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
+        self.post_attention_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
+        self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
+        self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
 
     def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
         attn = self.self_attn(self.input_layernorm(x), state)
@@ -477,10 +428,11 @@ class BackboneLayer(nn.Module):
 class EarTtsBackbone(nn.Module):
     """Gemma-3 text stack without token embedding (§8.1)."""
 
-    def __init__(self, cfg: TtsConfig):
+    def __init__(self, cfg: TtsConfig, numerics: Numerics):
         super().__init__()
-        self.layers = [BackboneLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = BackboneRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = [BackboneLayer(cfg, i, numerics) for i in range(cfg.num_hidden_layers)]
+        self.norm = BackboneRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                    numerics.backbone_norm_one_plus_w_in_weight_dtype)
 
     def __call__(self, x: mx.array, state: EarTtsState | None = None) -> mx.array:
         """x (2, n, hidden) -> (2, n, hidden). Without a state: positions 0..n-1 from scratch
@@ -559,9 +511,12 @@ class MogHead(nn.Module):
         return linear_piece("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
                             [n.scale() for n in norms])
 
-    def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float) -> mx.array:
+    def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float,
+                        log_of_softmax: bool = False) -> mx.array:
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
-        (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`."""
+        (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`. `log_of_softmax`: the
+        component log-probabilities as log(softmax(·)) (the reference's rounding) instead of
+        logits - logsumexp."""
         u = rng.uniform((1, 1, self.num_predictions))
         eps = rng.normal((1, 1, self.low_mat.shape[1]))[0]
         mus = self.proj_mus
@@ -569,7 +524,7 @@ class MogHead(nn.Module):
         mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
         mus_arrays = (mus.weight, mus.scales, mus.biases) if quantized else (mus.weight,)
         static = (float(top_p), float(noise_scale), self.min_log_std, self.num_predictions, self.low_rank,
-                  MOG_LOG_PROBS_AS_LOG_OF_SOFTMAX, mus_quant)  # the flag is read at call time (reference_numerics)
+                  bool(log_of_softmax), mus_quant)
         return linear_piece("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
                             x, u, eps, mus_arrays, self.low_mat)
 
@@ -580,9 +535,11 @@ class MogHead(nn.Module):
 class EarTts(nn.Module):
     """`tts_model.tts_model`: parameter names as architecture.md §2.3 (relative to that prefix)."""
 
-    def __init__(self, tts_cfg: TtsConfig, char_table: CharTable | None = None):
+    def __init__(self, tts_cfg: TtsConfig, char_table: CharTable | None = None, *,
+                 numerics: Numerics | str = DEFAULT_NUMERICS):
         super().__init__()
         cfg = tts_cfg
+        numerics = numerics_from(numerics)
         if cfg.character_encoder.hidden_size != cfg.hidden_size:
             raise ValueError(
                 "tts_config.character_encoder.hidden_size must equal tts_config.hidden_size "
@@ -590,7 +547,9 @@ class EarTts(nn.Module):
             )
         self.cfg = cfg
         hidden, latent, q, c = cfg.hidden_size, cfg.latent_size, cfg.num_quantizers, cfg.codebook_size
-        self.backbone = EarTtsBackbone(cfg)
+        # Fixed for the module's life: its norms, caches and compiled pieces are built for it.
+        self._numerics = numerics
+        self.backbone = EarTtsBackbone(cfg, numerics)
         self.bos_emb = mx.random.normal((hidden,))
         self.null_emb = mx.random.normal((hidden,))
         self.embed_code = nn.Linear(latent, hidden, bias=False)
@@ -607,6 +566,11 @@ class EarTts(nn.Module):
             self.set_char_table(char_table)
 
     # -- configuration
+
+    @property
+    def numerics(self) -> Numerics:
+        """Where this model rounds as the reference does (voicechat/tts/numerics.py)."""
+        return self._numerics
 
     @property
     def num_quantizers(self) -> int:
@@ -706,7 +670,7 @@ class EarTts(nn.Module):
     def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
         """Audio side (n, hidden) and conditional text (n, hidden) -> fused backbone input
         (2, n, hidden) for the guidance pair [conditional text, null_emb]."""
-        in_weight_dtype = TEXT_SIDE_IN_WEIGHT_DTYPE
+        in_weight_dtype = self.numerics.text_side_in_weight_dtype
         null = self.null_emb if in_weight_dtype else self.null_emb.astype(mx.float32)
         text = mx.stack([cond, mx.broadcast_to(null, cond.shape)])  # dtypes promote, as in the reference
         return self.gated_fusion_audio_text(audio[None], text, self.num_quantizers,
@@ -722,7 +686,7 @@ class EarTts(nn.Module):
         audio = mx.concatenate([latent[0, : f - 1], code_emb[f - 1 :] + self.bos_emb.astype(mx.float32)], axis=0)
         mask = [False] * (f - 2) + [True, True]
         text = self.embed_subword.embed_host([pad_id] * f, mask, self._table(),
-                                             in_weight_dtype=TEXT_SIDE_IN_WEIGHT_DTYPE)
+                                             in_weight_dtype=self.numerics.text_side_in_weight_dtype)
         return self._fuse(audio, text)
 
     def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes) -> mx.array:
@@ -733,7 +697,7 @@ class EarTts(nn.Module):
         is_eos = (token if isinstance(token, mx.array) else mx.array(token)) == eos_id
         previous = mx.where(is_eos, silence[None], previous_codes)  # device-side EOS rule, no sync
         audio = self.embed_codes(previous)  # (1, hidden)
-        in_weight_dtype = TEXT_SIDE_IN_WEIGHT_DTYPE
+        in_weight_dtype = self.numerics.text_side_in_weight_dtype
         if isinstance(token, int):
             text = self.embed_subword.embed_host([token], [True], self._table(), in_weight_dtype=in_weight_dtype)
         else:
@@ -777,7 +741,8 @@ class EarTts(nn.Module):
             feats = split_rows(self.mog_head.trunk, mx.concatenate([e + cond, e + uncond], axis=0))
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)
-            residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale)
+            residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale,
+                                                     log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax)
             codes, _ = self.quantize_residual(residual, len(assigned), count)
             assigned.extend(codes)
         return mx.concatenate(assigned)
@@ -798,11 +763,11 @@ class EarTts(nn.Module):
 
     def rvq_books(self) -> tuple[mx.array, mx.array]:
         """(float32 codebooks transposed, (Q, latent, C) contiguous; squared norms ‖e_j‖² (Q, C)
-        float32), made once per weights and RVQ_NORMS_IN_WEIGHT_DTYPE setting: they are constants,
-        and a TTS step would otherwise convert and square every codebook again (31 x C x latent
+        float32, from the stored dtype with numerics.rvq_norms_in_weight_dtype), made once per weights:
+        they are constants, and a TTS step would otherwise convert and square every codebook again (31 x C x latent
         per step). Transposed because MLX's CPU BLAS runs residual @ E.T twice as fast on a
         contiguous E.T, with the same result (voicechat.parallel.linear)."""
-        in_weight_dtype = RVQ_NORMS_IN_WEIGHT_DTYPE
+        in_weight_dtype = self.numerics.rvq_norms_in_weight_dtype
 
         def make(stored):
             books = stored.astype(mx.float32)
@@ -812,7 +777,7 @@ class EarTts(nn.Module):
             mx.eval(books_t, norms)
             return books_t, norms
 
-        return derived(self, f"rvq_books_{in_weight_dtype}", (self.rvq_embs,), make)
+        return derived(self, "rvq_books", (self.rvq_embs,), make)
 
     # -- cached path
 
