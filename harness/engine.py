@@ -563,7 +563,9 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
     numerics="reference" (a second load of the checkpoint). On the default numerics a code
     mismatch stays a failure."""
     code_metrics = ("codes per frame", "decoded codes per frame", "first audio frame: codes")
-    failing = [r for r in rows if r.metric in code_metrics and r.status == FAIL and r.family == E2E]
+    logit_metrics = ("text logits per frame (max abs)", "function logits per frame (max abs)")
+    failing = [r for r in rows if r.status == FAIL and ((r.family == E2E and r.metric in code_metrics)
+                                                        or (r.family == NEMOTRON and r.metric in logit_metrics))]
     if not failing or getattr(a_backend, "numerics", None) != "float32" or not getattr(a_backend, "checkpoint", None):
         return
     rerun = copy.copy(a_backend)
@@ -572,13 +574,18 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
     cache: dict[str, object] = {}
     for r in failing:
         path = "offline" if r.comparison.startswith("offline:") else "streamed"
+        if path not in cache:
+            cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed, with_logits=True)
+                           if path == "offline" else
+                           rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples,
+                                        with_logits=True))
+        if r.metric in logit_metrics:
+            _float32_logits(r, cache[path], b.offline if path == "offline" else b.stream)
+            continue
         ids_ok = all(x.status != FAIL for x in rows if x.comparison == r.comparison
                      and x.metric in ("text ids per frame", "function ids per frame"))
         if not ids_ok:
             continue
-        if path not in cache:
-            cache[path] = (rerun.offline(audio, system_prompt=system_prompt, seed=seed) if path == "offline" else
-                           rerun.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples))
         decoded = r.metric == "decoded codes per frame"
         theirs_run = b.offline if path == "offline" else b.stream
         ours = np.asarray(cache[path].decoded_codes if decoded else cache[path].codes)
@@ -605,6 +612,26 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
             k = _first_code_mismatch(ours[skip:], theirs[skip:])
             r.note = "; ".join(p for p in (r.note, "with the reference's rounding the codes still differ at frame "
                                                     f"{None if k is None else k + skip}") if p)
+
+
+def _float32_logits(row: FamilyResult, ours, theirs) -> None:
+    """A logits row of a numerics="float32" run: documented if our numerics="reference" logits are
+    within the bound on every compared frame."""
+    channel = row.metric.split()[0]
+    have = all(x is not None for x in (ours.text_logits, theirs.text_logits, ours.function_logits,
+                                       theirs.function_logits))
+    if not have:
+        return
+    frames = logits_per_frame(ours.text_logits, theirs.text_logits, ours.function_logits, theirs.function_logits,
+                              (ours.text_ids, ours.function_ids), (theirs.text_ids, theirs.function_ids))
+    check = compare_logits_per_frame(NEMOTRON, row.comparison, channel, frames)
+    if check.status == PASS:
+        _documented(row, "float32_numerics", f"with numerics='reference' our {channel} logits are within "
+                                             f"cross_logits_abs of theirs on all {check.frames_compared} frames "
+                                             f"(max abs {check.observed:.3g})")
+    else:
+        row.note = "; ".join(p for p in (row.note, f"with numerics='reference' still {check.observed:.3g} at frame "
+                                                   f"{check.first_failing_frame}") if p)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -308,6 +308,10 @@ def test_cross_documented_differences(model, model_f32, question_wav):
     assert {"frame0_codes_no_prompt", "codec_tail", "float32_numerics"} <= applied
     c_off = "offline: voicechat vs reference-like"
     assert report.row(E2E, "codes per frame", c_off).difference_id == "float32_numerics"
+    for c in (c_off, "streamed: voicechat vs reference-like"):  # the float32 decay rate moves the logits
+        for ch in ("text", "function"):
+            row = report.row(NEMOTRON, f"{ch} logits per frame (max abs)", c)
+            assert row.difference_id == "float32_numerics" and row.observed > 1e-5, row
     c_off = "offline: voicechat vs reference-like"
     assert report.row(E2E, "first audio frame: codes", c_off).difference_id == "frame0_codes_no_prompt"
     assert report.row(E2E, "our decode of their codes vs their audio", c_off).status == PASS

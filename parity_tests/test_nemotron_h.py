@@ -389,6 +389,40 @@ def test_decay_rate_rounded_in_stored_dtype(cfg):
     assert d_exact > 10 * 1e-5
 
 
+def test_decay_rate_in_float32_without_reference_rounding(cfg):
+    """`reference_rounding=False` (numerics="float32"): A = -exp(A_log) in float32, so the steps follow
+    the float64 spec with the exact A (same bounds as the test above, roles swapped)."""
+    mamba_only = dataclasses.replace(cfg, hybrid_override_pattern="MM")
+    model = build(mamba_only, reference_rounding=False)
+    model.set_dtype(mx.bfloat16)
+    params = {k: np.array(v.astype(mx.float32), dtype=np.float64) for k, v in tree_flatten(model.parameters())}
+    rounded = {k: (np.log(_bf16_round(np.exp(v.astype(np.float32)))) if k.endswith("A_log") else v)
+               for k, v in params.items()}
+    x = inputs(mamba_only, 64)
+    steps = np.array(run_steps(model, x)[0][0])
+    x64 = np.array(x[0], dtype=np.float64)
+    assert np.abs(steps - numpy_reference(mamba_only, params, x64)).max() <= 1e-5
+    assert np.abs(steps - numpy_reference(mamba_only, rounded, x64)).max() > 10 * 1e-5
+
+
+@pytest.mark.parametrize("reference_rounding", [True, False])
+def test_prefill(cfg, reference_rounding):
+    """`prefill` (system-prompt positions): one single step per position as the reference takes them,
+    bit for bit, or (float32 numerics) one sequence pass, bit for bit; the state continues alike."""
+    model = build(cfg, reference_rounding=reference_rounding)
+    x = inputs(cfg, 9)
+    state = model.make_state()
+    out = model.prefill(x, state)
+    if reference_rounding:
+        want, want_state = run_steps(model, x)
+    else:
+        want_state = model.make_state()
+        want = model.sequence(x, want_state)
+    assert max_abs(out, want) == 0 and state_diff(state, want_state) == 0 and state.offset == 9
+    other = model.sequence(x) if reference_rounding else run_steps(model, x)[0]
+    assert max_abs(out, other) > 0  # the two orders do differ (so the test tells them apart)
+
+
 def test_other_layer_orders(cfg):
     """Step vs sequence on another pattern (attention first, consecutive Mamba layers)."""
     other = dataclasses.replace(cfg, hybrid_override_pattern="*MM-*")
@@ -425,3 +459,19 @@ def test_bad_input_raises(cfg):
         model(mx.zeros((1, 1, hid)), other.make_state())
     with pytest.raises(ValueError, match="ssd_chunk_size"):
         NemotronH(cfg, ssd_chunk_size=0)
+
+
+def test_model_numerics_choose_the_language_rounding(tiny_ckpt):
+    """`voicechat.load(..., numerics=...)` sets the language path's rounding per model: two models
+    with different settings coexist, and their first-step hidden states differ (A's bf16 rounding)."""
+    import voicechat
+
+    ref, f32 = voicechat.load(tiny_ckpt), voicechat.load(tiny_ckpt, numerics="float32")
+    for model, want in ((ref, True), (f32, False)):
+        llm = model.stt_model.llm
+        assert llm.reference_rounding is want
+        assert all(b.mixer.reference_rounding is want for b in llm.layers if b.layer_type == "mamba")
+    x = inputs(ref.config.text_config, 6)
+    a = run_steps(ref.stt_model.llm, x)[0]
+    b = run_steps(f32.stt_model.llm, x)[0]
+    assert max_abs(a, b) > 0

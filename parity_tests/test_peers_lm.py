@@ -105,3 +105,50 @@ def test_perception_feeding_the_logits(runs, path):
         row = compare_frames(MEL, path, metric, a, b, tol)
         print(f"{path} {metric}: max abs {row.observed} over {row.frames_compared} frames")
         assert row.status == PASS and row.frames_compared >= 100
+
+
+@pytest.mark.parametrize("prompt", [None, "You are a helpful assistant. Answer briefly."])
+def test_prompt_positions_round_as_the_reference(tiny_ckpt_4bit, long_question_wav, prompt):
+    """With a system prompt the reference steps the LLM one prompt token at a time on inputs summed as
+    E(PAD) + E(token) + w·E(PAD); this project does the same (`NemotronH.prefill`,
+    `VoiceChatModel.prompt_input`), so the streamed logits are identical (the same operations in the
+    same order on the same inputs; one sequence pass or another summation order moves them by ~1e-6
+    here). long_question.wav starts in silence, so the reference's streamed first mel frame (its
+    reflection reads one sample short) equals ours and the perception is identical too."""
+    clip = long_question_wav[: 12 * 1280]
+    runs = {}
+    for name in ("voicechat", "mlx-vlm"):
+        b = get_backend(name)
+        b.load(str(tiny_ckpt_4bit))
+        try:
+            runs[name] = b.stream(clip, system_prompt=prompt, with_logits=True)
+        finally:
+            b.close()
+    ours, ref = runs["voicechat"], runs["mlx-vlm"]
+    assert len(ours.text_ids) == len(ref.text_ids) == 12
+    assert np.array_equal(ours.text_logits, ref.text_logits)
+    assert np.array_equal(ours.function_logits, ref.function_logits)
+
+
+@pytest.mark.parametrize("lookahead", [256, 400, 1280])
+def test_streaming_mel_equals_the_references(tiny_ckpt_4bit, question_wav, lookahead):
+    """`StreamingLogMel(reference_edge=True)` against mlx-audio's streaming frontend on the same
+    1280-sample pushes: identical frames (same power |X|², same edge construction)."""
+    import mlx.core as mx
+    from mlx_audio.stt.models.nemotron_asr.audio import StreamingLogMelSpectrogram
+
+    import voicechat
+    from voicechat.audio.mel import StreamingLogMel
+
+    cfg = voicechat.load(str(tiny_ckpt_4bit)).config.audio_config.preprocessor
+    b = get_backend("mlx-vlm")
+    b.load(str(tiny_ckpt_4bit))
+    try:
+        ref = StreamingLogMelSpectrogram(b.model.config.audio_config.preprocessor, lookahead_samples=lookahead)
+        ours = StreamingLogMel(cfg, lookahead_samples=lookahead, reference_edge=True)
+        pushes = [question_wav[i:i + 1280] for i in range(0, 8 * 1280, 1280)]
+        theirs = np.concatenate([np.array(ref.push(mx.array(p))[0]) for p in pushes])
+        mine = np.concatenate([np.array(ours.push(p)) for p in pushes])
+    finally:
+        b.close()
+    assert theirs.shape == mine.shape and np.array_equal(theirs, mine)

@@ -31,13 +31,13 @@ SPEAKER_PROMPT_FRAMES = 37
 
 
 class SttModel(nn.Module):
-    def __init__(self, cfg: VoiceChatConfig):
+    def __init__(self, cfg: VoiceChatConfig, numerics: Numerics | str = DEFAULT_NUMERICS):
         super().__init__()
         t = cfg.text_config
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
         self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         self.function_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
-        self.llm = NemotronH(t)
+        self.llm = NemotronH(t, reference_rounding=numerics_from(numerics).language_rounding_as_reference)
         self.perception = Perception(cfg.audio_config)
         self.rnnt_decoder = RnntDecoder(cfg.audio_config)
         self.rnnt_joint = RnntJoint(cfg.audio_config)
@@ -66,7 +66,7 @@ class VoiceChatModel(nn.Module):
         super().__init__()
         numerics = numerics_from(numerics)
         self.config = cfg
-        self.stt_model = SttModel(cfg)
+        self.stt_model = SttModel(cfg, numerics)
         self.tts_model = SpeechDecoder(cfg, numerics)
         self.tokenizer = None  # set by the loader (voicechat.tokenizer.TextTokenizer)
         self.source = None  # where it was loaded from (path or repo id)
@@ -90,6 +90,12 @@ class VoiceChatModel(nn.Module):
         """LLM input E(prev_text) + audio_emb + w_f * E(prev_function) (architecture.md §7.5)."""
         w = self.config.function_channel_weight
         return self.embed(prev_text) + audio_emb.astype(mx.float32) + w * self.embed(prev_function)
+
+    def prompt_input(self, ids: mx.array) -> mx.array:
+        """LLM inputs (P, H) of system-prompt positions: the prompt token's embedding in the audio
+        slot, PAD in both id slots, summed in `fused_input`'s order as the reference does."""
+        pad = mx.full(ids.shape, self.config.pad_token_id, dtype=mx.int32)
+        return self.fused_input(pad, self.embed(ids), pad)
 
     # -- EAR-TTS speaker warm-up (depends on the weights only: computed once per model)
 

@@ -121,10 +121,11 @@ class Timeline:
     def start(self, system_prompt: str | None) -> int:
         """System-prompt prefill; returns the number of prompt positions.
 
-        The prompt's LLM inputs do not depend on its outputs (forced PAD), so the
-        LLM runs them as one sequence pass (the reference steps one token at a
-        time; the two agree to float rounding). The TTS still takes one
-        (autoregressive) step per prompt position after position 0.
+        The prompt's LLM inputs do not depend on its outputs (forced PAD): the LLM
+        steps one token at a time as the reference does, or, with the float32
+        numerics, runs them as one sequence pass (the two agree to float rounding;
+        `NemotronH.prefill`). The TTS takes one (autoregressive) step per prompt
+        position after position 0.
         """
         ids = self.prompt_ids(system_prompt)
         if not ids:
@@ -132,12 +133,9 @@ class Timeline:
         st = self.state
         m = self.model
         pad = self.cfg.pad_token_id
-        emb = m.embed(mx.array(ids, dtype=mx.int32))  # (P, H)
-        w = self.cfg.function_channel_weight
-        pad_emb = m.embed(mx.array([pad], dtype=mx.int32))
-        x = (emb + (1.0 + w) * pad_emb)[None]  # E(prompt) + E(PAD) + w * E(PAD)
+        x = m.prompt_input(mx.array(ids, dtype=mx.int32))[None]  # E(PAD) + E(prompt) + w * E(PAD)
         if st.llm is not None:
-            m.stt_model.llm(x, st.llm)
+            m.stt_model.llm.prefill(x, st.llm)
         else:
             st.llm_inputs.append(x)
         pad_id = mx.array(pad, dtype=mx.int32)

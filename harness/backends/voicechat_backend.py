@@ -187,7 +187,7 @@ class VoiceChatBackend(Backend):
 
     def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
         """Text / function logits (T, V) of the audio positions, recomputed over the inputs the given
-        ids imply as the offline path computes them: the prompt as one sequence pass (as
+        ids imply as the offline path computes them: the prompt by `NemotronH.prefill` (as
         `Timeline.start`), then one cached step per audio position (as `Timeline.language_step`)."""
         model = self._require()
         llm = model.stt_model.llm
@@ -195,7 +195,7 @@ class VoiceChatBackend(Backend):
         state = llm.make_state()
         p = len(prompt)
         if p:
-            llm(x[:, :p], state)
+            llm.prefill(x[:, :p], state)
         text, function = [], []
         for t in range(p, x.shape[1]):
             tl, fl = model.heads(llm(x[:, t:t + 1], state)[:, -1])
@@ -215,8 +215,7 @@ class VoiceChatBackend(Backend):
         w = cfg.function_channel_weight
         rows = []
         if prompt:
-            emb = model.embed(mx.array(prompt, dtype=mx.int32))
-            rows.append(emb + (1.0 + w) * model.embed(mx.array([pad], dtype=mx.int32)))
+            rows.append(model.prompt_input(mx.array(prompt, dtype=mx.int32)))
         emb = model.stt_model.perception.project(mx.array(np.asarray(encoder_frames, dtype=np.float32)))
         prev_t = mx.array([pad] + [int(i) for i in text_ids[:-1]], dtype=mx.int32)
         prev_f = mx.array([pad] + [int(i) for i in function_ids[:-1]], dtype=mx.int32)
@@ -371,12 +370,11 @@ class VoiceChatBackend(Backend):
         # Nemotron-H: cached single steps, ids picked as the runtime does.
         state = llm.make_state()
         emb = model.stt_model.perception.project(mx.array(enc))
-        pad_emb = model.embed(mx.array([pad], dtype=mx.int32))
         prev_t = prev_f = pad
         inputs, c_text, c_func, tokens = [], [], [], []
         for t in range(p + enc.shape[0]):
             if t < p:
-                x = model.embed(mx.array([prompt[t]], dtype=mx.int32)) + (1.0 + w) * pad_emb
+                x = model.prompt_input(mx.array([prompt[t]], dtype=mx.int32))
             else:
                 x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
                                       mx.array([prev_f], dtype=mx.int32))

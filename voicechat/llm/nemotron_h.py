@@ -15,6 +15,13 @@ Two evaluation paths share the same weights and the same `NemotronHState`:
 
 Activations are float32 whatever the weight dtype (bf16 or quantized weights
 promote to float32 in MLX); the SSM state is always float32.
+
+`reference_rounding` (default True; `voicechat.load(..., numerics="float32")`
+turns it off) rounds where the reference (mlx-vlm) does: the decay rate
+A = -exp(A_log) is evaluated in A_log's stored dtype (bf16 in the published
+layout) before it is widened, and a system prompt is prefilled one position at
+a time as the reference steps it. Off: A in float32 and the prompt in one
+sequence pass (same mathematics, another float32 summation order).
 """
 
 from __future__ import annotations
@@ -290,8 +297,9 @@ def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, nor
 class Mamba2Mixer(nn.Module):
     """Mamba-2 selective SSM mixer (§7.2)."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, *, reference_rounding: bool = True):
         super().__init__()
+        self.reference_rounding = bool(reference_rounding)
         self.num_heads = cfg.mamba_num_heads
         self.head_dim = cfg.mamba_head_dim
         self.state_size = cfg.ssm_state_size
@@ -349,10 +357,14 @@ class Mamba2Mixer(nn.Module):
         return pad
 
     def _dt_bias_and_a(self) -> tuple[mx.array, mx.array]:
-        """dt_bias in float32 and a = -exp(A_log) (heads,), made once per weights."""
-        # exp in A_log's stored dtype, as the reference computes it (bf16 in the published layout)
-        return derived(self, "dt_bias_a", (self.dt_bias, self.A_log),
-                       lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)))
+        """dt_bias in float32 and a = -exp(A_log) (heads,), made once per weights: exp in A_log's
+        stored dtype as the reference computes it (bf16 in the published layout), or in float32
+        without `reference_rounding`."""
+        if self.reference_rounding:
+            return derived(self, "dt_bias_a_reference", (self.dt_bias, self.A_log),
+                           lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)))
+        return derived(self, "dt_bias_a_float32", (self.dt_bias, self.A_log),
+                       lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
 
     def _norm_weight(self) -> mx.array:
         return derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
@@ -481,12 +493,12 @@ class SquaredReluMLP(nn.Module):
 class NemotronHBlock(nn.Module):
     """x + mixer(RMSNorm(x))."""
 
-    def __init__(self, cfg: TextConfig, layer_type: str):
+    def __init__(self, cfg: TextConfig, layer_type: str, *, reference_rounding: bool = True):
         super().__init__()
         self.layer_type = layer_type
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         if layer_type == "mamba":
-            self.mixer = Mamba2Mixer(cfg)
+            self.mixer = Mamba2Mixer(cfg, reference_rounding=reference_rounding)
         elif layer_type == "attention":
             self.mixer = Attention(cfg)
         elif layer_type == "mlp":
@@ -521,7 +533,8 @@ class NemotronH(nn.Module):
     from a fresh state that is then discarded.
     """
 
-    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE):
+    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE,
+                 reference_rounding: bool = True):
         super().__init__()
         if not isinstance(text_cfg, TextConfig):
             raise TypeError(f"NemotronH expects a TextConfig, got {type(text_cfg).__name__}")
@@ -530,7 +543,9 @@ class NemotronH(nn.Module):
         self.config = text_cfg
         self.hidden_size = text_cfg.hidden_size
         self.ssd_chunk_size = ssd_chunk_size
-        self.layers = [NemotronHBlock(text_cfg, t) for t in text_cfg.layer_types]
+        self.reference_rounding = bool(reference_rounding)
+        self.layers = [NemotronHBlock(text_cfg, t, reference_rounding=self.reference_rounding)
+                       for t in text_cfg.layer_types]
         self.norm_f = RMSNorm(text_cfg.hidden_size, text_cfg.layer_norm_epsilon)
 
     @property
@@ -562,6 +577,15 @@ class NemotronH(nn.Module):
     def sequence(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
         """L >= 1 positions through the chunked sequence pass, continuing from `state` if given."""
         return self._run(x, state, single_step=False)
+
+    def prefill(self, x: mx.array, state: NemotronHState) -> mx.array:
+        """Positions whose inputs are known in advance (a system prompt) into `state`: one single
+        step per position as the reference takes them (`reference_rounding`), else one sequence
+        pass. -> final hidden states (1, L, hidden)."""
+        if not self.reference_rounding:
+            return self.sequence(x, state)
+        x = self._check_input(x)
+        return mx.concatenate([self.step(x[:, t:t + 1], state) for t in range(x.shape[1])], axis=1)
 
     def forward_uncached(self, x_all: mx.array) -> mx.array:
         """Recompute the whole history (1, T, hidden) from a fresh state ("no cache" mode)."""

@@ -39,7 +39,8 @@ def add_server_parsers(sub) -> None:
                    help="time the stages of every Kth frame for /metrics (default 10; each timed frame pays one "
                         "synchronisation per stage; 1 = every frame, 0 = never)")
     s.add_argument("--reference-numerics", action="store_true",
-                   help="compute EAR-TTS with the reference's (mlx-vlm's) roundings, for code-exact comparisons")
+                   help="compute EAR-TTS with the reference's (mlx-vlm's) roundings, for code-exact comparisons "
+                        "(voicechat.load's default numerics='reference' since the per-model setting; kept explicit)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
