@@ -128,3 +128,27 @@ def test_prompt_positions_round_as_the_reference(tiny_ckpt_4bit, long_question_w
     assert len(ours.text_ids) == len(ref.text_ids) == 12
     assert np.array_equal(ours.text_logits, ref.text_logits)
     assert np.array_equal(ours.function_logits, ref.function_logits)
+
+
+@pytest.mark.parametrize("lookahead", [256, 400, 1280])
+def test_streaming_mel_equals_the_references(tiny_ckpt_4bit, question_wav, lookahead):
+    """`StreamingLogMel(reference_edge=True)` against mlx-audio's streaming frontend on the same
+    1280-sample pushes: identical frames (same power |X|², same edge construction)."""
+    import mlx.core as mx
+    from mlx_audio.stt.models.nemotron_asr.audio import StreamingLogMelSpectrogram
+
+    import voicechat
+    from voicechat.audio.mel import StreamingLogMel
+
+    cfg = voicechat.load(str(tiny_ckpt_4bit)).config.audio_config.preprocessor
+    b = get_backend("mlx-vlm")
+    b.load(str(tiny_ckpt_4bit))
+    try:
+        ref = StreamingLogMelSpectrogram(b.model.config.audio_config.preprocessor, lookahead_samples=lookahead)
+        ours = StreamingLogMel(cfg, lookahead_samples=lookahead, reference_edge=True)
+        pushes = [question_wav[i:i + 1280] for i in range(0, 8 * 1280, 1280)]
+        theirs = np.concatenate([np.array(ref.push(mx.array(p))[0]) for p in pushes])
+        mine = np.concatenate([np.array(ours.push(p)) for p in pushes])
+    finally:
+        b.close()
+    assert theirs.shape == mine.shape and np.array_equal(theirs, mine)

@@ -262,8 +262,10 @@ def test_session_profile(tiny_model, question_wav):
 def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
     """The observation point (`on_frame`) hands out the frame's own intermediates: they agree with the
     session's ids / transcript / events and with what the offline path computes from the same audio
-    (streamed and offline log-mel / encoder frames run the same code on the same samples: measured
-    bit-identical; bounds 1e-5 / 1e-4 as the harness's mel / encoder rows, far below a frame shift)."""
+    (streamed and offline log-mel / encoder frames run the same code on the same samples; the first
+    streamed mel frame is built as the reference's streaming frontend builds it, ~1e-6 from the
+    offline one: bounds 1e-4 (mel_abs) for it, 1e-5 for the others and 1e-4 for the encoder, far
+    below what a frame shift moves)."""
     records = []
     s, events = run_stream(tiny_model, question_wav, on_frame=records.append)
     audio = [e for e in events if e.kind == "audio"]
@@ -283,7 +285,7 @@ def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
     off_mel = off_mel if off_mel.shape[-1] == mel.shape[-1] else off_mel.T
     n = min(len(mel), len(off_mel))
     assert n >= 8 * (len(records) - 1)
-    assert np.abs(mel[:n] - off_mel[:n]).max() <= 1e-5
+    assert np.abs(mel[:1] - off_mel[:1]).max() <= 1e-4 and np.abs(mel[1:n] - off_mel[1:n]).max() <= 1e-5
     enc = np.stack([r.encoder for r in records])
     assert np.abs(enc - np.asarray(off.encoder_frames)[:len(enc)]).max() <= 1e-4
     assert s.text_ids == list(off.text_tokens[:len(s.text_ids)])

@@ -48,3 +48,21 @@ def test_writer_memory_does_not_scale_with_the_checkpoint(tmp_path, dtype):
     mlx_peak = mx.get_peak_memory()
     assert numpy_peak < 3 * largest, (numpy_peak, largest, total)
     assert mlx_peak < 3 * largest, (mlx_peak, largest, total)
+
+
+def test_small16_has_the_published_layout():
+    """`small16` (real depth, widths / ~16): every language-path module quantizable with group
+    size 64, so its 4/8-bit checkpoints quantize the same 123 modules as the published ones."""
+    from voicechat.synthetic import language_path_modules
+
+    cfg = preset_config("small16")
+    model = VoiceChatModel(cfg)
+    modules = dict(model.named_modules())
+    paths = language_path_modules(model)
+    assert len(paths) == 123
+    assert all(modules[p].weight.shape[-1] % 64 == 0 for p in paths)
+    full = preset_config("full")
+    assert cfg.text_config.num_hidden_layers == full.text_config.num_hidden_layers
+    assert cfg.audio_config.encoder.n_layers == full.audio_config.encoder.n_layers
+    assert cfg.tts_config.num_hidden_layers == full.tts_config.num_hidden_layers
+    assert cfg.codec_config.waveform_to_token_ratio == full.codec_config.waveform_to_token_ratio

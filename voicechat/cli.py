@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a synthetic random-weight checkpoint in the published layout")
     s.add_argument("out", help="output folder")
-    s.add_argument("--preset", choices=["tiny", "small", "full"], default="tiny")
+    s.add_argument("--preset", choices=["tiny", "small", "small16", "full"], default="tiny")
     s.add_argument("--bits", type=int, choices=[4, 8], default=None,
                    help="quantize the language path as the published 4-/8-bit checkpoints do")
     s.add_argument("--seed", type=int, default=0)

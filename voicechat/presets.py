@@ -9,6 +9,11 @@
   layers) and the real frame geometry (1280 samples in, 128 mel bins, 8x
   subsampling, 70-frame attention window, 31 RVQ codes of 1024, 1764 samples
   out), widths divided by about 8.
+* ``small16`` - the real depth and frame geometry at widths divided by about 16,
+  rounded to multiples of 64 where the quantized language path needs it (its
+  Linear inputs), so the 4/8-bit checkpoints have the published layout: the
+  language path quantized, bf16 elsewhere. Per-operation overhead weighs more
+  here than at `small`.
 * ``full``  - the published shapes (architecture.md §1).
 """
 
@@ -18,7 +23,7 @@ import copy
 
 from .config import VoiceChatConfig
 
-PRESETS = ("tiny", "small", "full")
+PRESETS = ("tiny", "small", "small16", "full")
 
 # Pieces of the inline RNNT vocabulary: specials first (skipped in text), then
 # word-initial and continuation pieces.
@@ -152,6 +157,30 @@ def _small_dict() -> dict:
     return d
 
 
+def _small16_dict() -> dict:
+    d = _full_dict()
+    d["rnnt_blank_id"] = 64
+    d["rnnt_vocabulary"] = rnnt_vocabulary(64)
+    d["text_config"].update(
+        vocab_size=8192, hidden_size=320, intermediate_size=960, num_attention_heads=5,
+        num_key_value_heads=1, head_dim=64, mamba_num_heads=8, mamba_head_dim=80,
+        ssm_state_size=16, n_groups=8,
+    )
+    a = d["audio_config"]
+    a["encoder"].update(d_model=64, n_heads=8, subsampling_conv_channels=16)
+    a["decoder"].update(pred_hidden=40, vocab_size=64)
+    a["joint"].update(joint_hidden=40, encoder_hidden=64, pred_hidden=40, num_classes=64)
+    a["output_dim"] = 320
+    t = d["tts_config"]
+    t.update(hidden_size=72, intermediate_size=288, num_attention_heads=4,
+             num_key_value_heads=4, head_dim=18, latent_size=32)
+    t["character_encoder"].update(hidden_size=72, intermediate_size=288,
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=18)
+    t["mog_head"].update(intermediate_size=288, low_rank=4)
+    d["codec_config"].update(base_channels=24, latent_dim=32)
+    return d
+
+
 def _tiny_dict() -> dict:
     d = _full_dict()
     d["rnnt_blank_id"] = 16
@@ -183,7 +212,7 @@ def _tiny_dict() -> dict:
     return d
 
 
-_BUILDERS = {"tiny": _tiny_dict, "small": _small_dict, "full": _full_dict}
+_BUILDERS = {"tiny": _tiny_dict, "small": _small_dict, "small16": _small16_dict, "full": _full_dict}
 
 
 def preset_dict(name: str) -> dict:

@@ -488,8 +488,10 @@ def parse_synthetic_spec(spec: str) -> tuple[str, int | None, int]:
             seed = int(p[4:])
         else:
             raise ValueError(f"{spec!r}: unknown part {p!r}; expected 4, 8, bf16 or seedN")
-    if preset not in ("tiny", "small", "full"):
-        raise ValueError(f"{spec!r}: unknown preset {preset!r}; expected tiny, small or full")
+    from .presets import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"{spec!r}: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     return preset, bits, seed
 
 

@@ -123,6 +123,8 @@ def _log_mel_frames(
     cfg: PreprocessorConfig,
     window: mx.array,
     fbank: mx.array,
+    shift: int = 0,
+    limit: int | None = None,
 ) -> mx.array:
     """Log-mel frames [first, end) of a signal whose pre-emphasised samples
     y_start .. y_start + len(y) - 1 are in `y` (total samples received so far).
@@ -130,16 +132,24 @@ def _log_mel_frames(
     Frame i covers samples i*hop - n_fft/2 .. i*hop + n_fft/2 - 1 of the
     centred STFT; positions before 0 (and, when `final`, from `total` on) are
     filled by the pad mode: reflect (excluding the edge sample) or zeros.
+
+    `shift` / `limit` (reflect only) reproduce the reference's streamed edge frames: every position
+    reads `shift` samples later, and positions that then reach `limit` or beyond read zeros
+    (`StreamingLogMel(reference_edge=True)`).
     """
     hop, n_fft = cfg.hop_length, cfg.n_fft
     half = n_fft // 2
     n = end - first
-    pos = (first * hop - half) + hop * mx.arange(n, dtype=mx.int32)[:, None] + mx.arange(n_fft, dtype=mx.int32)[None, :]
+    pos = (first * hop - half + shift) + hop * mx.arange(n, dtype=mx.int32)[:, None] \
+        + mx.arange(n_fft, dtype=mx.int32)[None, :]
     if cfg.pad_mode == "reflect":
         src = mx.where(pos < 0, -pos, pos)
         if final:
             src = mx.where(src >= total, 2 * (total - 1) - src, src)
-        frames = y[src - y_start]
+        if limit is not None:
+            frames = mx.where(pos < limit, y[mx.minimum(src, limit - 1) - y_start], 0.0)
+        else:
+            frames = y[src - y_start]
     else:  # constant: zeros outside the signal
         valid = pos >= 0
         if final:
@@ -189,10 +199,19 @@ class StreamingLogMel:
     from hop * (next_frame - lookbehind) on (lookbehind = ceil((n_fft/2 + 1)/hop),
     2 frames at the default geometry) and the last raw sample, which the next
     chunk's pre-emphasis needs.
+
+    `reference_edge=True` builds a push's frames as the reference's streaming
+    frontend (mlx-audio) does near the start: it reflects only the samples up to
+    the end of the push's last frame, so when the reflection needs one more (the
+    first push emitting frame 0 alone: samples 1..n_fft/2 reflected, sample n_fft/2
+    not yet in its window) its reflected half comes out shifted by the shortfall
+    and the frame ends in zeros. With a reflection this moves the log-mel by
+    float rounding only (~1e-6), which the conformer's attention cache carries on.
     """
 
-    def __init__(self, cfg: PreprocessorConfig, lookahead_samples: int = 1280):
+    def __init__(self, cfg: PreprocessorConfig, lookahead_samples: int = 1280, *, reference_edge: bool = False):
         half = cfg.n_fft // 2
+        self.reference_edge = bool(reference_edge)
         if not isinstance(lookahead_samples, int) or lookahead_samples < half:
             raise ValueError(
                 f"lookahead_samples must be an int >= n_fft/2 = {half}, got {lookahead_samples!r}"
@@ -251,7 +270,7 @@ class StreamingLogMel:
             return self._empty()
         out = _log_mel_frames(
             self.buffer, self.buffer_start, self.samples_seen, self.frames_emitted, end, final,
-            self.cfg, self._window, self._fbank,
+            self.cfg, self._window, self._fbank, *self._reference_edge(end, final),
         )
         self.frames_emitted = end
         keep_from = self.cfg.hop_length * max(end - self.lookbehind_frames, 0)
@@ -260,6 +279,19 @@ class StreamingLogMel:
             self.buffer_start = keep_from
         mx.eval(out, self.buffer)  # cut the graph so the retained tail does not pin history
         return out
+
+    def _reference_edge(self, end: int, final: bool) -> tuple[int, int | None]:
+        """(shift, limit) of the reference's construction for frames [frames_emitted, end), or (0, None)."""
+        cfg = self.cfg
+        if not self.reference_edge or final or cfg.pad_mode != "reflect":
+            return 0, None
+        half, hop = cfg.n_fft // 2, cfg.hop_length
+        left = half - self.frames_emitted * hop  # reflected samples the first frame needs
+        if left <= 0:
+            return 0, None
+        available = min((end - 1) * hop - half + cfg.n_fft, self.samples_seen)  # its window's samples
+        short = left - (available - 1)
+        return (short, available) if short > 0 else (0, None)
 
     def push(self, samples) -> mx.array:
         """Append samples; return the newly complete frames (n, n_mels)."""

@@ -20,6 +20,10 @@ model, which of them this project reproduces:
   decay rate -exp(A_log) in A_log's stored dtype and the system prompt stepped one
   position at a time, as the reference does (`NemotronH(reference_rounding=...)`);
   off: A in float32 and the prompt in one sequence pass;
+* `streaming_mel_edge_as_reference` (perception): the session's streamed first log-mel
+  frame built as the reference's streaming frontend builds it (its reflection one
+  sample short; `StreamingLogMel(reference_edge=...)`), float rounding apart from
+  the offline frame;
 * `offline_frame0_zero_codes`: offline `generate` without a system prompt puts
   an all-zero code row at frame 0 (the reference leaves its code buffer's zeros
   there and decodes them, §12.2 item 7) instead of the codec silence codes the
@@ -47,10 +51,11 @@ class Numerics:
     mog_log_probs_as_log_of_softmax: bool
     offline_frame0_zero_codes: bool
     language_rounding_as_reference: bool = True  # Nemotron-H: see voicechat.llm.nemotron_h
+    streaming_mel_edge_as_reference: bool = True  # StreamingLogMel(reference_edge=...)
 
 
-REFERENCE = Numerics("reference", True, True, True, True, True, True)
-FLOAT32 = Numerics("float32", False, False, False, False, False, False)
+REFERENCE = Numerics("reference", True, True, True, True, True, True, True)
+FLOAT32 = Numerics("float32", False, False, False, False, False, False, False)
 NUMERICS: dict[str, Numerics] = {n.name: n for n in (REFERENCE, FLOAT32)}
 DEFAULT_NUMERICS = REFERENCE.name
 
