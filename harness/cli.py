@@ -42,8 +42,9 @@ def add_parity_parser(sub) -> None:
     p.add_argument("--component-max-frames", type=int, default=None,
                    help="cap the audio frames of the component checks (the EAR-TTS recompute is quadratic)")
     p.add_argument("--numerics", choices=("reference", "float32"), default="reference",
-                   help="EAR-TTS numerics of this project's model (voicechat.load(..., numerics=)): 'reference' "
-                        "(default) rounds as mlx-vlm does, 'float32' is the float32 option")
+                   help="numerics of this project's model (voicechat.load(..., numerics=)): 'reference' "
+                        "(default) rounds as mlx-vlm does (streamed mel edge, language path, EAR-TTS), "
+                        "'float32' is the float32 option")
     p.set_defaults(func=run_parity_cli)
 
 

@@ -681,6 +681,7 @@ def run_parity(backend: Backend, audio, *, against: Backend | None = None, syste
         "mode": mode,
         "checkpoint": checkpoint or getattr(backend, "checkpoint", None),
         "backend": backend.name,
+        "numerics": getattr(backend, "numerics", None),  # this project's EAR-TTS / language-path setting
         "against": against.name if against is not None else None,
         "input": f"{input_name or name} ({wave.size} samples, {wave.size / rate:.2f} s, sha256 {audio_digest(wave)})",
         "input_name": input_name or name,

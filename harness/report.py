@@ -95,8 +95,8 @@ class ParityReport:
         lines = [f"# Parity report: {h.get('title', '')}", ""]
         lines.append("| | |")
         lines.append("|---|---|")
-        for key in ("mode", "checkpoint", "backend", "against", "input", "seed", "system_prompt", "chunk_samples",
-                    "versions", "date", "elapsed_s"):
+        for key in ("mode", "checkpoint", "backend", "numerics", "against", "input", "seed", "system_prompt",
+                    "chunk_samples", "versions", "date", "elapsed_s"):
             if key in h and h[key] is not None:
                 lines.append(f"| {key} | {_cell(_fmt_header(h[key]))} |")
         verdict = "PASS" if self.ok else "FAIL"
@@ -164,6 +164,8 @@ class ParityReport:
         h = self.header
         parts = [Path(str(h.get("checkpoint") or "model")).name, Path(str(h.get("input_name") or "input")).stem,
                  str(h.get("backend") or "backend")]
+        if h.get("numerics") not in (None, "reference"):  # a non-default run must not overwrite the default's
+            parts.append(str(h["numerics"]))
         if h.get("against"):
             parts += ["vs", Path(str(h["against"])).stem]
         parts.append(f"seed{h.get('seed', 0)}")

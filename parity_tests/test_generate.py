@@ -90,4 +90,23 @@ def test_cli_generate_offline_and_stream(tmp_path, tiny_ckpt, question_wav):
     assert r.returncode == 0, r.stderr
     assert hashlib.sha256(out2.read_bytes()).digest() == hashlib.sha256(out3.read_bytes()).digest()
 
+
+def test_cli_generate_numerics(tmp_path, tiny_ckpt, question_wav):
+    """`--numerics float32` reaches voicechat.load: the CLI's exact samples equal generate() of a
+    float32 model, and differ from the default (reference) model's codes-driven audio."""
+    import voicechat
+    from voicechat.samples import sample_path
+
+    out = tmp_path / "f32.wav"
+    r = _cli("generate", "-m", str(tiny_ckpt), "--audio", str(sample_path("question")), "--output-audio", str(out),
+             "--output-format", "float32", "--numerics", "float32")
+    assert r.returncode == 0, r.stderr
+    data, _ = sf.read(out, dtype="float32")
+    f32 = voicechat.load(tiny_ckpt, numerics="float32").generate(question_wav)
+    ref = voicechat.load(tiny_ckpt).generate(question_wav)
+    assert not np.array_equal(f32.audio_codes, ref.audio_codes)  # else this test could not tell them apart
+    assert data.tobytes() == f32.audio.astype(np.float32).tobytes()
+    r = _cli("generate", "--numerics", "fp16", "--output-audio", str(out))
+    assert r.returncode != 0 and "invalid choice" in r.stderr
+
 # Other sample rates and channel counts are converted by the CLI: parity_tests/test_input_files.py.

@@ -304,6 +304,8 @@ def test_cross_documented_differences(model, model_f32, question_wav):
     differences are documented, each verified (the latter by re-running with numerics="reference")."""
     report = run_parity(MemoBackend(model_f32), question_wav, against=ReferenceLike(model), components=False)
     assert report.ok, report.to_markdown()
+    assert report.header["numerics"] == "float32" and "| numerics | float32 |" in report.to_markdown()
+    assert "_voicechat_float32_vs_" in report.file_stem()  # never overwrites the default run's report
     applied = {r.difference_id for r in report.rows if r.status == DOCUMENTED}
     assert {"frame0_codes_no_prompt", "codec_tail", "float32_numerics"} <= applied
     c_off = "offline: voicechat vs reference-like"
@@ -329,6 +331,7 @@ def test_default_numerics_pass_codes_against_the_reference(model, question_wav):
     codes rows pass; only the codec tail is documented."""
     report = run_parity(MemoBackend(model), question_wav, against=ReferenceLike(model), components=False)
     assert report.ok, report.to_markdown()
+    assert report.header["numerics"] == "reference" and "_voicechat_vs_" in report.file_stem()
     cross = [r for r in report.rows if "vs reference-like" in r.comparison]
     assert {r.difference_id for r in cross if r.status == DOCUMENTED} == {"codec_tail"}
     for c in ("offline: voicechat vs reference-like", "streamed: voicechat vs reference-like"):

@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from .tts.numerics import DEFAULT_NUMERICS, NUMERICS
+
 DEFAULT_MODEL = "synthetic:tiny"
 OUTPUT_FORMATS = ("pcm16", "float32")
 
@@ -30,6 +32,9 @@ def add_generate_parser(sub) -> None:
                         "float32 (the exact samples)")
     g.add_argument("-p", "--prompt", default=None, help="system prompt")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--numerics", choices=sorted(NUMERICS), default=DEFAULT_NUMERICS,
+                   help="reference (default: rounds as mlx-vlm does, same ids and codes) or float32 "
+                        "(EAR-TTS and the language path in float32; docs/voicechat.md, Numerics)")
     g.add_argument("--stream", action="store_true", help="run the streaming session in 1280-sample pushes")
     g.add_argument("--profile", action="store_true", help="print per-stage timings (first 5 frames dropped)")
     g.add_argument("--max-streaming-seconds", type=float, default=None)
@@ -52,7 +57,7 @@ def run_generate(args) -> int:
     if not audio_path.exists():  # before minutes of loading
         raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
     t0 = time.perf_counter()
-    model = voicechat.load(resolve_model_arg(args.model))
+    model = voicechat.load(resolve_model_arg(args.model), numerics=args.numerics)
     cfg = model.config
     audio = read_audio_file(audio_path, cfg.input_sample_rate)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s; input {audio.size / cfg.input_sample_rate:.2f} s",

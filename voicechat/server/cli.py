@@ -38,9 +38,9 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--stage-metrics-every", type=int, default=10, metavar="K",
                    help="time the stages of every Kth frame for /metrics (default 10; each timed frame pays one "
                         "synchronisation per stage; 1 = every frame, 0 = never)")
-    s.add_argument("--reference-numerics", action="store_true",
-                   help="compute EAR-TTS with the reference's (mlx-vlm's) roundings, for code-exact comparisons "
-                        "(voicechat.load's default numerics='reference' since the per-model setting; kept explicit)")
+    s.add_argument("--numerics", choices=["reference", "float32"], default="reference",
+                   help="EAR-TTS roundings (voicechat.load): reference = mlx-vlm's, the same codes as its server "
+                        "(default); float32 = no bf16 roundings")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
@@ -105,7 +105,7 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
-                       reference_numerics=args.reference_numerics, stage_metrics_every=args.stage_metrics_every)
+                       load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every)
     info = state.worker.info
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "

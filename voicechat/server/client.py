@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from websockets.exceptions import ConnectionClosed
 
 from .protocol import b64_to_int16
 
@@ -171,32 +172,12 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
                 pass
 
         recv_task = asyncio.create_task(receiver())
-        step = chunk_samples / INPUT_RATE
-        t0 = time.monotonic()
-        sent = 0
-        for k, i in enumerate(range(0, pcm.size, chunk_samples)):
-            if cancelled.is_set() or recv_task.done():
-                break
-            piece = pcm[i:i + chunk_samples]
-            if lockstep:
-                before = sent // 1280
-                ts = time.perf_counter()
-                await c.append(piece)
-                sent += piece.size
-                for _ in range(sent // 1280 - before):
-                    tr = await asyncio.wait_for(frame_arrived.get(), timeout)
-                    result.frame_round_trip_ms.append((tr - ts) * 1000.0)
-                continue
-            if not fast:
-                await asyncio.sleep(max(0.0, t0 + k * step - time.monotonic()))
-            await c.append(piece)
-            sent += piece.size
-        if not cancelled.is_set() and not recv_task.done():
-            if cancel_after_frames is not None:
-                cancelled.set()
-                await c.send({"type": "response.cancel"})
-            else:
-                await c.send({"type": "input_audio_buffer.commit", "pad_partial": pad_partial})
+        try:
+            await _send_all(c, pcm, result, recv_task, cancelled, frame_arrived, fast=fast, lockstep=lockstep,
+                            chunk_samples=chunk_samples, cancel_after_frames=cancel_after_frames,
+                            pad_partial=pad_partial, timeout=timeout)
+        except ConnectionClosed:
+            pass  # the server ended the session (cancel, error, limit); the receiver has its last events
         try:
             await asyncio.wait_for(recv_task, timeout)
         except asyncio.TimeoutError:
@@ -206,6 +187,36 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
             result.end = "closed"
     _finish_audio(result)
     return result
+
+
+async def _send_all(c, pcm, result, recv_task, cancelled, frame_arrived, *, fast, lockstep, chunk_samples,
+                    cancel_after_frames, pad_partial, timeout) -> None:
+    step = chunk_samples / INPUT_RATE
+    t0 = time.monotonic()
+    sent = 0
+    for k, i in enumerate(range(0, pcm.size, chunk_samples)):
+        if cancelled.is_set() or recv_task.done():
+            break
+        piece = pcm[i:i + chunk_samples]
+        if lockstep:
+            before = sent // 1280
+            ts = time.perf_counter()
+            await c.append(piece)
+            sent += piece.size
+            for _ in range(sent // 1280 - before):
+                tr = await asyncio.wait_for(frame_arrived.get(), timeout)
+                result.frame_round_trip_ms.append((tr - ts) * 1000.0)
+            continue
+        if not fast:
+            await asyncio.sleep(max(0.0, t0 + k * step - time.monotonic()))
+        await c.append(piece)
+        sent += piece.size
+    if not cancelled.is_set() and not recv_task.done():
+        if cancel_after_frames is not None:
+            cancelled.set()
+            await c.send({"type": "response.cancel"})
+        else:
+            await c.send({"type": "input_audio_buffer.commit", "pad_partial": pad_partial})
 
 
 async def _drain_close(c: RealtimeClient, result: ClientResult) -> None:

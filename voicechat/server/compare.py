@@ -94,12 +94,12 @@ def stop_process(p) -> None:
 
 
 class ServerPair:
-    """`mlx_vlm.server` and `voicechat serve --reference-numerics` on one checkpoint, as subprocesses."""
+    """`mlx_vlm.server` and `voicechat serve --numerics NUMERICS` on one checkpoint, as subprocesses."""
 
-    def __init__(self, checkpoint: str, log_dir, *, reference_numerics: bool = True):
+    def __init__(self, checkpoint: str, log_dir, *, numerics: str = "reference"):
         self.checkpoint = str(checkpoint)
         self.log_dir = Path(log_dir)
-        self.reference_numerics = reference_numerics
+        self.numerics = numerics
         self.procs = []
 
     def __enter__(self):
@@ -108,8 +108,8 @@ class ServerPair:
             self.procs.append(start_process([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port",
                                              str(pv)], f"http://127.0.0.1:{pv}/health", self.log_dir / "mlx_vlm.log"))
             self.procs.append(start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", self.checkpoint,
-                                             "--port", str(po), "--warmup-seconds", "0",
-                                             *(["--reference-numerics"] if self.reference_numerics else [])],
+                                             "--port", str(po), "--warmup-seconds", "0", "--numerics",
+                                             self.numerics],
                                             f"http://127.0.0.1:{po}/healthz", self.log_dir / "voicechat.log"))
         except BaseException:
             self.__exit__()
@@ -122,21 +122,3 @@ class ServerPair:
         for p in reversed(self.procs):
             stop_process(p)
         self.procs = []
-
-
-def decoded_codes(events: list[dict], model) -> list[dict]:
-    """Audio events with their codes after control-code replacement (what the codec decodes; mlx-vlm's
-    events carry these), so the comparison holds whichever of the two a server sends."""
-    import mlx.core as mx
-
-    from voicechat.tts.ear_tts import replace_control_codes
-
-    tts = model.tts_model
-    out = []
-    for e in events:
-        if e["type"] == "response.audio.delta":
-            c = replace_control_codes(mx.array(np.array(e["audio_codes"], np.int32)), tts.control_codes,
-                                      tts.codec_silence_tokens)
-            e = dict(e, audio_codes=np.array(c).tolist())
-        out.append(e)
-    return out

@@ -13,17 +13,14 @@ from .worker import ModelWorker
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
                warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
-               load_kwargs: dict | None = None, reference_numerics: bool = False) -> ServerState:
+               load_kwargs: dict | None = None) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load():
         import voicechat
         from voicechat.synthetic import resolve_model_arg
 
-        kwargs = dict(load_kwargs or {})
-        if reference_numerics:
-            _reference_numerics(kwargs)
-        return voicechat.load(resolve_model_arg(model), **kwargs)
+        return voicechat.load(resolve_model_arg(model), **(load_kwargs or {}))
 
     metrics = ServerMetrics()
     worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
@@ -31,12 +28,6 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
     worker.wait_ready(load_timeout)
     return ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
                        model_name=str(model), metrics=metrics)
-
-
-def _reference_numerics(kwargs: dict) -> None:
-    """The reference's (mlx-vlm's) EAR-TTS roundings, for code-exact comparisons with its server: the
-    model's numerics "reference" (also `voicechat.load`'s default; the flag makes it explicit)."""
-    kwargs["numerics"] = "reference"
 
 
 def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info"):
