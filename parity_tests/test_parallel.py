@@ -361,3 +361,23 @@ def test_float32_copies_change_no_output(tiny_ckpt, question_wav, monkeypatch):
         model = voicechat.load(tiny_ckpt)
         runs[copies] = _streamed_and_offline(model, audio)
     _assert_identical(runs["0"], runs["1"])
+
+
+def test_cpu_default_copies_only_within_the_budget(monkeypatch):
+    """On a CPU the default makes the copies only while they add at most
+    FLOAT32_COPY_BUDGET_BYTES (2 bytes per copied element); the switch overrides the budget."""
+    monkeypatch.delenv(parallel.FLOAT32_COPIES_ENV, raising=False)
+    mx.random.seed(11)
+
+    def layer():
+        m = nn.Linear(64, 32, bias=True)
+        m.update({k: v.astype(mx.bfloat16) for k, v in m.parameters().items()})
+        return m
+
+    extra = 2 * (64 * 32 + 32)
+    monkeypatch.setattr(parallel, "FLOAT32_COPY_BUDGET_BYTES", extra)
+    assert prepare_linears(layer())["float32"] == [""]
+    monkeypatch.setattr(parallel, "FLOAT32_COPY_BUDGET_BYTES", extra - 1)
+    assert prepare_linears(layer())["float32"] == []
+    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1")
+    assert prepare_linears(layer())["float32"] == [""]

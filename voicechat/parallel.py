@@ -181,17 +181,32 @@ def _language_path(path: str) -> bool:
     return any(path == p or path.startswith(p + ".") for p in NO_COPY_PREFIXES)
 
 
-def default_float32_copies() -> bool:
-    """Whether `prepare_linears` replaces 16-bit dense weights by float32 copies by default:
-    on a CPU device yes (MLX's CPU backend converts a bf16 weight fed float32 inputs on every
-    call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read per
-    frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides."""
+# The CPU default makes float32 copies only while they add at most this many bytes (2 per copied
+# element). Measured on this machine: at `small` (+0.04 GB) they pay; at the published shapes
+# (+2.57 GB) a 4-bit run without them had a frame of 11.0 s against mlx-vlm's 12.9 s and the same
+# MLX peak as mlx-vlm (10.7 GB), while the copies would put the peak 2.6 GB above it.
+FLOAT32_COPY_BUDGET_BYTES = 1 << 30
+
+
+def default_float32_copies(extra_bytes: int = 0) -> bool:
+    """Whether `prepare_linears` replaces 16-bit dense weights by float32 copies by default, given
+    the bytes the copies would add: on a CPU device yes while that is at most
+    `FLOAT32_COPY_BUDGET_BYTES` (MLX's CPU backend converts a bf16 weight fed float32 inputs on
+    every call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read
+    per frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides both."""
     env = os.environ.get(FLOAT32_COPIES_ENV, "").strip()
     if env:
         if env not in ("0", "1"):
             raise ValueError(f"{FLOAT32_COPIES_ENV} must be 0 or 1, got {env!r}")
         return env == "1"
-    return mx.default_device().type == mx.DeviceType.cpu
+    return mx.default_device().type == mx.DeviceType.cpu and extra_bytes <= FLOAT32_COPY_BUDGET_BYTES
+
+
+def _copy_candidates(module: nn.Module, prefix: str) -> list:
+    """Dense layers whose 16-bit weight a float32 copy would replace."""
+    return [layer for path, layer in module.named_modules()
+            if isinstance(layer, nn.Linear) and not isinstance(layer, nn.QuantizedLinear)
+            and layer["weight"].dtype in (mx.bfloat16, mx.float16) and not _language_path(prefix + path)]
 
 
 class FastLinear(nn.Linear):
@@ -281,14 +296,16 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
     up to the exact float32 conversion, bit-identical results); returns the paths that split and
     that got float32 copies.
 
-    Float32 copies (default: `default_float32_copies()`): dense layers with a 16-bit weight,
+    Float32 copies (default: `default_float32_copies(bytes they would add)`): dense layers with a 16-bit weight,
     outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix + path`), get their
     weight replaced by its float32 copy (made and evaluated here, so the memory is taken at
     load; the 16-bit original is released). Split: the other layers with >= `min_split_macs`
     multiply-adds per input row and >= 2 output rows; whether a call splits is decided per
     call by `cpu_streams()`. Calling it again re-decides splitting for every layer."""
     if float32_copies is None:
-        float32_copies = default_float32_copies()
+        extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
+                    for m in _copy_candidates(module, prefix))
+        float32_copies = default_float32_copies(extra)
     split, copied = [], []
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
