@@ -25,9 +25,10 @@ class DocumentedDifference:
         return d
 
 
-# A code mismatch is never documented when this project ran with its default numerics
-# ("reference"): there the codes must equal the reference's on every frame (the engine leaves such
-# rows failing). The two code entries below apply only to runs with numerics="float32".
+# The two entries that may explain a code mismatch. `float32_numerics` applies only to runs with
+# numerics="float32": with the default ("reference") the codes must equal the reference's on every
+# frame. `frame0_codes_no_prompt` is a bug of the reference (its offline frame 0 disagrees with its
+# own stream) and applies to that one offline row under every setting.
 CODE_DIFFERENCES = ("frame0_codes_no_prompt", "float32_numerics")
 
 DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
@@ -35,15 +36,15 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
         id="frame0_codes_no_prompt",
         spec="architecture.md §12.2 item 7",
         summary="Without a system prompt the reference's offline generate leaves an all-zero code row "
-                "(codebook index 0, not silence) at frame 0 and decodes it; with numerics='float32' this "
-                "project puts the codec silence codes there, as both streaming paths do (the default "
-                "numerics='reference' reproduces the zero row).",
+                "(codebook index 0, not silence) at frame 0 and decodes it, so its offline frame 0 differs "
+                "from its own stream; this project puts the codec silence codes there, as both streaming "
+                "paths do, so its offline and streamed first frames agree.",
         verified_by="the reference's offline frame-0 row is all zeros, ours equals our streamed frame 0 "
                     "(silence), every later frame's codes are equal, and our codec decodes the reference's "
                     "codes to the reference's offline audio within audio_abs",
         pinned_by=("parity_tests/test_harness.py::test_cross_documented_differences",
                    "parity_tests/test_parity_tiny.py::test_offline_frame0_is_streaming_silence",
-                   "parity_tests/test_numerics.py::test_offline_frame0_follows_numerics"),
+                   "parity_tests/test_peers.py::test_offline_frame0_zero_code_row_without_system_prompt"),
     ),
     DocumentedDifference(
         id="near_tie_flip",

@@ -183,18 +183,12 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
                                   note="audio + tail - lead_in"))
 
     # end to end
-    frame0 = _self_frame0(off, st, backend)
     first = _first_frame_rows(E2E, c, st, off, logits=off)
     rows.extend(first)
     rows.append(compare_ids(E2E, c, "text ids per frame", st.text_ids, off.text_ids, logits=off.text_logits))
     rows.append(compare_ids(E2E, c, "function ids per frame", st.function_ids, off.function_ids,
                             logits=off.function_logits))
-    codes_row = compare_codes(E2E, c, "codes per frame", st.codes, off.codes, skip_frames=(0,) if frame0 else ())
-    rows.append(codes_row)
-    if frame0 and codes_row.status == PASS and first[2].status == FAIL:
-        _documented(first[2], "frame0_codes_no_prompt", "offline frame 0 is the reference's all-zero row "
-                                                        "(numerics='reference'), streamed frame 0 the silence codes; "
-                                                        "all later frames are equal")
+    rows.append(compare_codes(E2E, c, "codes per frame", st.codes, off.codes))
     expected = backend.expected_frames(n_samples) if hasattr(backend, "expected_frames") else None
     row = compare_value(E2E, c, "frame count (offline, streamed)", f"{T}, {K}",
                         None if expected is None else f"{expected[0]}, {expected[1]}",
@@ -210,47 +204,16 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
                               note=f"{K} x {spf} + {lead}"))
     rows.append(compare_value(E2E, c, "offline audio length (frames x spf)", int(len(off.audio)), T * spf,
                               first_failing_frame=max(T - 1, 0)))
-    st_codes, off_codes, off_audio = np.asarray(st.codes), np.asarray(off.codes), off.audio
-    if frame0 and callable(decode):
-        # The offline audio is the decode of its codes (frame 0 the zero row); the stream is compared
-        # with the decode of the same codes with the streamed frame 0, i.e. with what the offline path
-        # gives for those codes.
-        rows.append(compare_aligned_audio(E2E, c, "offline audio vs decode of its codes", off.audio,
-                                          decode(off_codes), delay=0, skip=0, samples_per_frame=spf,
-                                          tol_name="audio_abs", note="frame 0 is the zero row (frame0_codes_no_prompt)"))
-        off_codes = off_codes.copy()
-        off_codes[0] = st_codes[0]
-        off_audio = decode(off_codes)
-    if frame0 and not callable(decode):
-        rows.append(not_available(E2E, c, "audio samples (streamed delayed by lead-in)",
-                                  "offline frame 0 is the reference's zero row: comparing the rest needs the "
-                                  "backend's decode of given codes"))
-        return rows
+    st_codes, off_codes = np.asarray(st.codes), np.asarray(off.codes)
     mis = _first_code_mismatch(st_codes, off_codes)
     last = min(T, K) if mis is None else mis
     end = K * spf if (mis is None and T == K) else max(0, last * spf - lead)
     rows.append(compare_aligned_audio(E2E, c, "audio samples (streamed delayed by lead-in)", _concat_stream_audio(st),
-                                      off_audio, delay=lead, skip=warm, samples_per_frame=spf, tol_name="audio_abs",
+                                      off.audio, delay=lead, skip=warm, samples_per_frame=spf, tol_name="audio_abs",
                                       end=end, note="; ".join(p for p in (
                                           f"up to the first code mismatch (frame {mis})" if mis is not None else "",
-                                          f"{warm} warm-up samples excluded",
-                                          "against the decode of the offline codes with the streamed frame 0"
-                                          if frame0 and callable(decode) else "") if p)))
+                                          f"{warm} warm-up samples excluded") if p)))
     return rows
-
-
-def _self_frame0(off, st, backend) -> bool:
-    """numerics='reference' without a system prompt: offline frame 0 is the reference's all-zero row,
-    the stream's frame 0 the codec silence codes (both as the reference emits them)."""
-    model = getattr(backend, "model", None)
-    numerics = getattr(model, "numerics", None)
-    if numerics is None or not numerics.offline_frame0_zero_codes or off.codes is None or st.codes is None:
-        return False
-    oc, sc = np.asarray(off.codes), np.asarray(st.codes)
-    if oc.shape[0] == 0 or sc.shape[0] == 0:
-        return False
-    silence = np.asarray(model.tts_model.codec_silence_tokens).astype(np.int64)
-    return bool((oc[0] == 0).all() and np.array_equal(sc[0], silence) and not np.array_equal(oc[0], sc[0]))
 
 
 def _first_frame_rows(family, comparison, a, b, *, logits=None) -> list[FamilyResult]:
@@ -494,16 +457,9 @@ def _logits_rows(path_rows: list[FamilyResult], comparison: str, ra, rb) -> list
     return frames
 
 
-def _default_numerics(backend) -> bool:
-    """This project ran with its default numerics ("reference"): no code difference may be documented."""
-    return getattr(backend, "numerics", None) == "reference"
-
-
 def _frame0_difference(a: Runs, b: Runs, system_prompt, a_backend) -> bool:
-    """The reference's no-prompt offline frame 0 is an all-zero row and ours is the streamed silence row
-    (numerics="float32" only: the default numerics reproduce the zero row)."""
-    if _default_numerics(a_backend):
-        return False
+    """The reference's no-prompt offline frame 0 is an all-zero row (§12.2 item 7, a bug of its own) and
+    ours is the streamed silence row, under every numerics setting."""
     if system_prompt and system_prompt.strip():
         return False
     ca, cb = np.asarray(a.offline.codes), np.asarray(b.offline.codes)

@@ -19,8 +19,8 @@ def test_generate_result_shapes(tiny_model, question_wav):
     assert r.audio.shape == (frames * cfg.codec_config.waveform_to_token_ratio,)
     assert r.audio.dtype == np.float32 and np.isfinite(r.audio).all()
     assert r.sample_rate == 22050
-    # frame 0 without a prompt, default numerics: the reference's all-zero row (test_numerics.py)
-    np.testing.assert_array_equal(r.raw_audio_codes[0], np.zeros(cfg.tts_config.num_quantizers, np.int32))
+    # frame 0 without a prompt: the codec silence codes, as in streaming (test_numerics.py)
+    np.testing.assert_array_equal(r.raw_audio_codes[0], np.array(tiny_model.tts_model.codec_silence_tokens))
 
 
 def test_generate_deterministic_and_seeded(tiny_model, question_wav):

@@ -293,18 +293,19 @@ def test_cross_first_frame(cross_runs):
 
 
 def test_cross_first_frame_without_prompt(cross_runs, vlm4):
-    """Streamed frame 0 is the silence row in both; offline, both have the reference's all-zero row
-    (§12.2 item 7; this project with its default numerics), decoded after control-code replacement."""
+    """Streamed frame 0 is the silence row in both. Offline, the reference has its all-zero row
+    (§12.2 item 7, a bug: its offline frame 0 then differs from its own stream); this project has the
+    silence row, so its offline frame 0 equals its streamed one. Every later frame is equal."""
     vo, mo = cross_runs["vc_none"], cross_runs["vlm_none"]
     vs, ms = cross_runs["vc_none_stream"], cross_runs["vlm_none_stream"]
     silence = np.array(vlm4.model.tts_model.codec_silence_tokens).astype(np.int32)
     assert vo.text_ids[0] == mo.text_ids[0] and vo.function_ids[0] == mo.function_ids[0]
     np.testing.assert_array_equal(vs.codes[0], silence)
     np.testing.assert_array_equal(ms.codes[0], silence)
-    np.testing.assert_array_equal(vo.codes[0], np.zeros_like(silence))
+    np.testing.assert_array_equal(vo.codes[0], silence)
     np.testing.assert_array_equal(mo.codes[0], np.zeros_like(silence))
-    for a, b in ((vo, mo), (vs, ms)):
-        np.testing.assert_array_equal(a.decoded_codes, b.decoded_codes)
+    np.testing.assert_array_equal(vo.decoded_codes[1:], mo.decoded_codes[1:])
+    np.testing.assert_array_equal(vs.decoded_codes, ms.decoded_codes)
 
 
 @pytest.mark.parametrize("path", ["offline", "stream"])

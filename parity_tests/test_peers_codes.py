@@ -4,9 +4,10 @@
 issue 4 / issue 15: with default arguments the ids, function ids and all codes equal
 the reference's for the same checkpoint, input and seed, on every frame, offline
 and streamed, with and without a system prompt. The default `numerics="reference"`
-rounds EAR-TTS as the reference does (voicechat/tts/numerics.py) and reproduces its
-offline frame 0 without a prompt (an all-zero row); `numerics="float32"` is the
-float32 option, whose codes differ (the power check).
+rounds EAR-TTS as the reference does (voicechat/tts/numerics.py); `numerics="float32"`
+is the float32 option, whose codes differ (the power check). One frame is apart: the
+reference's offline frame 0 without a prompt is an all-zero row (§12.2 item 7, a bug of
+its own); ours is the silence row, as both streams have.
 
 Codes are compared exactly (argmax / argmin decisions; with the reference's roundings
 both implementations compute bit-identical backbone hidden states and MoG residuals):
@@ -136,13 +137,18 @@ def test_streamed_codes_equal_reference_on_every_frame(runs):
 
 
 def test_offline_codes_equal_reference_on_every_frame(runs):
-    """Frame 0 included: without a prompt both carry the reference's all-zero row there."""
+    """Every frame, except offline frame 0 without a prompt: the reference's all-zero row there,
+    ours the silence row (= both streams' frame 0)."""
     for key in _keys(runs):
-        vo, _, mo, _ = runs[key]
+        vo, vs, mo, _ = runs[key]
         assert vo.codes.shape == mo.codes.shape and vo.codes.shape[0] >= 20
-        assert _differing_frames(vo.codes, mo.codes) == [], key
-        assert _differing_frames(vo.decoded_codes, mo.decoded_codes) == [], key
-    assert not runs["none"][0].codes[0].any()
+        first = 0
+        if key == "none":
+            assert not mo.codes[0].any() and vo.codes[0].any(), key
+            np.testing.assert_array_equal(vo.codes[0], vs.codes[0])
+            first = 1
+        assert _differing_frames(vo.codes[first:], mo.codes[first:]) == [], key
+        assert _differing_frames(vo.decoded_codes[first:], mo.decoded_codes[first:]) == [], key
 
 
 def test_decoded_codes_are_the_raw_codes_with_control_codes_replaced(runs):

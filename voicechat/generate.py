@@ -6,9 +6,9 @@ chunked-limited FastConformer over all frames, one timeline position per
 encoder frame after the system prompt. Deliberate differences from the
 reference (docs/voicechat.md):
 
-* with `numerics="float32"`, frame 0 without a system prompt carries the
-  codec silence codes, as the streaming path does; the reference (and the
-  default `numerics="reference"`) leaves an all-zero code row there;
+* frame 0 without a system prompt carries the codec silence codes, as the
+  streaming path does; the reference leaves an all-zero code row there
+  (§12.2 item 7, a bug: its offline frame 0 then differs from its stream);
 * the language cache is on by default (`use_language_cache=False` recomputes
   the whole history each step, the reference's quadratic default);
 * the system prompt's LLM positions run as one sequence pass.
@@ -94,22 +94,12 @@ def _decode_text(model, ids) -> str:
     return model.tokenizer.decode([int(i) for i in ids if int(i) not in skip])
 
 
-def _offline_codes(model, codes: mx.array, position: int) -> mx.array:
-    """The codes the offline paths report for a timeline position: at position 0 (no system prompt)
-    the reference's all-zero row under `numerics="reference"`, else the timeline's codes (silence
-    there, as in streaming)."""
-    if position == 0 and model.numerics.offline_frame0_zero_codes:
-        return mx.zeros_like(codes)
-    return codes
-
-
 def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None):
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
     prompt_positions = timeline.start(system_prompt)
     text_ids, function_ids, codes = [], [], []
     for t in progress(range(inputs.audio_emb.shape[0]), desc="generating", unit="frame"):
         out = timeline.step(inputs.audio_emb[t])
-        out.codes = _offline_codes(model, out.codes, out.position)
         mx.eval(out.text_id, out.function_id, out.codes)
         text_ids.append(out.text_id.item())
         function_ids.append(out.function_id.item())
@@ -165,7 +155,6 @@ def generate_stream(model, audio, *, chunk_frames: int = 25, system_prompt: str 
     timeline.start(system_prompt)
     for t in range(inputs.audio_emb.shape[0]):
         step = timeline.step(inputs.audio_emb[t])
-        codes = _offline_codes(model, step.codes, step.position)
-        clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
+        clean = replace_control_codes(step.codes, tts.control_codes, tts.codec_silence_tokens)
         yield from out.push(clean)
     yield from out.finish()

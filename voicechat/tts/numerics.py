@@ -23,16 +23,18 @@ model, which of them this project reproduces:
 * `streaming_mel_edge_as_reference` (perception): the session's streamed first log-mel
   frame built as the reference's streaming frontend builds it (its reflection one
   sample short; `StreamingLogMel(reference_edge=...)`), float rounding apart from
-  the offline frame;
-* `offline_frame0_zero_codes`: offline `generate` without a system prompt puts
-  an all-zero code row at frame 0 (the reference leaves its code buffer's zeros
-  there and decodes them, §12.2 item 7) instead of the codec silence codes the
-  streaming paths use.
+  the offline frame.
+
+Not a numerics setting: the reference's offline frame 0 without a system prompt
+(an all-zero code row, §12.2 item 7) is a bug that breaks its own streamed =
+offline agreement; offline frame 0 here is the codec silence codes, as streaming,
+under both settings (harness difference `frame0_codes_no_prompt`).
 
 Two settings, chosen at load (`voicechat.load(path, numerics=...)`):
 "reference" (default: all of the above, so ids, function ids and every code
-equal mlx-vlm's for the same checkpoint, input and seed) and "float32" (none:
-EAR-TTS in float32 throughout, frame 0 = silence). The setting is a frozen value
+equal mlx-vlm's for the same checkpoint, input and seed, offline frame 0 without a
+prompt apart) and "float32" (none:
+EAR-TTS in float32 throughout). The setting is a frozen value
 carried by the model, read by its modules; nothing is process-wide, so models
 with different settings can live in one process and run in different threads.
 """
@@ -49,13 +51,12 @@ class Numerics:
     text_side_in_weight_dtype: bool
     rvq_norms_in_weight_dtype: bool
     mog_log_probs_as_log_of_softmax: bool
-    offline_frame0_zero_codes: bool
     language_rounding_as_reference: bool = True  # Nemotron-H: see voicechat.llm.nemotron_h
     streaming_mel_edge_as_reference: bool = True  # StreamingLogMel(reference_edge=...)
 
 
-REFERENCE = Numerics("reference", True, True, True, True, True, True, True)
-FLOAT32 = Numerics("float32", False, False, False, False, False, False, False)
+REFERENCE = Numerics("reference", True, True, True, True, True, True)
+FLOAT32 = Numerics("float32", False, False, False, False, False, False)
 NUMERICS: dict[str, Numerics] = {n.name: n for n in (REFERENCE, FLOAT32)}
 DEFAULT_NUMERICS = REFERENCE.name
 
