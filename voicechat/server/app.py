@@ -321,15 +321,15 @@ class RealtimeConnection:
         connected_at = time.monotonic()
         last_message = connected_at
         while True:
-            now = time.monotonic()
-            if not self.configured:
-                wait = min(connected_at + lim.session_update_timeout, last_message + lim.idle_timeout) - now
-            else:
-                wait = last_message + lim.idle_timeout - now
+            # The nearer deadline names the timeout. (Not a clock re-read after the wait: event-loop
+            # timers may fire up to their resolution early, e.g. uvloop's 1 ms.)
+            deadline, reason = last_message + lim.idle_timeout, "idle_timeout"
+            if not self.configured and connected_at + lim.session_update_timeout <= deadline:
+                deadline, reason = connected_at + lim.session_update_timeout, "session_update_timeout"
             try:
-                msg = await asyncio.wait_for(self.ws.receive(), max(wait, 0.0))
+                msg = await asyncio.wait_for(self.ws.receive(), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                if not self.configured and time.monotonic() >= connected_at + lim.session_update_timeout:
+                if reason == "session_update_timeout":
                     ch.outbox.put_nowait(("timeout", "session_update_timeout",
                                           f"no session.update within {lim.session_update_timeout:g} s of connecting; "
                                           "closing"))
