@@ -133,52 +133,47 @@ def _full_dict() -> dict:
     }
 
 
-def _small_dict() -> dict:
+def _reduced_dict(*, rnnt_vocab: int, text: dict, d_model: int, subsampling_channels: int, pred_hidden: int,
+                  tts_hidden: int, tts_head_dim: int, latent: int, low_rank: int, codec_channels: int) -> dict:
+    """The full config at the real depth and frame geometry with the given widths (`small`, `small16`)."""
     d = _full_dict()
-    d["rnnt_blank_id"] = 256
-    d["rnnt_vocabulary"] = rnnt_vocabulary(256)
-    d["text_config"].update(
-        vocab_size=16384, hidden_size=576, intermediate_size=1920, num_attention_heads=10,
-        num_key_value_heads=2, head_dim=64, mamba_num_heads=16, mamba_head_dim=40,
-        ssm_state_size=64, n_groups=8,
-    )
+    d["rnnt_blank_id"] = rnnt_vocab
+    d["rnnt_vocabulary"] = rnnt_vocabulary(rnnt_vocab)
+    d["text_config"].update(text)
     a = d["audio_config"]
-    a["encoder"].update(d_model=128, n_heads=8, subsampling_conv_channels=32)
-    a["decoder"].update(pred_hidden=80, vocab_size=256)
-    a["joint"].update(joint_hidden=80, encoder_hidden=128, pred_hidden=80, num_classes=256)
-    a["output_dim"] = 576
+    a["encoder"].update(d_model=d_model, n_heads=8, subsampling_conv_channels=subsampling_channels)
+    a["decoder"].update(pred_hidden=pred_hidden, vocab_size=rnnt_vocab)
+    a["joint"].update(joint_hidden=pred_hidden, encoder_hidden=d_model, pred_hidden=pred_hidden,
+                      num_classes=rnnt_vocab)
+    a["output_dim"] = text["hidden_size"]
+    tts = dict(hidden_size=tts_hidden, intermediate_size=4 * tts_hidden, num_attention_heads=4,
+               num_key_value_heads=4, head_dim=tts_head_dim)
     t = d["tts_config"]
-    t.update(hidden_size=144, intermediate_size=576, num_attention_heads=4,
-             num_key_value_heads=4, head_dim=36, latent_size=64)
-    t["character_encoder"].update(hidden_size=144, intermediate_size=576,
-                                  num_attention_heads=4, num_key_value_heads=4, head_dim=36)
-    t["mog_head"].update(intermediate_size=576, low_rank=8)
-    d["codec_config"].update(base_channels=48, latent_dim=64)
+    t.update(tts, latent_size=latent)
+    t["character_encoder"].update(tts)
+    t["mog_head"].update(intermediate_size=4 * tts_hidden, low_rank=low_rank)
+    d["codec_config"].update(base_channels=codec_channels, latent_dim=latent)
     return d
+
+
+def _small_dict() -> dict:
+    return _reduced_dict(
+        rnnt_vocab=256,
+        text=dict(vocab_size=16384, hidden_size=576, intermediate_size=1920, num_attention_heads=10,
+                  num_key_value_heads=2, head_dim=64, mamba_num_heads=16, mamba_head_dim=40,
+                  ssm_state_size=64, n_groups=8),
+        d_model=128, subsampling_channels=32, pred_hidden=80,
+        tts_hidden=144, tts_head_dim=36, latent=64, low_rank=8, codec_channels=48)
 
 
 def _small16_dict() -> dict:
-    d = _full_dict()
-    d["rnnt_blank_id"] = 64
-    d["rnnt_vocabulary"] = rnnt_vocabulary(64)
-    d["text_config"].update(
-        vocab_size=8192, hidden_size=320, intermediate_size=960, num_attention_heads=5,
-        num_key_value_heads=1, head_dim=64, mamba_num_heads=8, mamba_head_dim=80,
-        ssm_state_size=16, n_groups=8,
-    )
-    a = d["audio_config"]
-    a["encoder"].update(d_model=64, n_heads=8, subsampling_conv_channels=16)
-    a["decoder"].update(pred_hidden=40, vocab_size=64)
-    a["joint"].update(joint_hidden=40, encoder_hidden=64, pred_hidden=40, num_classes=64)
-    a["output_dim"] = 320
-    t = d["tts_config"]
-    t.update(hidden_size=72, intermediate_size=288, num_attention_heads=4,
-             num_key_value_heads=4, head_dim=18, latent_size=32)
-    t["character_encoder"].update(hidden_size=72, intermediate_size=288,
-                                  num_attention_heads=4, num_key_value_heads=4, head_dim=18)
-    t["mog_head"].update(intermediate_size=288, low_rank=4)
-    d["codec_config"].update(base_channels=24, latent_dim=32)
-    return d
+    return _reduced_dict(
+        rnnt_vocab=64,
+        text=dict(vocab_size=8192, hidden_size=320, intermediate_size=960, num_attention_heads=5,
+                  num_key_value_heads=1, head_dim=64, mamba_num_heads=8, mamba_head_dim=80,
+                  ssm_state_size=16, n_groups=8),
+        d_model=64, subsampling_channels=16, pred_hidden=40,
+        tts_hidden=72, tts_head_dim=18, latent=32, low_rank=4, codec_channels=24)
 
 
 def _tiny_dict() -> dict:
