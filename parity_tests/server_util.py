@@ -52,6 +52,12 @@ class Raw:
     async def recv(self, timeout=30.0) -> dict:
         return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
 
+    async def configure(self) -> None:
+        """The opening handshake: session.created, then session.update -> session.updated."""
+        assert (await self.recv())["type"] == "session.created"
+        await self.send({"type": "session.update"})
+        assert (await self.recv())["type"] == "session.updated"
+
     async def until(self, *types, timeout=30.0) -> tuple[dict, list]:
         seen = []
         while True:

@@ -210,9 +210,7 @@ def test_message_size_limit(make_server):
 
     async def go():
         async with Raw(srv.url) as c:
-            await c.recv()
-            await c.send({"type": "session.update"})
-            await c.recv()
+            await c.configure()
             await c.send(append_msg(np.zeros(9000, np.int16)))  # ~24 kB of base64
             e = await c.recv()
             assert e["error"]["code"] == "message_too_large" and "20000" in e["error"]["message"]
@@ -237,9 +235,7 @@ def test_input_overflow_refuses_and_reports_appends(make_server, question_wav):
 
     async def go():
         async with Raw(srv.url) as c:
-            await c.recv()
-            await c.send({"type": "session.update"})
-            await c.recv()
+            await c.configure()
             for i in range(0, pcm.size, chunk):  # as fast as possible: far ahead of the model
                 await c.send(append_msg(pcm[i:i + chunk]))
             await c.send({"type": "input_audio_buffer.commit"})
@@ -261,9 +257,7 @@ def test_session_audio_limit(make_server):
 
     async def go():
         async with Raw(srv.url) as c:
-            await c.recv()
-            await c.send({"type": "session.update"})
-            await c.recv()
+            await c.configure()
             for _ in range(4):
                 await c.send(append_msg(np.zeros(2560, np.int16)))  # 0.16 s each: the 4th passes 0.5 s
             await c.send({"type": "input_audio_buffer.commit"})
@@ -314,9 +308,7 @@ def test_busy_and_release(server, question_wav):
         # first closed by the client: the slot is free again
         for end in ("disconnect_configured", "commit", "cancel"):
             async with Raw(server.url) as c:
-                assert (await c.recv())["type"] == "session.created", end
-                await c.send({"type": "session.update"})
-                await c.recv()
+                await c.configure()
                 await c.send(append_msg(pcm))
                 if end == "commit":
                     await c.send({"type": "input_audio_buffer.commit"})
@@ -352,9 +344,7 @@ def test_idle_and_session_update_timeouts(make_server):
             code, events = await c.closed()
             assert code == 1008 and events[-1]["error"]["code"] == "session_update_timeout"
         async with Raw(srv.url) as c:  # configured, then silent
-            await c.recv()
-            await c.send({"type": "session.update"})
-            await c.recv()
+            await c.configure()
             await c.send(append_msg(np.zeros(1280, np.int16)))
             code, events = await c.closed()
             assert code == 1008 and events[-1]["error"]["code"] == "idle_timeout"
