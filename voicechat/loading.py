@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import is_raw_layout, quantization_plan, read_safetensors, sanitize
+from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .parallel import prepare_linears
@@ -99,10 +99,9 @@ def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loadi
                 group.append(names[start])
                 size += weights[names[start]].nbytes
                 start += 1
-            floats = [k for k in group if mx.issubdtype(weights[k].dtype, mx.floating)]
-            flags = [mx.logical_not(mx.isfinite(weights[k]).all()) for k in floats] if check_finite else []
-            mx.eval([weights[k] for k in group], flags)
-            bad += [k for k, f in zip(floats, flags) if f.item()]
+            mx.eval([weights[k] for k in group])
+            if check_finite:
+                bad += nonfinite_tensors({k: weights[k] for k in group})
             if bar is not None:
                 bar.update(size)
     finally:
@@ -159,7 +158,6 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
         # The EAR-TTS speaker warm-up depends only on the weights: do it once here, so creating a
         # session (when the user is about to speak) costs only a state copy.
         model.warm_tts_state()
-        model.warm_runtime()
         steps.update()
     steps.close()
     return model

@@ -129,15 +129,25 @@ class VoiceChatModel(nn.Module):
         """A fresh copy of the EAR-TTS state right after the speaker warm-up.
 
         The warm-up (codec encoder on silence + one backbone pass over the prompt)
-        depends only on the weights, so it runs once per model, not per session.
+        depends only on the weights, so it runs once per model, not per session, and is
+        kept on disk for later loads of the same checkpoint (voicechat/warmup_cache.py).
         """
         if getattr(self, "_warm_tts", None) is None:
+            from . import warmup_cache
+
             self.ensure_char_table()
-            tts = self.tts_model.tts_model
-            state = tts.make_state()
-            tts.warmup(state, self.speaker_prompt_codes(), self.speaker_latent, self.config.pad_token_id)
-            mx.eval(state.arrays())
-            self._warm_tts = state
+            key = warmup_cache.cache_key(self) if warmup_cache.enabled() else None
+            cached = None if key is None else warmup_cache.load_cached(self, key)
+            if cached is not None:  # bit-identical to computing it (voicechat/warmup_cache.py)
+                self._prompt_codes, self._warm_tts = cached
+            else:
+                tts = self.tts_model.tts_model
+                state = tts.make_state()
+                tts.warmup(state, self.speaker_prompt_codes(), self.speaker_latent, self.config.pad_token_id)
+                mx.eval(state.arrays())
+                self._warm_tts = state
+                if key is not None:
+                    warmup_cache.store(key, self._prompt_codes, state)
         return self._warm_tts.copy()
 
     def warm_runtime(self, frames: int = 2) -> None:

@@ -280,7 +280,19 @@ def _replace_by_float32(layer: FastLinear) -> None:
     layer.__dict__.pop("_derived", None)  # nothing cached may keep the 16-bit arrays alive
     layer.__dict__["_float32_t"] = w_t
     layer.__dict__["_float32_view"] = layer["weight"]
-    mx.eval(layer.parameters(), w_t)
+
+
+# The copies are evaluated in batches of about this many bytes: one evaluation per layer cost
+# ~0.2 ms each (441 layers at `small`), while a batch keeps at most this much of 16-bit originals
+# alive beside their copies.
+COPY_EVAL_BYTES = 64 * 1024**2
+
+
+def _evaluate_copies(pending: list) -> None:
+    """Evaluate the float32 copies of `pending` layers (releasing their 16-bit originals); empties it."""
+    if pending:
+        mx.eval([(m.parameters(), m.__dict__["_float32_t"]) for m in pending])
+        pending.clear()
 
 
 def _macs(layer: nn.Module) -> int:
@@ -306,7 +318,7 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
                     for m in _copy_candidates(module, prefix))
         float32_copies = default_float32_copies(extra)
-    split, copied = [], []
+    split, copied, pending = [], [], []
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
@@ -322,10 +334,14 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         layer.__dict__["_float32_copies"] = copies
         if copies and not layer._replaced() and layer["weight"].dtype in (mx.bfloat16, mx.float16):
             _replace_by_float32(layer)
+            pending.append(layer)
+            if sum(m.__dict__["_float32_t"].nbytes for m in pending) >= COPY_EVAL_BYTES:
+                _evaluate_copies(pending)
         if layer._replaced():
             copied.append(path)
         elif big:
             split.append(path)
+    _evaluate_copies(pending)
     return {"split": split, "float32": copied}
 
 
