@@ -40,6 +40,7 @@ RUN_COLUMNS = ["checkpoint", "backend", "input", "phase", "run", "status", "erro
                "offline_mlx_peak_mb", "asr_mean_ms", "asr_p50_ms"]
 FLOOR_BASE_COLUMNS = ["checkpoint", "stage", "weight_mb", "state_mb", "bf16_mb", "f32_mb", "q4_mb", "q8_mb",
                       "floor_ms", "resident_mb"]
+DISPATCH_COLUMNS = ["checkpoint", "backend", "stage", "frames_counted", "dispatches_per_frame", "syncs_per_frame"]
 FLOOR_COLUMNS = ["checkpoint", "backend", *FLOOR_BASE_COLUMNS[1:], "measured_mean_ms", "measured_p50_ms",
                  "p50_over_floor"]
 PER_RUN_MEDIANS = ("load_s", "create_s", "first_audio_s", "first_text_s", "offline_wall_s", "offline_rtf",
@@ -178,7 +179,8 @@ def _json_default(o):
 
 
 def write_run_folder(out: Path, *, env: dict, frame_rows: list[dict], run_rows: list[dict],
-                     floor_rows: list[dict], plots: bool = True) -> dict[str, Path]:
+                     floor_rows: list[dict], dispatch_rows: list[dict] | None = None,
+                     plots: bool = True) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     frames = pd.DataFrame(frame_rows, columns=FRAME_COLUMNS)
@@ -192,6 +194,9 @@ def write_run_folder(out: Path, *, env: dict, frame_rows: list[dict], run_rows: 
     runs.to_csv(paths["runs.csv"], index=False)
     summary.to_csv(paths["summary.csv"], index=False)
     floor_full.to_csv(paths["floor.csv"], index=False)
+    if dispatch_rows:
+        paths["dispatch.csv"] = out / "dispatch.csv"
+        pd.DataFrame(dispatch_rows, columns=DISPATCH_COLUMNS).to_csv(paths["dispatch.csv"], index=False)
     paths["env.json"].write_text(json.dumps(env, indent=2, default=_json_default, allow_nan=True) + "\n")
     if plots:
         from .plots import make_plots
@@ -258,6 +263,8 @@ def read_run_folder(run_dir: Path) -> dict:
         "summary": pd.read_csv(run_dir / "summary.csv", keep_default_na=False, na_values=[""]),
         "runs": pd.read_csv(run_dir / "runs.csv", keep_default_na=False, na_values=[""]),
         "floor": pd.read_csv(run_dir / "floor.csv", keep_default_na=False, na_values=[""]),
+        "dispatch": (pd.read_csv(run_dir / "dispatch.csv", keep_default_na=False, na_values=[""])
+                     if (run_dir / "dispatch.csv").is_file() else None),
     }
 
 
@@ -433,6 +440,23 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                    "what this project's loaded model keeps for the stage (parameters, float32 copies in place "
                    "of their bf16 originals on a CPU, cached derived arrays; `total` includes speaker latents "
                    "and control codes).")
+        out.append("")
+    dispatch = d.get("dispatch")
+    if dispatch is not None and len(dispatch):
+        out.append(f"{h}# Dispatches and host synchronisations per frame")
+        out.append("")
+        rows = [[f"`{r.checkpoint}`", r.backend, r.stage if r.stage != "total" else "**total**",
+                 _fmt(r.dispatches_per_frame, 0), _fmt(r.syncs_per_frame, 1), str(int(r.frames_counted))]
+                for r in dispatch.itertuples()]
+        out.append(_table(["checkpoint", "backend", "stage", "operations dispatched", "host syncs", "frames"],
+                          rows, "lllrrr"))
+        out.append("")
+        out.append("Counted from MLX's graph (bench/dispatch.py): before every evaluation (`mx.eval`, `.item()`, "
+                   "`.tolist()`, numpy reading an array) the operation nodes it runs are counted; each is one "
+                   "kernel dispatch on the CPU backend (a compiled function is one). A host sync is an "
+                   "evaluation that ran at least one node. Steady frames of the first input after the dropped "
+                   "ones; this project's stages from a profiled pass (dispatches) and an unprofiled one (syncs); "
+                   "mlx-vlm per frame only.")
         out.append("")
     for e in env.get("floor_errors") or []:
         out.append(f"- floor model failed: {e}")

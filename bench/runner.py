@@ -353,6 +353,7 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
     env["bandwidth"] = bandwidth
 
     floor_rows: list[dict] = []
+    dispatch_rows: list[dict] = []
     floor_errors: list[str] = []
     run_rows: list[dict] = []
     frame_rows: list[dict] = []
@@ -371,6 +372,16 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
             except Exception as e:
                 progress(f"    floor model failed for {spec}: {type(e).__name__}: {e}")
                 floor_errors.append(f"{spec}: {type(e).__name__}: {e}")
+            frames_counted = min(DISPATCH_FRAMES, opts.frames or DISPATCH_FRAMES)
+            for name in opts.backends:
+                progress(f"    counting dispatches and host syncs: {name}, {frames_counted} frames")
+                try:
+                    args = (spec, name, folder, inputs[0]["stream_wave"], frames_counted,
+                            min(opts.drop_first, frames_counted - 2))
+                    dispatch_rows.extend(_isolated(_dispatch_rows, *args) if opts.isolate else _dispatch_rows(*args))
+                except Exception as e:
+                    progress(f"    dispatch count failed for {spec} / {name}: {type(e).__name__}: {e}")
+                    floor_errors.append(f"{spec} / {name} dispatch count: {type(e).__name__}: {e}")
         for inp in inputs:
             n_frames = -(-int(inp["stream_wave"].size) // 1280)  # flush runs the zero-padded partial frame
             schedule = [("warmup", i + 1) for i in range(opts.warmup)] + [("measured", i + 1) for i in range(opts.runs)]
@@ -409,7 +420,7 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
     env["wall_seconds"] = time.perf_counter() - progress.t0
     progress(f"writing reports to {out}")
     report.write_run_folder(out, env=env, frame_rows=frame_rows, run_rows=run_rows, floor_rows=floor_rows,
-                            plots=opts.plots)
+                            dispatch_rows=dispatch_rows, plots=opts.plots)
     failed = sum(1 for r in run_rows if r["status"] != "ok") + len(floor_errors)
     progress(f"finished: {len(run_rows)} runs, {failed} failed; summary in {out / 'summary.md'}")
     return BenchResult(out=out, runs=len(run_rows), failed=failed)
@@ -453,6 +464,43 @@ def _floor_rows(spec: str, folder: Path, bandwidth: dict) -> list[dict]:
         del model
         _release_memory()
     return [{"checkpoint": spec, **r} for r in rows]
+
+
+# Frames streamed (per pass) to count dispatches and host syncs; counts of steady frames barely vary.
+DISPATCH_FRAMES = 12
+
+
+def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, drop_first: int) -> list[dict]:
+    """Dispatches and host syncs per frame (bench.dispatch) of one backend on one checkpoint."""
+    from .dispatch import count_mlx_vlm, count_voicechat
+
+    drop_first = max(0, drop_first)
+    if backend == "mlx-vlm":
+        from harness.backends.mlx_vlm_backend import MlxVlmBackend
+
+        b = MlxVlmBackend()
+        b.load(str(folder))
+        try:
+            rows = count_mlx_vlm(lambda: b.session.create_streaming_session(seed=0), wave, frames=frames,
+                                 drop_first=drop_first)
+        finally:
+            b.close()
+    else:
+        import voicechat
+        from voicechat.compiled import compile_set
+        from voicechat.host_gemm import host_gemm_set
+        from voicechat.parallel import cpu_streams_set
+
+        serial = backend == "voicechat-serial"  # as harness.backends.voicechat_backend.SerialVoiceChatBackend
+        with compile_set(False if serial else None), cpu_streams_set(1 if serial else None), \
+                host_gemm_set(False if serial else None):
+            model = voicechat.load(str(folder))
+            try:
+                rows = count_voicechat(model, wave, frames=frames, drop_first=drop_first)
+            finally:
+                del model
+    _release_memory()
+    return [{"checkpoint": spec, "backend": backend, "frames_counted": frames - drop_first, **r} for r in rows]
 
 
 __all__ = ["BenchOptions", "BenchResult", "Progress", "run_bench", "run_once", "resolve_checkpoint"]

@@ -432,3 +432,48 @@ def test_named_docs_section_is_appended_then_replaced(bench_run, tmp_path):
     assert not update_docs(bench_run["out"], page, "full")
     with pytest.raises(ValueError, match="section name must be a word"):
         update_docs(bench_run["out"], page, "a b")
+
+
+# -- dispatch and host-sync counting (bench/dispatch.py)
+
+
+def test_dispatch_counter_counts_graph_nodes_and_syncs():
+    import mlx.core as mx
+    import numpy as np
+
+    from bench.dispatch import count_dispatches
+
+    original = (mx.eval, mx.array.item, np.asarray)
+    a = mx.ones((8,))
+    mx.eval(a)
+    with count_dispatches() as c:
+        mx.eval(a)  # already evaluated: nothing runs, no sync
+        assert (c.dispatches["other"], c.syncs["other"]) == (0, 0)
+        chain = a
+        for _ in range(5):
+            chain = mx.exp(chain)
+        chain.sum().item()  # 5 Exp + a Sum (+ reshapes): one sync
+        first = c.dispatches["other"]
+        assert c.syncs["other"] == 1 and first >= 6 and c.ops["other"]["Exp"] == 5
+        np.asarray(mx.sin(a))  # numpy reading a lazy array is a sync too
+        assert c.syncs["other"] == 2 and c.ops["other"]["Sin"] == 1
+        np.asarray(np.zeros(3))  # not an MLX array: not counted
+        assert c.syncs["other"] == 2
+    assert (mx.eval, mx.array.item, np.asarray) == original  # everything restored
+
+
+def test_count_voicechat_stages(tiny_model, long_question_wav):
+    from bench.dispatch import STAGES, count_voicechat
+    from voicechat.compiled import compile_set
+
+    rows = {r["stage"]: r for r in count_voicechat(tiny_model, long_question_wav, frames=6, drop_first=2)}
+    assert set(rows) == {*STAGES, "total"}
+    assert rows["total"]["dispatches_per_frame"] == sum(rows[s]["dispatches_per_frame"] for s in STAGES)
+    for s in ("perception", "language", "tts", "codec"):
+        assert rows[s]["dispatches_per_frame"] > 0, s
+    assert rows["tts"]["syncs_per_frame"] >= 1  # the text id is read on the host before the TTS step
+    with compile_set(False):
+        uncompiled = {r["stage"]: r for r in count_voicechat(tiny_model, long_question_wav, frames=6, drop_first=2)}
+    # compiled pieces fuse elementwise chains: strictly fewer dispatches where they are used
+    assert rows["tts"]["dispatches_per_frame"] < uncompiled["tts"]["dispatches_per_frame"]
+    assert rows["total"]["dispatches_per_frame"] < uncompiled["total"]["dispatches_per_frame"]
