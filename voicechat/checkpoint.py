@@ -279,24 +279,42 @@ _EXPONENT_BITS = {mx.bfloat16: (mx.uint16, np.uint16(0x7F80)), mx.float16: (mx.u
 NONFINITE_CHUNK_ELEMENTS = 1 << 24
 
 
-def has_nonfinite(a: mx.array) -> bool:
-    """True if the float array `a` holds a NaN or an infinity (it is evaluated)."""
+def _bit_chunks(a: mx.array):
+    """(lazy uint views of `a` in row chunks, exponent mask), or None for dtypes without a bit test."""
     spec = _EXPONENT_BITS.get(a.dtype)
-    if spec is None:  # float64 and anything else: MLX's own test
-        return not bool(mx.isfinite(a).all().item())
+    if spec is None:
+        return None
     utype, mask = spec
     if a.ndim == 0:
         a = a.reshape(1)
     if a.size == 0:
-        return False
+        return [], mask
     rows = max(1, NONFINITE_CHUNK_ELEMENTS // max(1, a.size // a.shape[0]))
-    for start in range(0, a.shape[0], rows):
-        bits = np.asarray(a[start:start + rows].view(utype))
-        if (np.bitwise_and(bits, mask) == mask).any():
-            return True
-    return False
+    return [a[start:start + rows].view(utype) for start in range(0, a.shape[0], rows)], mask
+
+
+def _any_exponent_all_ones(chunks, mask) -> bool:
+    return any(bool((np.bitwise_and(np.asarray(c), mask) == mask).any()) for c in chunks)
+
+
+def has_nonfinite(a: mx.array) -> bool:
+    """True if the float array `a` holds a NaN or an infinity (it is evaluated)."""
+    return bool(nonfinite_tensors({"a": a}))
 
 
 def nonfinite_tensors(weights: dict) -> list[str]:
-    """Names of the float tensors of `weights` holding NaN or inf (each is evaluated)."""
-    return [k for k, w in weights.items() if mx.issubdtype(w.dtype, mx.floating) and has_nonfinite(w)]
+    """Names of the float tensors of `weights` holding NaN or inf (each is evaluated). The bit
+    views of all of them are evaluated together: one MLX evaluation per tensor cost ~80 us
+    (1745 tensors at `small`)."""
+    floats = [k for k, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
+    tests = {k: _bit_chunks(weights[k]) for k in floats}
+    mx.eval([t[0] for t in tests.values() if t is not None])
+    bad = []
+    for k in floats:
+        t = tests[k]
+        if t is None:  # float64 and anything else: MLX's own test
+            if not bool(mx.isfinite(weights[k]).all().item()):
+                bad.append(k)
+        elif _any_exponent_all_ones(*t):
+            bad.append(k)
+    return bad
