@@ -16,12 +16,11 @@ dimensions.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import mlx.core as mx
 
-from .switch import Override, bool_check
+from .switch import Override, bool_check, env_flag
 
 ENV_VAR = "VOICECHAT_COMPILE"
 
@@ -33,12 +32,8 @@ def compile_enabled() -> bool:
     """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off)."""
     if _override.value is not None:
         return _override.value
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env in ("", "1"):
-        return True
-    if env == "0":
-        return False
-    raise ValueError(f"{ENV_VAR} must be 0 or 1, got {env!r}")
+    env = env_flag(ENV_VAR)
+    return True if env is None else env
 
 
 def set_compile(enabled: bool | None) -> None:

@@ -26,7 +26,6 @@ MLX's own kernels are the fast path). `VOICECHAT_HOST_GEMM=0|1`, or
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import mlx.core as mx
@@ -34,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .constants import derived
-from .switch import Override, bool_check
+from .switch import Override, bool_check, env_flag
 
 ENV_VAR = "VOICECHAT_HOST_GEMM"
 
@@ -45,12 +44,8 @@ _controller_lock = threading.Lock()
 
 def default_host_gemm() -> bool:
     """On for a CPU default device, off otherwise (or as `VOICECHAT_HOST_GEMM` says)."""
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env == "":
-        return mx.default_device().type == mx.DeviceType.cpu
-    if env in ("0", "1"):
-        return env == "1"
-    raise ValueError(f"{ENV_VAR} must be 0 or 1 (float32 weight products through numpy's BLAS), got {env!r}")
+    env = env_flag(ENV_VAR, "float32 weight products through numpy's BLAS")
+    return mx.default_device().type == mx.DeviceType.cpu if env is None else env
 
 
 def host_gemm_enabled() -> bool:

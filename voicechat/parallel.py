@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .constants import derived
-from .switch import Override
+from .switch import Override, env_flag
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
@@ -194,11 +194,9 @@ def default_float32_copies(extra_bytes: int = 0) -> bool:
     `FLOAT32_COPY_BUDGET_BYTES` (MLX's CPU backend converts a bf16 weight fed float32 inputs on
     every call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read
     per frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides both."""
-    env = os.environ.get(FLOAT32_COPIES_ENV, "").strip()
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"{FLOAT32_COPIES_ENV} must be 0 or 1, got {env!r}")
-        return env == "1"
+    env = env_flag(FLOAT32_COPIES_ENV)
+    if env is not None:
+        return env
     return mx.default_device().type == mx.DeviceType.cpu and extra_bytes <= FLOAT32_COPY_BUDGET_BYTES
 
 

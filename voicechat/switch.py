@@ -6,6 +6,7 @@ default (its environment variable, then the device) apply."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable
 
 
@@ -40,4 +41,15 @@ def bool_check(setter: str) -> Callable[[object], bool]:
     return check
 
 
-__all__ = ["Override", "bool_check"]
+def env_flag(name: str, what: str = "") -> bool | None:
+    """The 0 / 1 environment variable `name`: True, False, or None when unset or empty; anything
+    else raises, naming the variable (and `what` it switches, when given)."""
+    env = os.environ.get(name, "").strip()
+    if env == "":
+        return None
+    if env in ("0", "1"):
+        return env == "1"
+    raise ValueError(f"{name} must be 0 or 1{f' ({what})' if what else ''}, got {env!r}")
+
+
+__all__ = ["Override", "bool_check", "env_flag"]

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .switch import env_flag
+
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
 FORMAT = "voicechat-tts-warmup-1"
 # Entries kept (the most recently used): every new or touched checkpoint adds one, each a few MB
@@ -39,12 +41,8 @@ MAX_ENTRIES = 8
 
 
 def enabled() -> bool:
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env in ("", "1"):
-        return True
-    if env == "0":
-        return False
-    raise ValueError(f"{ENV_VAR} must be 0 or 1 (cache the TTS speaker warm-up on disk), got {env!r}")
+    env = env_flag(ENV_VAR, "cache the TTS speaker warm-up on disk")
+    return True if env is None else env
 
 
 def cache_dir() -> Path:
