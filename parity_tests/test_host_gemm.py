@@ -144,3 +144,52 @@ def test_one_blas_thread_limits_and_restores():
     with host_gemm.host_gemm_set(False):
         with host_gemm.one_blas_thread():
             assert blas_threads() == before
+
+
+def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
+    """With the products in numpy, a ConvNeXt block's 1x1 weights exist as the stored (bf16)
+    parameters plus numpy's float32 copies, not also as MLX float32 copies (a third copy);
+    with the products in MLX, as MLX float32 copies and no numpy ones."""
+    from voicechat.audio.codec import ConvNeXtBlock
+    from voicechat.parallel import resident_bytes
+
+    mx.random.seed(1)
+    codec = Codec(preset_config("small").codec_config)
+    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
+                                   codec.parameters()))
+    mx.eval(codec.parameters())
+    codes = _codes(codec, 2, seed=3)
+    blocks = [m for _, m in codec.named_modules() if isinstance(m, ConvNeXtBlock)]
+    assert blocks
+
+    def float32_copies(block, kind):
+        out = []
+        for _, value in block.__dict__.get("_derived", {}).values():
+            leaves = value if isinstance(value, (tuple, list)) else list(value.values()) if isinstance(value, dict) \
+                else [value]
+            out += [a for a in leaves if isinstance(a, kind) and a.dtype in (mx.float32, np.float32)
+                    and a.size == block.pwconv1.weight.size]
+        return out
+
+    with host_gemm.host_gemm_set(True):
+        mx.eval(codec.decode(codes))
+    used = [b for b in blocks if "_derived" in b.__dict__]
+    assert used
+    for b in used:
+        assert float32_copies(b, mx.array) == [], "an MLX float32 copy beside numpy's"
+        assert len(float32_copies(b, np.ndarray)) == 2  # w1 and w2
+    params = sum(a.nbytes for _, a in nn.utils.tree_flatten(codec.parameters()))
+    numpy_all = sum(v.nbytes for _, m in codec.named_modules()
+                    for _, v in m.__dict__.get("_derived", {}).values() if isinstance(v, np.ndarray))
+    pointwise_f32 = sum(a.nbytes for b in used for a in float32_copies(b, np.ndarray))
+    # What MLX keeps beyond the parameters (float32 norms, biases, taps, the upsamplers'
+    # reshaped matrices) is well under another float32 copy of the pointwise weights.
+    assert resident_bytes(codec) - params - numpy_all < pointwise_f32 // 2
+
+    mx.random.seed(1)
+    fresh = Codec(preset_config("small").codec_config)
+    fresh.update(codec.parameters())
+    with host_gemm.host_gemm_set(False):
+        mx.eval(fresh.decode(codes))
+    for b in (m for _, m in fresh.named_modules() if isinstance(m, ConvNeXtBlock) and "_derived" in m.__dict__):
+        assert len(float32_copies(b, mx.array)) == 2 and float32_copies(b, np.ndarray) == []

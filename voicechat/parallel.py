@@ -28,6 +28,7 @@ import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .constants import derived
 from .switch import Override, env_flag
@@ -345,14 +346,16 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
 
 def resident_bytes(module: nn.Module) -> int:
     """Bytes of the arrays `module` keeps: parameters, plus the derived arrays cached on its
-    modules (voicechat.constants.derived), each buffer counted once."""
+    modules (voicechat.constants.derived: MLX arrays, and the numpy float32 copies of
+    voicechat.host_gemm), each buffer counted once; derived views of the parameters are not
+    counted again."""
     from mlx.utils import tree_flatten
 
     seen, total = set(), 0
 
     def add(a):
         nonlocal total
-        if isinstance(a, mx.array) and id(a) not in seen:
+        if isinstance(a, (mx.array, np.ndarray)) and id(a) not in seen:  # numpy: voicechat.host_gemm's copies
             seen.add(id(a))
             total += a.nbytes
 
@@ -362,7 +365,7 @@ def resident_bytes(module: nn.Module) -> int:
         if "_float32_view" in m.__dict__ and m._replaced():
             seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
         for name, (_, value) in m.__dict__.get("_derived", {}).items():
-            if name.startswith("row_halves_"):
+            if name.startswith("row_halves_") or name.endswith("_views"):
                 continue  # views of the parameters
             for _, a in tree_flatten(value):
                 add(a)

@@ -204,22 +204,31 @@ class ConvNeXtBlock(nn.Module):
         return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
 
     def _float32_params(self) -> dict[str, mx.array]:
-        """The row-wise part's parameters in float32, converted once per weights (lazily: the
-        first use evaluates them) instead of at every call, and by each of the two row halves."""
-        def make(*params):
-            nw, nb, w1, b1, w2, b2 = (_f32(p) for p in params)
-            # 1x1 conv weights (O, 1, I) as (O, I) matrices.
-            return {"norm_w": nw, "norm_b": nb, "w1": w1[:, 0, :], "b1": b1, "w2": w2[:, 0, :], "b2": b2}
+        """The norm's and the biases' parameters in float32, converted once per weights (lazily:
+        the first use evaluates them) instead of at every call, and by each of the two row halves."""
+        return derived(self, "float32_params", (self.norm.weight, self.norm.bias, self.pwconv1.bias,
+                                                self.pwconv2.bias),
+                       lambda nw, nb, b1, b2: {"norm_w": _f32(nw), "norm_b": _f32(nb), "b1": _f32(b1), "b2": _f32(b2)})
 
-        return derived(self, "float32_params", (self.norm.weight, self.norm.bias, self.pwconv1.weight,
-                                                self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias), make)
+    def _pointwise_matrices(self) -> tuple[mx.array, mx.array]:
+        """The two 1x1 conv weights (O, 1, I) as (O, I) matrices. With the products in numpy
+        (voicechat.host_gemm) these are views of the stored weights, from which matmul_t makes
+        its one float32 copy; in MLX, float32 copies made once per weights (MLX would convert a
+        bf16 weight at every call). Never both: at the published shapes the MLX float32 copies
+        beside numpy's were 0.3 GB of the codec's resident memory."""
+        if host_gemm_enabled():
+            return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
+                           lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
+        return derived(self, "pointwise_float32", (self.pwconv1.weight, self.pwconv2.weight),
+                       lambda w1, w2: (_f32(w1)[:, 0, :], _f32(w2)[:, 0, :]))
 
     def _pointwise_part(self, y: mx.array) -> mx.array:
         """pw2(gelu(pw1(y))) of the normalised frames."""
         p = self._float32_params()
-        y = matmul_t(y, p["w1"], self, "w1")
+        w1, w2 = self._pointwise_matrices()
+        y = matmul_t(y, w1, self, "w1")
         y = piece(("codec_bias_gelu",), lambda: _bias_gelu)(y, p["b1"])
-        return matmul_t(y, p["w2"], self, "w2") + p["b2"]
+        return matmul_t(y, w2, self, "w2") + p["b2"]
 
 
 def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
