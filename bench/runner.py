@@ -378,7 +378,8 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
                 try:
                     args = (spec, name, folder, inputs[0]["stream_wave"], frames_counted,
                             min(opts.drop_first, frames_counted - 2))
-                    dispatch_rows.extend(_isolated(_dispatch_rows, *args) if opts.isolate else _dispatch_rows(*args))
+                    dispatch_rows.extend(_isolated(_dispatch_rows, *args) if opts.isolate
+                                         else _dispatch_rows(*args, factory=factory))
                 except Exception as e:
                     progress(f"    dispatch count failed for {spec} / {name}: {type(e).__name__}: {e}")
                     floor_errors.append(f"{spec} / {name} dispatch count: {type(e).__name__}: {e}")
@@ -470,36 +471,28 @@ def _floor_rows(spec: str, folder: Path, bandwidth: dict) -> list[dict]:
 DISPATCH_FRAMES = 12
 
 
-def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, drop_first: int) -> list[dict]:
-    """Dispatches and host syncs per frame (bench.dispatch) of one backend on one checkpoint."""
+def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, drop_first: int, *,
+                   factory: Callable[[str], object] | None = None) -> list[dict]:
+    """Dispatches and host syncs per frame (bench.dispatch) of one backend, made by the run's backend
+    factory, on one checkpoint."""
+    from harness.backends.voicechat_backend import VoiceChatBackend
+
     from .dispatch import count_mlx_vlm, count_voicechat
 
     drop_first = max(0, drop_first)
-    if backend == "mlx-vlm":
-        from harness.backends.mlx_vlm_backend import MlxVlmBackend
-
-        b = MlxVlmBackend()
-        b.load(str(folder))
-        try:
+    b = (factory or _default_factory)(backend)
+    b.load(str(folder))
+    try:
+        if isinstance(b, VoiceChatBackend):
+            with b.execution_settings():  # voicechat-serial: one stream, nothing compiled, codec in MLX
+                rows = count_voicechat(b.model, wave, frames=frames, drop_first=drop_first)
+        else:  # mlx-vlm
             rows = count_mlx_vlm(lambda: b.session.create_streaming_session(seed=0), wave, frames=frames,
                                  drop_first=drop_first)
-        finally:
-            b.close()
-    else:
-        import voicechat
-        from voicechat.compiled import compile_set
-        from voicechat.host_gemm import host_gemm_set
-        from voicechat.parallel import cpu_streams_set
-
-        serial = backend == "voicechat-serial"  # as harness.backends.voicechat_backend.SerialVoiceChatBackend
-        with compile_set(False if serial else None), cpu_streams_set(1 if serial else None), \
-                host_gemm_set(False if serial else None):
-            model = voicechat.load(str(folder))
-            try:
-                rows = count_voicechat(model, wave, frames=frames, drop_first=drop_first)
-            finally:
-                del model
-    _release_memory()
+    finally:
+        b.close()
+        del b
+        _release_memory()
     return [{"checkpoint": spec, "backend": backend, "frames_counted": frames - drop_first, **r} for r in rows]
 
 

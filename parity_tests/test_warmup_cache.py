@@ -95,7 +95,7 @@ def test_cache_off_and_numerics_have_their_own_entries(cache, warmups, monkeypat
     del other
 
 
-def test_touched_shard_makes_a_new_key(cache, warmups, tmp_path, tiny_ckpt):
+def test_touched_shard_tokenizer_or_config_makes_a_new_key(cache, warmups, tmp_path, tiny_ckpt):
     folder = _copy(tiny_ckpt, tmp_path / "ckpt")
     model = voicechat.load(folder)
     key = warmup_cache.cache_key(model)
@@ -105,6 +105,13 @@ def test_touched_shard_makes_a_new_key(cache, warmups, tmp_path, tiny_ckpt):
     assert warmup_cache.cache_key(model) != key
     voicechat.load(folder)
     assert len(warmups) == 2
+    key = warmup_cache.cache_key(model)
+    tok = folder / "tokenizer.json"
+    st = tok.stat()
+    os.utime(tok, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert warmup_cache.cache_key(model) != key
+    (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")
+    assert warmup_cache.cache_key(model) != key
 
 
 @pytest.mark.parametrize("damage", ["garbage", "other_model"])

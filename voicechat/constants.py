@@ -8,10 +8,15 @@ keyed by the parameter arrays themselves (held, so a replaced weight can never
 be mistaken for its successor), and recomputes it when any of them is replaced.
 The value is the same computation on the same inputs, so results are
 bit-identical to computing it per call.
+
+Also `cache_home()`: where the values kept across processes live (synthetic
+checkpoints, the TTS warm-up cache).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable
 
 import mlx.nn as nn
@@ -31,4 +36,10 @@ def derived(module: nn.Module, name: str, params: tuple, fn: Callable[..., objec
     return hit[1]
 
 
-__all__ = ["derived"]
+def cache_home() -> Path:
+    """This project's cache folder: `$VOICECHAT_CACHE`, default `~/.cache/voicechat` (synthetic
+    checkpoints, the TTS warm-up cache)."""
+    return Path(os.environ.get("VOICECHAT_CACHE", Path.home() / ".cache" / "voicechat"))
+
+
+__all__ = ["derived", "cache_home"]

@@ -317,7 +317,7 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
                     for m in _copy_candidates(module, prefix))
         float32_copies = default_float32_copies(extra)
-    split, copied, pending = [], [], []
+    split, copied, pending, pending_bytes = [], [], [], 0
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
@@ -334,8 +334,10 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         if copies and not layer._replaced() and layer["weight"].dtype in (mx.bfloat16, mx.float16):
             _replace_by_float32(layer)
             pending.append(layer)
-            if sum(m.__dict__["_float32_t"].nbytes for m in pending) >= COPY_EVAL_BYTES:
+            pending_bytes += layer.__dict__["_float32_t"].nbytes
+            if pending_bytes >= COPY_EVAL_BYTES:
                 _evaluate_copies(pending)
+                pending_bytes = 0
         if layer._replaced():
             copied.append(path)
         elif big:

@@ -468,9 +468,9 @@ def _write_rows(files: _ShardFiles, name, shape, mean, std, quant, bits, seed):
 
 
 def cache_root() -> Path:
-    import os
+    from .constants import cache_home
 
-    return Path(os.environ.get("VOICECHAT_CACHE", Path.home() / ".cache" / "voicechat")) / "synthetic"
+    return cache_home() / "synthetic"
 
 
 def parse_synthetic_spec(spec: str) -> tuple[str, int | None, int]:

@@ -8,10 +8,10 @@ machine, where MLX's CPU GEMM runs the 74-row products at ~3 GMAC/s. Its result
 (prompt codes and the TTS K/V buffers) is a few MB even at the published shapes,
 so it is computed once per checkpoint and read back on later loads.
 
-The key covers everything the result depends on: config.json and tokenizer.json
-(their bytes), each safetensors file (name, size, modification time), the
+The key covers everything the result depends on: config.json (its bytes),
+tokenizer.json and each safetensors file (name, size, modification time), the
 numerics, the voicechat and MLX versions, the device type and the product paths
-(float32 copies, numpy GEMM for the codec). Replacing or touching a shard makes
+(float32 copies, numpy GEMM for the codec). Replacing or touching a shard or the tokenizer makes
 a new key. A cached file is read back bit for bit (tested against a fresh
 computation); a file that cannot be read, or does not fit the model, is reported
 on stderr and recomputed, never used.
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .constants import cache_home
 from .switch import env_flag
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
@@ -46,7 +47,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("VOICECHAT_CACHE", Path.home() / ".cache" / "voicechat")) / "warmup"
+    return cache_home() / "warmup"
 
 
 def _file_identity(path: Path) -> list:
@@ -73,12 +74,13 @@ def cache_key(model) -> str | None:
         "host_gemm": host_gemm_enabled(),
         "float32_copies": sorted(path for path, m in model.tts_model.named_modules()
                                  if getattr(m, "_replaced", lambda: False)()),
-        "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors"))],
+        # Shards and tokenizer.json by identity (re-reading them would add to every load; the
+        # tokenizer is ~10 MB at the published size), config.json by its bytes.
+        "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]
+                  if p.exists()],
+        "config": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
     }
     h.update(json.dumps(parts, sort_keys=True).encode())
-    for name in ("config.json", "tokenizer.json"):
-        p = folder / name
-        h.update(name.encode() + b"\0" + (p.read_bytes() if p.exists() else b"<absent>") + b"\0")
     return h.hexdigest()[:32]
 
 

@@ -140,6 +140,11 @@ class VoiceChatBackend(Backend):
     def close(self) -> None:
         self.model = None
 
+    def execution_settings(self):
+        """The execution switches this backend runs under (a context manager); the default ones here.
+        Code that drives `self.model` directly (e.g. the bench's dispatch count) enters it."""
+        return contextlib.nullcontext()
+
     # -- helpers shared by the paths
 
     def decode_codes(self, codes: np.ndarray) -> np.ndarray:
@@ -455,7 +460,7 @@ class SerialVoiceChatBackend(VoiceChatBackend):
     name = "voicechat-serial"
 
     @contextlib.contextmanager
-    def _serial(self):
+    def execution_settings(self):
         from voicechat.compiled import compile_set
         from voicechat.host_gemm import host_gemm_set
         from voicechat.parallel import cpu_streams_set
@@ -464,19 +469,19 @@ class SerialVoiceChatBackend(VoiceChatBackend):
             yield
 
     def load(self, checkpoint: str):
-        with self._serial():
+        with self.execution_settings():
             return super().load(checkpoint)
 
     def stream(self, *args, **kwargs):
-        with self._serial():
+        with self.execution_settings():
             return super().stream(*args, **kwargs)
 
     def offline(self, *args, **kwargs):
-        with self._serial():
+        with self.execution_settings():
             return super().offline(*args, **kwargs)
 
     def asr_frame_ms(self, *args, **kwargs):
-        with self._serial():
+        with self.execution_settings():
             return super().asr_frame_ms(*args, **kwargs)
 
 
