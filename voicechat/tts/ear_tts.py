@@ -24,6 +24,7 @@ model; nothing is process-wide.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ from .layers import (
     one_plus_scale,
 )
 from .rng import SessionRandom
-from ..compiled import linear_piece
+from ..compiled import linear_piece, piece
 from ..constants import derived
 from ..parallel import apply, split_rows
 
@@ -300,17 +301,36 @@ def _norm(v: mx.array, scale: mx.array, eps: float) -> mx.array:
     return one_plus_rms_norm(v, None, eps, scale=scale)
 
 
-def _qkv_core(dims, x, scales, offset, proj):
+def rope_table(n: int, head_dim: int, base: float, offset: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin (1, 1, n, head_dim / 2) of RoPE at positions offset..offset+n-1, taken from
+    `mx.fast.rope` itself: rotating [1, ..., 1, 0, ..., 0] gives 1·cos − 0·sin = cos and
+    1·sin + 0·cos = sin exactly, so the table holds the very values the fused op uses, however
+    it computes them. One table per base serves every layer of a step (on a CPU the op
+    otherwise rebuilds its angles, cos and sin in each of them, ~20 dispatches per call)."""
+    half = head_dim // 2
+    probe = mx.concatenate([mx.ones((1, 1, n, half)), mx.zeros((1, 1, n, head_dim - half))], axis=-1)
+    table = mx.fast.rope(probe, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
+    return table[..., :half], table[..., half:]
+
+
+def _apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Non-traditional RoPE over the whole last axis with a `rope_table`: the same float32
+    operations, in the same order, as `mx.fast.rope` (x1·cos − x2·sin, x1·sin + x2·cos)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _qkv_core(dims, x, scales, rope, proj):
     """BackboneAttention up to the cache: q / k / v projections, the q / k norms ("1 + w"),
-    RoPE at `offset` (int32 scalar array, an input so a compiled trace serves every step)."""
-    heads, kv_heads, head_dim, base, q_eps, k_eps = dims
+    RoPE with the step's `rope_table` (cos, sin): inputs, so a compiled trace serves every step."""
+    heads, kv_heads, head_dim, q_eps, k_eps = dims
     b, n, _ = x.shape
+    cos, sin = rope
     q = _norm(apply(x, proj[0]).reshape(b, n, heads, head_dim), scales[0], q_eps).transpose(0, 2, 1, 3)
     k = _norm(apply(x, proj[1]).reshape(b, n, kv_heads, head_dim), scales[1], k_eps).transpose(0, 2, 1, 3)
     v = apply(x, proj[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
-    q = mx.fast.rope(q, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
-    k = mx.fast.rope(k, head_dim, traditional=False, base=base, scale=1.0, offset=offset)
-    return q, k, v
+    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
 def _mog_trunk_core(eps, x, scales, mlps):
@@ -360,6 +380,17 @@ def _mog_sample_core(static, x, u, eps, mus, low_mat, proj):
     return mean + std * eps * noise_scale
 
 
+def _rvq_core(count, residual, books_t, books, norms):
+    """EarTts.quantize_residual over `count` codebooks (one compiled piece per pass length)."""
+    codes = []
+    for book_t, book, norm in zip(books_t, books, norms):
+        dist = norm - 2.0 * (residual @ book_t)
+        j = mx.argmin(dist, axis=-1)  # (1,) uint32
+        residual = residual - mx.take(book, j, axis=0)  # row j* (1, latent)
+        codes.append(j)
+    return mx.concatenate(codes).astype(mx.int32), residual
+
+
 def _post_attention_core(eps, x, attn, scales, mlp):
     """BackboneLayer after the attention: h = x + norm(attn); h + norm(mlp(norm(h)))."""
     h = x + _norm(attn, scales[0], eps[0])
@@ -386,12 +417,12 @@ class BackboneAttention(nn.Module):
         self.rope_base = float(cfg.rope_global_base_freq if is_global else cfg.rope_local_base_freq)
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
-    def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
+    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
+        """x (B, n, hidden); `rope` = rope_table(n, head_dim, self.rope_base, offset) of this step."""
         b, n, _ = x.shape
-        offset = 0 if state is None else state.offset
-        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base, self.q_norm.eps, self.k_norm.eps)
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps, self.k_norm.eps)
         q, k, v = linear_piece("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
-                               [self.q_norm.scale(), self.k_norm.scale()], mx.array(offset, dtype=mx.int32))
+                               [self.q_norm.scale(), self.k_norm.scale()], rope)
         return self.attend(q, k, v, state, b, n)
 
     def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
@@ -416,8 +447,8 @@ class BackboneLayer(nn.Module):
         self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
         self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
 
-    def __call__(self, x: mx.array, state: EarTtsState | None) -> mx.array:
-        attn = self.self_attn(self.input_layernorm(x), state)
+    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
+        attn = self.self_attn(self.input_layernorm(x), state, rope)
         # Fixed shapes from here on: one piece (voicechat.compiled).
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
@@ -438,8 +469,15 @@ class EarTtsBackbone(nn.Module):
         """x (2, n, hidden) -> (2, n, hidden). Without a state: positions 0..n-1 from scratch
         (offline function); with a state: positions state.offset.. (state advanced by n)."""
         x = x.astype(mx.float32)
+        n = x.shape[1]
+        offset = mx.array(0 if state is None else state.offset, dtype=mx.int32)
+        tables = {}  # one RoPE table per base (global / local layers) for the whole stack
         for layer in self.layers:
-            x = layer(x, state)
+            attn = layer.self_attn
+            rope = tables.get(attn.rope_base)
+            if rope is None:
+                rope = tables[attn.rope_base] = rope_table(n, attn.head_dim, attn.rope_base, offset)
+            x = layer(x, state, rope)
         if state is not None:
             state.offset += x.shape[1]
         return self.norm(x)
@@ -730,36 +768,53 @@ class EarTts(nn.Module):
         """
         cfg = self.cfg
         cond, uncond = hidden[0:1], hidden[1:2]
-        assigned: list[mx.array] = []  # one (1,) code per codebook, codebook 0 first
+        assigned: list[mx.array] = []  # the (count,) int32 codes of each pass, codebook 0 first
+        done = 0
         for count in self._pass_counts:
             if count == 0:
                 continue
-            rest = self.num_quantizers - len(assigned)
+            rest = self.num_quantizers - done
             codes = mx.concatenate(assigned + [mx.full((rest,), self.mask_code, dtype=mx.int32)])[None]
             e = self.embed_codes(codes)  # (1, hidden)
             # Row-wise: the conditional and unconditional rows run on two CPU streams.
-            feats = split_rows(self.mog_head.trunk, mx.concatenate([e + cond, e + uncond], axis=0))
+            feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)
             residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale,
                                                      log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax)
-            codes, _ = self.quantize_residual(residual, len(assigned), count)
-            assigned.extend(codes)
+            codes, _ = self.quantize_pass(residual, done, count)
+            assigned.append(codes)
+            done += count
         return mx.concatenate(assigned)
 
     def quantize_residual(self, residual: mx.array, first: int, count: int) -> tuple[list[mx.array], mx.array]:
         """Greedy RVQ of `residual` (1, latent) over codebooks first..first+count-1 (§8.6 j):
         j* = argmin_j ‖e_j‖² − 2·residual·e_j, then residual −= e_j*.
         Returns ([(1,) int32 code per codebook], the remaining residual (1, latent))."""
-        codes = []
-        books_t, all_norms = self.rvq_books()
-        for qi in range(first, first + count):
-            book_t, norms = books_t[qi], all_norms[qi]  # (latent, C), (C,)
-            dist = norms - 2.0 * (residual @ book_t)[0]
-            j = mx.argmin(dist, axis=-1, keepdims=True).astype(mx.int32)  # (1,)
-            residual = residual - book_t[:, j].T
-            codes.append(j)
-        return codes, residual
+        codes, residual = self.quantize_pass(residual, first, count)
+        return [codes[i:i + 1] for i in range(count)], residual
+
+    def quantize_pass(self, residual: mx.array, first: int, count: int) -> tuple[mx.array, mx.array]:
+        """`quantize_residual` with the codes as one (count,) int32 array: what a MoG pass runs.
+        One compiled piece per pass length; per codebook one product, the distance, argmin and
+        one row gather (~7 dispatches: the codebooks are per-codebook arrays made once)."""
+        books_t, books, all_norms = self.rvq_book_list()
+        core = piece(("rvq", count), lambda: functools.partial(_rvq_core, count))
+        part = slice(first, first + count)
+        return core(residual, books_t[part], books[part], all_norms[part])
+
+    def rvq_book_list(self) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+        """`rvq_books` per codebook: the (latent, C) codebook, its transpose (C, latent) for the
+        row gather and the (1, C) norms; views of those arrays (no copy), made once per weights."""
+        books_t, norms = self.rvq_books()
+
+        def make(books_t, norms):
+            per_book = [books_t[q] for q in range(books_t.shape[0])]
+            out = per_book, [b.T for b in per_book], [norms[q:q + 1] for q in range(norms.shape[0])]
+            mx.eval(out)
+            return out
+
+        return derived(self, "rvq_book_list", (books_t, norms), make)
 
     def rvq_books(self) -> tuple[mx.array, mx.array]:
         """(float32 codebooks transposed, (Q, latent, C) contiguous; squared norms ‖e_j‖² (Q, C)
