@@ -54,7 +54,13 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         dtype = x.dtype
         weight = derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
-        return mx.fast.rms_norm(x, weight, self.eps)
+        # Compiled: on a CPU the op runs as its composition, whose elementwise tail fuses (3
+        # dispatches instead of 11 per norm, the same float32 operations).
+        return piece(("rms_norm", self.eps), lambda: functools.partial(_rms_norm, self.eps))(x, weight)
+
+
+def _rms_norm(eps: float, x: mx.array, weight: mx.array) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
 
 
 class DepthwiseCausalConv1d(nn.Module):
@@ -142,6 +148,30 @@ class MambaLayerState:
     def __init__(self, conv: mx.array, ssm: mx.array):
         self.conv = conv  # (1, K-1, conv_dim), activation dtype
         self.ssm = ssm  # (1, heads, head_dim, state), float32
+
+    # The single step reads and writes the conv state as its K-1 rows (1, 1, conv_dim): no
+    # concatenate and slices per step. `conv` and `conv_rows` are two views of one state; each
+    # is made from the other only when asked for (inspection, the sequence pass).
+
+    @property
+    def conv(self) -> mx.array:
+        if self._conv is None:
+            self._conv = mx.concatenate(self._rows, axis=1)
+        return self._conv
+
+    @conv.setter
+    def conv(self, value: mx.array) -> None:
+        self._conv, self._rows = value, None
+
+    @property
+    def conv_rows(self) -> list[mx.array]:
+        if self._rows is None:
+            self._rows = [self._conv[:, j : j + 1] for j in range(self._conv.shape[1])]
+        return self._rows
+
+    @conv_rows.setter
+    def conv_rows(self, rows: list[mx.array]) -> None:
+        self._conv, self._rows = None, list(rows)
 
     def copy(self) -> "MambaLayerState":
         return MambaLayerState(mx.array(self.conv), mx.array(self.ssm))
@@ -261,37 +291,50 @@ class NemotronHState:
 # --------------------------------------------------------------------------- mixers
 
 
-def _mamba_step_core(dims, zxbcdt, conv_state, ssm_state, dt_bias, a, d_col, norm_w, *taps_and_bias):
+def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w, *taps_and_bias):
     """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
-    recurrence, the gated grouped RMSNorm; the sequence path (`_project`, `_gated_norm_out`)
-    shares every helper but the recurrence. -> (u, new conv state, new SSM state).
+    recurrence, the gated grouped RMSNorm. -> (u, new conv rows, new SSM state).
 
     The recurrence is evaluated as the chunked formulation evaluates one position (the
     reference does so on a CPU), not as y = S_new·C: the output is built from the *old*
     state, y = (C·B)·Δx + exp(ΔA)·(S_old·C) + D·x, with C·B one dot product per group and
-    the same product shapes, so both round alike (mathematically the two are equal)."""
+    the same product shapes, so both round alike (mathematically the two are equal).
+
+    Written for few dispatches (each costs a few µs on a CPU whatever its size): the heads
+    are laid out as (groups, heads per group) so a group's C·B and B broadcast over its heads
+    without a repeat; the conv state is its K-1 rows (no concatenate / slice per step);
+    `a` and `d_skip` arrive shaped (G, rep, 1). The arithmetic is `_project` /
+    `_gated_norm_out`'s, element for element."""
     pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max, has_bias = dims
     taps = taps_and_bias[:k]
     conv_bias = taps_and_bias[k] if has_bias else None
-    z, xbc, dt = _split_projection(zxbcdt, pad, d_inner, conv_dim)
-    padded, new_conv = _append_conv_state(conv_state, xbc, k)
-    xbc = nn.silu(_tap_sum(padded, taps, conv_bias, 1))
-    gs = groups * state_size
     rep = heads // groups
-    x_h = xbc[..., :d_inner].reshape(1, heads, head_dim)  # (1, H, P)
-    b = xbc[..., d_inner : d_inner + gs].reshape(1, groups, state_size)
-    c = xbc[..., d_inner + gs :].reshape(1, groups, state_size)
-    dt = _time_steps(dt, dt_bias, dt_min, dt_max)[:, 0]  # (1, H)
-    dtx = dt[:, :, None] * x_h  # (1, H, P)
-    decay = mx.exp(dt * a)[:, :, None]  # (1, H, 1)
-    cb = mx.repeat((c[:, :, None, :] @ b[:, :, :, None])[..., 0], rep, axis=1)  # (1, H, 1): C·B per group
-    # S_old·C with the heads of a group sharing their group's C: (1, G, rep, P, N) @ (1, G, 1, N, 1)
-    y_state = (ssm_state.reshape(1, groups, rep, head_dim, state_size) @ c[:, :, None, :, None])
-    y = cb * dtx + decay * y_state.reshape(1, heads, head_dim)
-    y = y + d_col * x_h
-    b_h = mx.repeat(b, rep, axis=1)  # (1, H, N): group g serves contiguous heads
-    ssm = dtx[..., None] * b_h[:, :, None, :] + decay[..., None] * ssm_state
-    return _gated_norm(y.reshape(1, 1, d_inner), z, groups, eps, norm_w), new_conv, ssm
+    gs = groups * state_size
+    z, xbc, dt = _split_projection(zxbcdt, pad, d_inner, conv_dim)
+    inputs = [*conv_rows, xbc]
+    out = inputs[0] * taps[0]  # the K-tap causal sum of _tap_sum, same order
+    for j in range(1, k):
+        out = out + inputs[j] * taps[j]
+    xbc_act = nn.silu(out + conv_bias if conv_bias is not None else out)
+    x_h = xbc_act[..., :d_inner].reshape(1, groups, rep, head_dim)
+    b = xbc_act[..., d_inner : d_inner + gs]
+    c = xbc_act[..., d_inner + gs :]
+    dt = _time_steps(dt, dt_bias, dt_min, dt_max).reshape(1, groups, rep, 1)
+    dtx = dt * x_h  # (1, G, rep, P)
+    decay = mx.exp(dt * a)  # (1, G, rep, 1)
+    cb = c.reshape(1, groups, 1, state_size) @ b.reshape(1, groups, state_size, 1)  # (1, G, 1, 1): C·B per group
+    ssm5 = ssm_state.reshape(1, groups, rep, head_dim, state_size)
+    y_state = (ssm5 @ c.reshape(1, groups, 1, state_size, 1)).reshape(1, groups, rep, head_dim)  # S_old·C
+    y = cb * dtx + decay * y_state
+    y = y + d_skip * x_h
+    ssm = dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size) \
+        + decay.reshape(1, groups, rep, 1, 1) * ssm5
+    # _gated_norm: y ⊙ SiLU(z) over n_groups contiguous channel groups (a group = its heads).
+    u = mx.fast.rms_norm(y.reshape(1, 1, groups, rep * head_dim) * nn.silu(z).reshape(1, 1, groups, rep * head_dim),
+                         None, eps).reshape(1, 1, d_inner) * norm_w
+    # The newest row in the state's dtype (a no-op for float32 states).
+    rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
+    return u, *rows, ssm.reshape(1, heads, head_dim, state_size)
 
 
 class Mamba2Mixer(nn.Module):
@@ -388,14 +431,17 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(x).astype(mx.float32)
         taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
         dt_bias, a = self._dt_bias_and_a()
-        d_col = derived(self, "D_column", (self.D,), lambda d: d.astype(mx.float32)[:, None])
+        shape = (self.n_groups, self.num_heads // self.n_groups, 1)
+        a_g, d_g = derived(self, "a_D_grouped", (a, self.D),
+                           lambda a, d: (a.reshape(shape), d.astype(mx.float32).reshape(shape)))
         dims = (self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel, self.num_heads,
                 self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min, self.dt_max,
                 conv_bias is not None)
         core = piece(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
-        u, state.conv, state.ssm = core(zxbcdt, state.conv, state.ssm, dt_bias, a, d_col, self._norm_weight(),
-                                        *taps, *extra)
+        u, *rows, state.ssm = core(zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(),
+                                   *taps, *extra)
+        state.conv_rows = rows
         return self.out_proj(u).astype(mx.float32)
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
