@@ -90,6 +90,28 @@ def linear_piece(name: str, fn: Callable, static: tuple, layers, x: mx.array, *a
     return core(x, *arrays, weights)
 
 
+def _rms_norm_core(eps: float, x: mx.array, weight: mx.array | None) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """`mx.fast.rms_norm` as a compiled piece: on a CPU the op runs as its composition, whose
+    elementwise tail fuses (3 dispatches instead of ~11, the same float32 operations)."""
+    key = ("rms_norm", eps, weight is None)
+    if weight is None:
+        return piece(key, lambda: lambda x: _rms_norm_core(eps, x, None))(x)
+    return piece(key, lambda: functools.partial(_rms_norm_core, eps))(x, weight)
+
+
+def _layer_norm_core(eps: float, x: mx.array, p: dict) -> mx.array:
+    return mx.fast.layer_norm(x, p.get("weight"), p.get("bias"), eps)
+
+
+def compiled_layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
+    """`mx.fast.layer_norm` as a compiled piece (`p` from `norm_params`), as `rms_norm`."""
+    return piece(("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps))(x, p)
+
+
 def norm_params(norm) -> dict:
     """weight / bias of an nn.LayerNorm as `mx.fast.layer_norm` receives them."""
     return {k: norm[k] for k in ("weight", "bias") if k in norm}
@@ -100,4 +122,4 @@ def layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
 
 
 __all__ = ["ENV_VAR", "compile_enabled", "set_compile", "compile_set", "piece", "structure", "layer_weights",
-           "linear_piece", "norm_params", "layer_norm"]
+           "linear_piece", "norm_params", "layer_norm", "rms_norm", "compiled_layer_norm"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .llm.nemotron_h import NemotronHState
-from .tts.ear_tts import EarTtsState
+from .tts.ear_tts import EarTtsState, TextEmbeddingCache
 from .tts.rng import SessionRandom
 
 
@@ -79,6 +79,7 @@ class Timeline:
         self.state = TimelineState(llm_state, model.warm_tts_state(), SessionRandom(seed), cfg.pad_token_id)
         self.silence_codes = model.tts_model.codec_silence_tokens.astype(mx.int32)
         self.prompt_positions = 0
+        self.text_cache = TextEmbeddingCache()
 
     # -- LLM
 
@@ -103,7 +104,8 @@ class Timeline:
         # small widths). The sync costs nothing here: the TTS cannot start before the id exists.
         token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
         return self.model.tts_model.tts_model.step(
-            st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes
+            st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes,
+            text_cache=self.text_cache,
         )
 
     # -- public

@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
-from ..compiled import layer_norm, linear_piece, norm_params, piece, structure
+from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
 from ..parallel import apply
 from .mel import as_waveform, log_mel
@@ -361,7 +361,8 @@ class ConformerLayer(nn.Module):
         fixed shapes and run as compiled pieces (voicechat.compiled) when their layers do not
         split across streams; same operations either way."""
         x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
-        att, keys, values = self.self_attn.step(self.norm_self_att(x), k_cache, v_cache, pos_proj, left)
+        xn = compiled_layer_norm(x, norm_params(self.norm_self_att), self.norm_self_att.eps)
+        att, keys, values = self.self_attn.step(xn, k_cache, v_cache, pos_proj, left)
         x = x + att
         conv = self.conv
         p1, p2 = conv.pointwise_weights()

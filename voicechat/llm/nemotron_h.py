@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
-from ..compiled import piece
+from ..compiled import piece, rms_norm
 from ..constants import derived
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
@@ -54,13 +54,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         dtype = x.dtype
         weight = derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
-        # Compiled: on a CPU the op runs as its composition, whose elementwise tail fuses (3
-        # dispatches instead of 11 per norm, the same float32 operations).
-        return piece(("rms_norm", self.eps), lambda: functools.partial(_rms_norm, self.eps))(x, weight)
-
-
-def _rms_norm(eps: float, x: mx.array, weight: mx.array) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
+        return rms_norm(x, weight, self.eps)  # compiled (voicechat.compiled)
 
 
 class DepthwiseCausalConv1d(nn.Module):

@@ -108,6 +108,35 @@ def replace_control_codes(codes, control_codes, silence_codes) -> mx.array:
 # --------------------------------------------------------------------------- state
 
 
+class TextEmbeddingCache:
+    """The character encoder's row (1, hidden) per host token id, for one session's TTS steps.
+
+    The row is a pure function of the id and the weights, and a conversation repeats few ids
+    (mostly PAD), so a step looks it up instead of running the encoder again (~250 dispatches
+    per step at the small widths). Least recently used ids leave first beyond `max_entries`.
+    Made per session (a session's weights do not change under it)."""
+
+    def __init__(self, max_entries: int = 4096):
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._rows: dict[int, mx.array] = {}
+
+    def get(self, token: int) -> mx.array | None:
+        row = self._rows.pop(token, None)
+        if row is not None:
+            self._rows[token] = row  # most recently used last
+        return row
+
+    def put(self, token: int, row: mx.array) -> None:
+        self._rows[token] = row
+        while len(self._rows) > self.max_entries:
+            del self._rows[next(iter(self._rows))]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class EarTtsState:
     """Streaming state of the TTS backbone for the guidance pair (batch 2).
 
@@ -727,17 +756,25 @@ class EarTts(nn.Module):
                                              in_weight_dtype=self.numerics.text_side_in_weight_dtype)
         return self._fuse(audio, text)
 
-    def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes) -> mx.array:
-        """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3)."""
+    def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes,
+                    text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
+        """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3). `text_cache` keeps
+        the character encoder's row of each host token id seen (a pure function of the id)."""
         token = self._check_token(text_token)
         eos_id = self._check_id(eos_id, "eos_id")
         silence = self._check_silence(silence_codes)
-        is_eos = (token if isinstance(token, mx.array) else mx.array(token)) == eos_id
-        previous = mx.where(is_eos, silence[None], previous_codes)  # device-side EOS rule, no sync
+        if isinstance(token, int):
+            previous = silence[None] if token == eos_id else previous_codes  # the EOS rule on the host id
+        else:
+            previous = mx.where(token == eos_id, silence[None], previous_codes)  # device-side, no sync
         audio = self.embed_codes(previous)  # (1, hidden)
         in_weight_dtype = self.numerics.text_side_in_weight_dtype
         if isinstance(token, int):
-            text = self.embed_subword.embed_host([token], [True], self._table(), in_weight_dtype=in_weight_dtype)
+            text = text_cache.get(token) if text_cache is not None else None
+            if text is None:
+                text = self.embed_subword.embed_host([token], [True], self._table(), in_weight_dtype=in_weight_dtype)
+                if text_cache is not None:
+                    text_cache.put(token, text)
         else:
             text = self.embed_subword.embed_device(token, self._table(), in_weight_dtype=in_weight_dtype)
         return self._fuse(audio, text)
@@ -845,19 +882,23 @@ class EarTts(nn.Module):
         self.backbone(x, state)  # outputs unused: only the caches matter
         state.previous_codes = self._check_codes(prompt_codes, "prompt_codes", allow_mask=True, check_values=False)[-1:]
 
-    def step_hidden(self, state: EarTtsState, text_token, *, eos_id: int, silence_codes) -> mx.array:
+    def step_hidden(self, state: EarTtsState, text_token, *, eos_id: int, silence_codes,
+                    text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
         """One backbone step over `state` -> (2, hidden) [conditional, unconditional].
         Advances the caches; does not touch state.previous_codes."""
         self._check_state(state)
-        x = self.step_inputs(state.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes)
+        x = self.step_inputs(state.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes,
+                             text_cache=text_cache)
         return self.backbone(x, state)[:, -1]
 
-    def step(self, state: EarTtsState, text_token, rng: SessionRandom, *, eos_id: int, silence_codes) -> mx.array:
+    def step(self, state: EarTtsState, text_token, rng: SessionRandom, *, eos_id: int, silence_codes,
+             text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
         """One TTS step (§8.6) -> codes (Q,) int32, lazy: no host sync except a one-time value
         check of a silence_codes array not seen before. The new codes become state.previous_codes."""
         if not isinstance(rng, SessionRandom):
             raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
-        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes)
+        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes,
+                                  text_cache=text_cache)
         codes = self.generate_codes(hidden, rng)
         state.previous_codes = codes[None]
         return codes

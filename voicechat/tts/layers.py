@@ -6,6 +6,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compiled import rms_norm
 from ..constants import derived
 from ..parallel import apply
 
@@ -29,7 +30,7 @@ def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_
     """
     if scale is None:  # callers with a module pass the scale made once (voicechat.constants)
         scale = one_plus_scale(weight, one_plus_in_weight_dtype)
-    return mx.fast.rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)
+    return rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)  # compiled (voicechat.compiled)
 
 
 class OnePlusRMSNorm(nn.Module):
