@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from voicechat.parallel import cpu_streams, secondary_stream
+from voicechat.parallel import cpu_streams, derived_views, secondary_stream
 
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
@@ -309,7 +309,7 @@ def resident_bytes_by_stage(model) -> dict[str, int]:
         if "_float32_t" in m.__dict__:
             seen.add(id(m.__dict__["_float32_t"]))  # the buffer behind the `weight` view
         for key, (_, value) in m.__dict__.get("_derived", {}).items():
-            if key.startswith("row_halves_"):
+            if derived_views(key):
                 continue
             for _, a in tree_flatten(value):
                 add(path, a)

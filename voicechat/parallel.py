@@ -346,6 +346,12 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
     return {"split": split, "float32": copied}
 
 
+def derived_views(name: str) -> bool:
+    """Whether the `derived` value `name` holds views of arrays counted elsewhere (row halves
+    of a weight, per-codebook views, numpy views of stored codebooks): no bytes of its own."""
+    return name.startswith("row_halves_") or name.endswith("_views")
+
+
 def resident_bytes(module: nn.Module) -> int:
     """Bytes of the arrays `module` keeps: parameters, plus the derived arrays cached on its
     modules (voicechat.constants.derived: MLX arrays, and the numpy float32 copies of
@@ -367,8 +373,8 @@ def resident_bytes(module: nn.Module) -> int:
         if "_float32_view" in m.__dict__ and m._replaced():
             seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
         for name, (_, value) in m.__dict__.get("_derived", {}).items():
-            if name.startswith("row_halves_") or name.endswith("_views"):
-                continue  # views of the parameters
+            if derived_views(name):
+                continue
             for _, a in tree_flatten(value):
                 add(a)
     return total

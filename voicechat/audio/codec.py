@@ -334,6 +334,32 @@ class _Variance(nn.Module):
         self.variance = mx.ones(())
 
 
+def _host_views(*books: mx.array) -> list[tuple[str, np.ndarray]]:
+    """(kind, numpy view) per stored codebook: bf16 as its uint16 bits (numpy has no bf16),
+    float16 / float32 as they are; no copy of the weights."""
+    out = []
+    for b in books:
+        if b.dtype == mx.bfloat16:
+            bits = b.view(mx.uint16)
+            mx.eval(bits)
+            out.append(("bf16", np.asarray(bits)))
+        elif b.dtype in (mx.float16, mx.float32):
+            mx.eval(b)
+            out.append(("float", np.asarray(b)))
+        else:
+            raise TypeError(f"codec codebook dtype {b.dtype}: expected bfloat16, float16 or float32")
+    return out
+
+
+def _rows_f32(book: tuple[str, np.ndarray], index: np.ndarray) -> np.ndarray:
+    """Rows `index` of a `_host_views` codebook as float32 (bf16 widened exactly: bits << 16)."""
+    kind, view = book
+    rows = view[index]
+    if kind == "bf16":
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+    return rows.astype(np.float32, copy=False)
+
+
 class ResidualVectorQuantizer(nn.Module):
     """`prvq`: `mus_list.{q}` (codebook_size, latent_dim) codebooks and their unused variances."""
 
@@ -351,6 +377,16 @@ class ResidualVectorQuantizer(nn.Module):
         latent = _f32(self.mus_list[0][codes[:, 0]])
         for q in range(1, len(self.mus_list)):
             latent = latent + _f32(self.mus_list[q][codes[:, q]])
+        return latent
+
+    def dequantize_host(self, codes: np.ndarray) -> np.ndarray:
+        """`dequantize` on the host for validated numpy codes (T, Q): the same float32 additions
+        in the same order (bit-identical, tested), without ~5 dispatches per codebook. The
+        codebooks are read through zero-copy numpy views of the stored arrays."""
+        books = derived(self, "host_book_views", tuple(self.mus_list), _host_views)
+        latent = _rows_f32(books[0], codes[:, 0])
+        for q in range(1, len(books)):
+            latent = latent + _rows_f32(books[q], codes[:, q])
         return latent
 
     def quantize(self, latent: mx.array) -> mx.array:
@@ -479,12 +515,12 @@ class Codec(nn.Module):
 
     # -- validation
 
-    def _check_codes(self, codes, where: str) -> mx.array:
+    def _check_codes(self, codes, where: str) -> np.ndarray:
+        """Validated codes (T, Q) as host int32: one host round trip for an mx.array."""
         cfg = self._cfg
         if isinstance(codes, np.ndarray):
             if not np.issubdtype(codes.dtype, np.integer):
                 raise TypeError(f"{where}: codes must have an integer dtype, got {codes.dtype}")
-            codes = mx.array(codes.astype(np.int64, copy=False))
         elif isinstance(codes, mx.array):
             if not mx.issubdtype(codes.dtype, mx.integer):
                 raise TypeError(f"{where}: codes must have an integer dtype, got {codes.dtype}")
@@ -497,13 +533,21 @@ class Codec(nn.Module):
             )
         if codes.shape[0] == 0:
             raise ValueError(f"{where}: codes must hold at least one frame, got shape {tuple(codes.shape)}")
-        lo, hi = mx.min(codes).item(), mx.max(codes).item()
+        host = np.asarray(codes)
+        lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= cfg.codebook_size:
             raise ValueError(
                 f"{where}: codes must lie in [0, {cfg.codebook_size}) (codebook_size), "
                 f"got values from {lo} to {hi}"
             )
-        return codes.astype(mx.int32)
+        return host.astype(np.int32)
+
+    def _latent(self, codes: np.ndarray) -> mx.array:
+        """Validated host codes (T, Q) -> latent (T, latent_dim): on the host when the codec's
+        products are (voicechat.host_gemm), else with MLX; the same values either way."""
+        if host_gemm_enabled():
+            return mx.array(self.prvq.dequantize_host(codes))
+        return self.prvq.dequantize(mx.array(codes))
 
     # -- spectral head and iSTFT pieces
 
@@ -549,13 +593,13 @@ class Codec(nn.Module):
 
     def dequantize(self, codes) -> mx.array:
         """codes (T, Q) int -> latent (T, latent_dim) float32."""
-        return self.prvq.dequantize(self._check_codes(codes, "Codec.dequantize"))
+        return self.prvq.dequantize(mx.array(self._check_codes(codes, "Codec.dequantize")))
 
     def decode(self, codes) -> mx.array:
         """Offline decode: codes (T, Q) int -> waveform (T * samples_per_frame,) float32."""
         codes = self._check_codes(codes, "Codec.decode")
         with one_blas_thread():
-            spec, _ = self.decoder(self.prvq.dequantize(codes))
+            spec, _ = self.decoder(self._latent(codes))
         real, imag = self._spectrum(spec)
         audio = self._istft(real, imag)
         geo = self._geometry
@@ -599,7 +643,7 @@ class Codec(nn.Module):
         geo = self._geometry
 
         with one_blas_thread():
-            spec, histories = self.decoder(self.prvq.dequantize(codes), state.block_histories)
+            spec, histories = self.decoder(self._latent(codes), state.block_histories)
         real, imag = self._spectrum(spec)
         real = mx.concatenate([state.istft_real, real], axis=0)
         imag = mx.concatenate([state.istft_imag, imag], axis=0)

@@ -584,8 +584,8 @@ class MogHead(nn.Module):
         (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`. `log_of_softmax`: the
         component log-probabilities as log(softmax(·)) (the reference's rounding) instead of
         logits - logsumexp."""
-        u = rng.uniform((1, 1, self.num_predictions))
-        eps = rng.normal((1, 1, self.low_mat.shape[1]))[0]
+        u, eps = rng.uniform_then_normal((1, 1, self.num_predictions), (1, 1, self.low_mat.shape[1]))
+        eps = eps[0]
         mus = self.proj_mus
         quantized = isinstance(mus, nn.QuantizedLinear)
         mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
@@ -851,7 +851,7 @@ class EarTts(nn.Module):
             mx.eval(out)
             return out
 
-        return derived(self, "rvq_book_list", (books_t, norms), make)
+        return derived(self, "rvq_book_views", (books_t, norms), make)
 
     def rvq_books(self) -> tuple[mx.array, mx.array]:
         """(float32 codebooks transposed, (Q, latent, C) contiguous; squared norms ‖e_j‖² (Q, C)

@@ -15,9 +15,23 @@ reproduces the global stream bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from ..compiled import piece
+
 _MAX_SEED = 2**64
+
+
+def _uniform_then_normal(shapes, key):
+    """Two draws of the global stream from state `key`: split, uniform, split, normal."""
+    uniform_shape, normal_shape = shapes
+    halves = mx.random.split(key)
+    u = mx.random.uniform(shape=uniform_shape, key=halves[1])
+    halves = mx.random.split(halves[0])
+    n = mx.random.normal(shape=normal_shape, key=halves[1])
+    return halves[0], u, n
 
 
 class SessionRandom:
@@ -50,6 +64,16 @@ class SessionRandom:
     def normal(self, shape, dtype=mx.float32) -> mx.array:
         """Same values as `mx.random.normal(shape=shape, dtype=dtype)` on the global stream."""
         return mx.random.normal(shape=tuple(shape), dtype=dtype, key=self.next_key())
+
+    def uniform_then_normal(self, uniform_shape, normal_shape) -> tuple[mx.array, mx.array]:
+        """`uniform(uniform_shape)` then `normal(normal_shape)` (float32), as one compiled piece:
+        the same keys and values, and the bits-to-float conversions fuse (14 dispatches
+        instead of 37)."""
+        shapes = (tuple(uniform_shape), tuple(normal_shape))
+        draw = piece(("uniform_then_normal", shapes), lambda: functools.partial(_uniform_then_normal, shapes))
+        self._key, u, n = draw(self._key)
+        self.draws += 2
+        return u, n
 
     def copy(self) -> "SessionRandom":
         other = SessionRandom.__new__(SessionRandom)
