@@ -526,8 +526,13 @@ class SquaredReluMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = nn.relu(self.up_proj(x).astype(mx.float32))
-        return self.down_proj(h * h).astype(mx.float32)
+        h = piece(("relu_squared",), lambda: _relu_squared)(self.up_proj(x).astype(mx.float32))
+        return self.down_proj(h).astype(mx.float32)
+
+
+def _relu_squared(y: mx.array) -> mx.array:
+    h = nn.relu(y)
+    return h * h
 
 
 class NemotronHBlock(nn.Module):
@@ -547,17 +552,28 @@ class NemotronHBlock(nn.Module):
             raise ValueError(f"unknown Nemotron-H layer type {layer_type!r}; expected mamba, attention or mlp")
 
     def __call__(self, x: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
-        h = self.norm(x)
+        return x + self.mix(self.norm(x), layer_state, single_step, chunk_size)
+
+    def mix(self, h: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
+        """The mixer on the normed input h: what the block adds to its input."""
         if self.layer_type == "mamba":
             if single_step:
-                h = self.mixer.step(h, layer_state)
-            else:
-                h = self.mixer.sequence(h, layer_state, chunk_size)
-        elif self.layer_type == "attention":
-            h = self.mixer(h, layer_state)
-        else:
-            h = self.mixer(h)
-        return x + h
+                return self.mixer.step(h, layer_state)
+            return self.mixer.sequence(h, layer_state, chunk_size)
+        if self.layer_type == "attention":
+            return self.mixer(h, layer_state)
+        return self.mixer(h)
+
+
+def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
+    y = x + h
+    return y, mx.fast.rms_norm(y, weight, eps)
+
+
+def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
+    """(x + h, norm(x + h)) as one compiled piece: a block's residual add and the next norm."""
+    weight = derived(norm, f"weight_{x.dtype}", (norm.weight,), lambda w: w.astype(x.dtype))
+    return piece(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(x, h, weight)
 
 
 # --------------------------------------------------------------------------- model
@@ -639,10 +655,19 @@ class NemotronH(nn.Module):
             state = self.make_state()
         else:
             self._check_state(state)
+        # Each block's residual add runs with the next norm (and the last with norm_f) as one
+        # piece: x + mixer(norm(x)) per block, as the blocks compute it.
+        added = None
         for block, layer_state in zip(self.layers, state.layers):
-            x = block(x, layer_state, single_step, self.ssd_chunk_size)
+            if added is None:
+                h = block.norm(x)
+            else:
+                x, h = add_rms_norm(x, added, block.norm)
+            added = block.mix(h, layer_state, single_step, self.ssd_chunk_size)
         state.offset += x.shape[1]
-        return self.norm_f(x)
+        if added is None:
+            return self.norm_f(x)
+        return add_rms_norm(x, added, self.norm_f)[1]
 
     def _check_input(self, x) -> mx.array:
         if not isinstance(x, mx.array):
