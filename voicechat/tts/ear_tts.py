@@ -351,13 +351,15 @@ def _apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 
 def _qkv_core(dims, x, scales, rope, proj):
-    """BackboneAttention up to the cache: q / k / v projections, the q / k norms ("1 + w"),
-    RoPE with the step's `rope_table` (cos, sin): inputs, so a compiled trace serves every step."""
-    heads, kv_heads, head_dim, q_eps, k_eps = dims
+    """BackboneLayer up to the cache: the input norm, q / k / v projections, the q / k norms
+    ("1 + w"), RoPE with the step's `rope_table` (cos, sin): inputs, so a compiled trace serves
+    every step. scales = [input norm, q norm, k norm]."""
+    heads, kv_heads, head_dim, in_eps, q_eps, k_eps = dims
     b, n, _ = x.shape
     cos, sin = rope
-    q = _norm(apply(x, proj[0]).reshape(b, n, heads, head_dim), scales[0], q_eps).transpose(0, 2, 1, 3)
-    k = _norm(apply(x, proj[1]).reshape(b, n, kv_heads, head_dim), scales[1], k_eps).transpose(0, 2, 1, 3)
+    x = _norm(x, scales[0], in_eps)
+    q = _norm(apply(x, proj[0]).reshape(b, n, heads, head_dim), scales[1], q_eps).transpose(0, 2, 1, 3)
+    k = _norm(apply(x, proj[1]).reshape(b, n, kv_heads, head_dim), scales[2], k_eps).transpose(0, 2, 1, 3)
     v = apply(x, proj[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
@@ -420,10 +422,12 @@ def _rvq_core(count, residual, books_t, books, norms):
     return mx.concatenate(codes).astype(mx.int32), residual
 
 
-def _post_attention_core(eps, x, attn, scales, mlp):
-    """BackboneLayer after the attention: h = x + norm(attn); h + norm(mlp(norm(h)))."""
+def _post_attention_core(eps, x, merged, scales, proj):
+    """BackboneLayer after the attention: attn = o_proj(merged heads); h = x + norm(attn);
+    h + norm(mlp(norm(h))). proj = o_proj, gate, up, down."""
+    attn = apply(merged, proj[0])
     h = x + _norm(attn, scales[0], eps[0])
-    return h + _norm(gated_mlp(_norm(h, scales[1], eps[1]), *mlp), scales[2], eps[2])
+    return h + _norm(gated_mlp(_norm(h, scales[1], eps[1]), *proj[1:]), scales[2], eps[2])
 
 
 class BackboneAttention(nn.Module):
@@ -446,23 +450,26 @@ class BackboneAttention(nn.Module):
         self.rope_base = float(cfg.rope_global_base_freq if is_global else cfg.rope_local_base_freq)
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
-    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
-        """x (B, n, hidden); `rope` = rope_table(n, head_dim, self.rope_base, offset) of this step."""
+    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array],
+                 input_norm: "BackboneRMSNorm") -> mx.array:
+        """x (B, n, hidden) before the layer's `input_norm`; `rope` = rope_table(n, head_dim,
+        self.rope_base, offset) of this step. -> the heads' output (B, n, H·D) before o_proj."""
         b, n, _ = x.shape
-        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps, self.k_norm.eps)
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, input_norm.eps, self.q_norm.eps, self.k_norm.eps)
         q, k, v = linear_piece("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
-                               [self.q_norm.scale(), self.k_norm.scale()], rope)
+                               [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()], rope)
         return self.attend(q, k, v, state, b, n)
 
     def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
-        """Cache update, attention and o_proj for roped q (B, H, n, D), k, v (B, KV, n, D)."""
+        """Cache update and attention for roped q (B, H, n, D), k, v (B, KV, n, D) -> the heads'
+        output (B, n, H·D); o_proj runs in the layer's post-attention piece."""
         if state is None:
             keys, values = k, v
             mask = attention_mask(0, n, 0, self.window) if n > 1 else None
         else:
             keys, values, mask = state.update_and_fetch(self.layer_index, k, v)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, self.num_heads * self.head_dim))
+        return out.transpose(0, 2, 1, 3).reshape(b, n, self.num_heads * self.head_dim)
 
 
 class BackboneLayer(nn.Module):
@@ -477,12 +484,13 @@ class BackboneLayer(nn.Module):
         self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
 
     def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
-        attn = self.self_attn(self.input_layernorm(x), state, rope)
+        merged = self.self_attn(x, state, rope, self.input_layernorm)
         # Fixed shapes from here on: one piece (voicechat.compiled).
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
         return linear_piece("tts_post_attention", _post_attention_core, tuple(n.eps for n in norms),
-                            (mlp.gate_proj, mlp.up_proj, mlp.down_proj), x, attn, [n.scale() for n in norms])
+                            (self.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), x, merged,
+                            [n.scale() for n in norms])
 
 
 class EarTtsBackbone(nn.Module):
