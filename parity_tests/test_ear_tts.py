@@ -328,6 +328,10 @@ def test_draw_order_and_shapes(model, cfg, prompt, silence):
             self.log.append(("normal", tuple(shape)))
             return super().normal(shape, dtype)
 
+        def uniform_then_normal(self, uniform_shape, normal_shape):
+            self.log += [("uniform", tuple(uniform_shape)), ("normal", tuple(normal_shape))]
+            return super().uniform_then_normal(uniform_shape, normal_shape)
+
     state, rng = warm(model, prompt), Recording(0)
     model.step(state, 300, rng, eos_id=EOS, silence_codes=silence)
     passes = sum(1 for c in model.pass_counts if c)

@@ -110,3 +110,29 @@ def test_copy_reset_and_counters():
 def test_bad_seed(bad, exc):
     with pytest.raises(exc, match="seed"):
         SessionRandom(bad)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**63 + 7])
+def test_uniform_then_normal_is_the_global_stream(seed, compiled):
+    """The MoG's two draws as one compiled piece give the global stream's values bit for bit
+    (the fused bits-to-float conversions must not round differently) and leave the same state."""
+    from voicechat.compiled import compile_set
+
+    shapes = [((1, 1, 1024), (1, 1, 512)), ((1, 1, 16), (1, 1, 16)), ((1, 1, 1024), (1, 1, 32))]
+    mx.random.seed(seed)
+    expected = []
+    for u_shape, n_shape in shapes * 2:
+        expected += [mx.random.uniform(shape=u_shape), mx.random.normal(shape=n_shape)]
+    mx.eval(expected)
+    want_key = global_key()
+    rng = SessionRandom(seed)
+    got = []
+    with compile_set(compiled):
+        for u_shape, n_shape in shapes * 2:
+            got += list(rng.uniform_then_normal(u_shape, n_shape))
+    mx.eval(got)
+    assert all(g.shape == e.shape and g.dtype == mx.float32 for g, e in zip(got, expected))
+    assert all(mx.array_equal(g, e).item() for g, e in zip(got, expected))
+    assert np.array_equal(np.array(rng.arrays()["key"]), want_key)
+    assert rng.draws == 2 * len(shapes) * 2
