@@ -366,3 +366,36 @@ def test_bad_waveform_raises(tiny):
     bad[3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         tiny.encode(bad)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_host_dequantize_equals_mlx(tiny, dtype):
+    """The streaming decode's host-side codebook lookup (zero-copy views, bf16 widened by its
+    bits) gives MLX's dequantize bit for bit: the same float32 additions in the same order."""
+    prvq = tiny.prvq
+    saved = list(prvq.mus_list)
+    try:
+        prvq.mus_list = [m.astype(dtype) for m in saved]
+        mx.eval(prvq.mus_list)
+        codes = _random_codes(tiny, 5, seed=4)
+        want = prvq.dequantize(mx.array(codes))
+        got = prvq.dequantize_host(codes)
+        assert got.dtype == np.float32 and got.shape == tuple(want.shape)
+        assert np.array_equal(got, np.array(want))
+    finally:
+        prvq.mus_list = saved
+
+
+def test_codes_are_checked_on_the_host(tiny):
+    """decode_step validates codes with one host read; bad values leave the state untouched."""
+    state = tiny.make_state()
+    bad = np.full((1, tiny.config.num_quantizers), tiny.config.codebook_size, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, "):
+        tiny.decode_step(mx.array(bad), state)
+    with pytest.raises(ValueError, match="got values from -1"):
+        tiny.decode_step(np.full_like(bad, -1), state)
+    assert state.frames_decoded == 0 and state.samples_emitted == 0
+    ok = _random_codes(tiny, 1, seed=5)
+    a = np.array(tiny.decode_step(mx.array(ok), state))
+    b = np.array(tiny.decode_step(mx.array(ok), tiny.make_state()))
+    assert np.array_equal(a, b) and state.frames_decoded == 1

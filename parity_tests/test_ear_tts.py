@@ -684,3 +684,104 @@ def test_bad_inputs(model, cfg, prompt, silence):
         model.step(state, 300, 0, eos_id=EOS, silence_codes=silence)
     # Refused calls changed nothing: the state is still right after the warm-up.
     assert state.offset == PROMPT_FRAMES
+
+
+# ----------------------------------------------------------------- dispatch-saving forms (exact)
+
+
+@pytest.mark.parametrize("head_dim", [18, 64, 128, 256])
+@pytest.mark.parametrize("n, offset", [(1, 0), (1, 37), (1, 4099), (37, 0), (3, 120)])
+@pytest.mark.parametrize("base", [10_000.0, 1_000_000.0])
+def test_rope_table_equals_fast_rope(head_dim, n, offset, base):
+    """The backbone's RoPE from a per-step table (cos, sin taken from mx.fast.rope itself) gives
+    mx.fast.rope's values bit for bit, on q (B, H, n, D) and k (B, KV, n, D) alike, compiled or not."""
+    from voicechat.compiled import compile_set
+    from voicechat.tts.ear_tts import _apply_rope, rope_table
+
+    x = mx.random.normal((2, 4, n, head_dim), key=mx.random.key(head_dim + n)) * 3.0
+    off = mx.array(offset, dtype=mx.int32)
+    want = mx.fast.rope(x, head_dim, traditional=False, base=base, scale=1.0, offset=off)
+    cos, sin = rope_table(n, head_dim, base, off)
+    assert cos.shape == sin.shape == (1, 1, n, head_dim // 2)
+    plain = _apply_rope(x, cos, sin)
+    with compile_set(True):
+        fused = mx.compile(_apply_rope)(x, cos, sin)
+    for got in (plain, fused):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(np.array(got), np.array(want))
+
+
+def _quantize_naive(books_t, norms, residual, first, count):
+    """The RVQ search written plainly (§8.6 j): per codebook, j* = argmin ‖e_j‖² − 2·r·e_j, r −= e_j*."""
+    codes = []
+    for qi in range(first, first + count):
+        dist = norms[qi] - 2.0 * (residual @ books_t[qi])[0]
+        j = int(mx.argmin(dist).item())
+        residual = residual - books_t[qi][:, j][None]
+        codes.append(j)
+    return codes, residual
+
+
+@pytest.mark.parametrize("first, count", [(0, 1), (0, 3), (2, 4), (5, 3)])
+def test_quantize_pass_equals_the_plain_search(model, cfg, first, count):
+    count = min(count, cfg.num_quantizers - first)
+    books_t, norms = model.rvq_books()
+    residual = mx.random.normal((1, cfg.latent_size), key=mx.random.key(first * 10 + count))
+    want_codes, want_rest = _quantize_naive(books_t, norms, residual, first, count)
+    codes, rest = model.quantize_pass(residual, first, count)
+    assert codes.dtype == mx.int32 and codes.shape == (count,)
+    assert codes.tolist() == want_codes
+    assert np.array_equal(np.array(rest), np.array(want_rest))
+    listed, rest2 = model.quantize_residual(residual, first, count)
+    assert [c.item() for c in listed] == want_codes and all(c.shape == (1,) for c in listed)
+    assert np.array_equal(np.array(rest2), np.array(want_rest))
+
+
+def test_text_embedding_cache(model, prompt, silence, monkeypatch):
+    """A step with the per-session text cache equals one without it (codes and caches), runs the
+    character encoder only for ids not held, and the cache keeps at most max_entries ids."""
+    from voicechat.tts.ear_tts import TextEmbeddingCache
+
+    tokens = [PAD, 300, 269, 300, 300, 269, PAD, 13 + 72, 300]
+    calls = []
+    original = model.embed_subword.embed_host
+
+    def counted(ids, *args, **kwargs):
+        calls.append(tuple(ids))
+        return original(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model.embed_subword, "embed_host", counted)
+    runs = {}
+    for cached in (False, True):
+        state, rng = warm(model, prompt), SessionRandom(3)
+        cache = TextEmbeddingCache(max_entries=3) if cached else None
+        calls.clear()
+        out = []
+        for tok in tokens:
+            codes = model.step(state, tok, rng, eos_id=EOS, silence_codes=silence, text_cache=cache)
+            mx.eval(codes)
+            out.append(codes.tolist())
+        runs[cached] = (out, state.arrays(), list(calls))
+        if cached:
+            assert len(cache) == 3
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert np.array_equal(np.array(v), np.array(runs[True][1][k])), k
+    assert len(runs[False][2]) == len(tokens)
+    # With room for 3 ids: each id is encoded on first use; 85 evicts the least recently used
+    # id (300), which is then encoded again.
+    assert runs[True][2] == [(PAD,), (300,), (269,), (13 + 72,), (300,)]
+    with pytest.raises(ValueError, match="max_entries"):
+        TextEmbeddingCache(0)
+
+
+def test_text_embedding_cache_is_least_recently_used():
+    from voicechat.tts.ear_tts import TextEmbeddingCache
+
+    cache = TextEmbeddingCache(max_entries=2)
+    a, b, c = mx.array([1.0]), mx.array([2.0]), mx.array([3.0])
+    cache.put(1, a)
+    cache.put(2, b)
+    assert cache.get(1) is a  # 1 is now the most recently used
+    cache.put(3, c)  # evicts 2
+    assert cache.get(2) is None and cache.get(1) is a and cache.get(3) is c

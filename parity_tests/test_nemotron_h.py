@@ -475,3 +475,93 @@ def test_model_numerics_choose_the_language_rounding(tiny_ckpt):
     a = run_steps(ref.stt_model.llm, x)[0]
     b = run_steps(f32.stt_model.llm, x)[0]
     assert max_abs(a, b) > 0
+
+
+# ----------------------------------------------------------------- the dispatch-saving step (exact)
+
+
+def _mamba_step_plain(mixer, x, conv, ssm):
+    """One Mamba-2 position written plainly (heads (1, H, ...), the conv state one array): the
+    formula the optimised step must reproduce bit for bit. -> (out, new conv, new ssm)."""
+    zxbcdt = mixer.in_proj(x).astype(mx.float32)
+    pad = zxbcdt.shape[-1] - mixer.proj_width
+    d_inner, conv_dim, k = mixer.d_inner, mixer.conv_dim, mixer.conv_kernel
+    heads, head_dim, groups, n = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.state_size
+    rep = heads // groups
+    z = zxbcdt[..., pad:pad + d_inner]
+    xbc = zxbcdt[..., pad + d_inner:pad + d_inner + conv_dim]
+    dt = zxbcdt[..., pad + d_inner + conv_dim:]
+    padded = mx.concatenate([conv, xbc], axis=1)
+    taps, bias = mixer.conv1d.taps(mx.float32)
+    acc = padded[:, 0:1] * taps[0]
+    for j in range(1, k):
+        acc = acc + padded[:, j:j + 1] * taps[j]
+    xbc = nn.silu(acc + bias if bias is not None else acc)
+    x_h = xbc[..., :d_inner].reshape(1, heads, head_dim)
+    b = xbc[..., d_inner:d_inner + groups * n].reshape(1, groups, n)
+    c = xbc[..., d_inner + groups * n:].reshape(1, groups, n)
+    dt_bias, a = mixer._dt_bias_and_a()
+    dt = mx.clip(nn.softplus(dt + dt_bias), mixer.dt_min, mixer.dt_max)[:, 0]
+    dtx = dt[:, :, None] * x_h
+    decay = mx.exp(dt * a)[:, :, None]
+    cb = mx.repeat((c[:, :, None, :] @ b[:, :, :, None])[..., 0], rep, axis=1)
+    y_state = ssm.reshape(1, groups, rep, head_dim, n) @ c[:, :, None, :, None]
+    y = cb * dtx + decay * y_state.reshape(1, heads, head_dim)
+    y = y + mixer.D.astype(mx.float32)[:, None] * x_h
+    new_ssm = dtx[..., None] * mx.repeat(b, rep, axis=1)[:, :, None, :] + decay[..., None] * ssm
+    u = (y.reshape(1, 1, d_inner) * nn.silu(z)).reshape(1, 1, groups, d_inner // groups)
+    u = mx.fast.rms_norm(u, None, mixer.eps).reshape(1, 1, d_inner) * mixer._norm_weight()
+    return mixer.out_proj(u).astype(mx.float32), padded[:, 1:], new_ssm
+
+
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_mamba_step_equals_the_plain_formula(cfg, conv_bias):
+    """The step (heads laid out by group, conv state as rows, compiled) equals the plain
+    single-position formula bit for bit over several steps, output and both states."""
+    model = build(dataclasses.replace(cfg, use_conv_bias=conv_bias), seed=4)
+    i = next(i for i, t in enumerate(model.layer_types) if t == "mamba")
+    mixer = model.layers[i].mixer
+    state = model.make_state().layers[i]
+    conv, ssm = state.conv, state.ssm
+    x = inputs(cfg, 6, seed=5)
+    for t in range(6):
+        h = x[:, t:t + 1]
+        want, conv, ssm = _mamba_step_plain(mixer, h, conv, ssm)
+        got = mixer.step(h, state)
+        mx.eval(want, got, conv, ssm, state.conv, state.ssm)
+        assert np.array_equal(np.array(got), np.array(want)), t
+        assert np.array_equal(np.array(state.conv), np.array(conv)), t
+        assert np.array_equal(np.array(state.ssm), np.array(ssm)), t
+
+
+def test_conv_state_rows_and_array_agree(cfg):
+    model = build(cfg)
+    i = next(i for i, t in enumerate(model.layer_types) if t == "mamba")
+    state = model.make_state().layers[i]
+    conv = mx.random.normal(state.conv.shape, key=mx.random.key(2))
+    state.conv = conv
+    rows = state.conv_rows
+    assert len(rows) == cfg.conv_kernel - 1 and all(r.shape == (1, 1, conv.shape[2]) for r in rows)
+    state.conv_rows = [r * 2 for r in rows]
+    assert np.array_equal(np.array(state.conv), np.array(conv * 2))
+    copy = state.copy()
+    assert np.array_equal(np.array(copy.conv), np.array(conv * 2))
+
+
+def test_step_equals_block_by_block(cfg):
+    """NemotronH.step (each residual add fused with the next norm) equals running the blocks one
+    by one, x + mixer(norm(x)), then norm_f: bit for bit, over several steps."""
+    model = build(cfg, seed=6)
+    x = inputs(cfg, 5, seed=7)
+    fused_state, plain_state = model.make_state(), model.make_state()
+    for t in range(5):
+        h = x[:, t:t + 1]
+        got = model.step(h, fused_state)
+        y = h
+        for block, layer_state in zip(model.layers, plain_state.layers):
+            y = block(y, layer_state, True, 256)
+        want = model.norm_f(y)
+        mx.eval(got, want)
+        assert np.array_equal(np.array(got), np.array(want)), t
+    for k, v in plain_state.arrays().items():
+        assert np.array_equal(np.array(v), np.array(fused_state.arrays()[k])), k
