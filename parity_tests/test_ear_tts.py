@@ -785,3 +785,20 @@ def test_text_embedding_cache_is_least_recently_used():
     assert cache.get(1) is a  # 1 is now the most recently used
     cache.put(3, c)  # evicts 2
     assert cache.get(2) is None and cache.get(1) is a and cache.get(3) is c
+
+
+@pytest.mark.parametrize("start", [0, 1, 255, 256, 257, 511, 4099, 70_000])
+def test_rope_blocks_equal_per_step_tables(model, start):
+    """A single step's RoPE sliced from a cached block of ROPE_BLOCK positions equals the table
+    made for that position alone, bit for bit, on both sides of block boundaries."""
+    from voicechat.tts.ear_tts import rope_table
+
+    backbone = model.backbone
+    for layer in backbone.layers[:2]:
+        attn = layer.self_attn
+        cos, sin = backbone._rope(1, attn.head_dim, attn.rope_base, start)
+        want_cos, want_sin = rope_table(1, attn.head_dim, attn.rope_base, mx.array(start, dtype=mx.int32))
+        assert cos.shape == want_cos.shape and sin.shape == want_sin.shape
+        assert np.array_equal(np.array(cos), np.array(want_cos))
+        assert np.array_equal(np.array(sin), np.array(want_sin))
+    assert len(backbone.__dict__["_rope_blocks"]) <= 8
