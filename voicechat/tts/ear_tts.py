@@ -425,6 +425,15 @@ def _rvq_core(count, residual, books_t, books, norms):
     return mx.concatenate(codes).astype(mx.int32), residual
 
 
+def _embed_codes_core(static, codes, arrays, proj):
+    """EarTts.embed_codes: Σ_q rvq_embs[q, code_q] (the mask code a zero row), then embed_code."""
+    (mask_code,) = static
+    books, index = arrays
+    rows = books[index, mx.minimum(codes, mask_code - 1)]
+    summed = mx.where((codes < mask_code)[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
+    return apply(summed, proj[0])
+
+
 def _post_attention_core(eps, x, merged, scales, proj):
     """BackboneLayer after the attention: attn = o_proj(merged heads); h = x + norm(attn);
     h + norm(mlp(norm(h))). proj = o_proj, gate, up, down."""
@@ -763,8 +772,10 @@ class EarTts(nn.Module):
         return mx.where(is_code[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
 
     def embed_codes(self, codes: mx.array) -> mx.array:
-        """embed_code(depthsum(codes)): (..., Q) -> (..., hidden)."""
-        return self.embed_code(self.depthsum(codes))
+        """embed_code(depthsum(codes)): (..., Q) -> (..., hidden); one compiled piece."""
+        index = derived(self, "codebook_index", (self.rvq_embs,), lambda e: mx.arange(e.shape[0]))
+        return linear_piece("embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes,
+                            [self.rvq_embs, index])
 
     def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
         """Audio side (n, hidden) and conditional text (n, hidden) -> fused backbone input
