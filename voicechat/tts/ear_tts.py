@@ -116,7 +116,7 @@ class TextEmbeddingCache:
     per step at the small widths). Least recently used ids leave first beyond `max_entries`.
     Made per session (a session's weights do not change under it)."""
 
-    def __init__(self, max_entries: int = 4096):
+    def __init__(self, max_entries: int = 1024):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries: expected an int >= 1, got {max_entries!r}")
         self.max_entries = max_entries
