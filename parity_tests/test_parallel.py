@@ -381,3 +381,17 @@ def test_cpu_default_copies_only_within_the_budget(monkeypatch):
     assert prepare_linears(layer())["float32"] == []
     monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1")
     assert prepare_linears(layer())["float32"] == [""]
+
+
+def test_split_point_follows_the_product_size():
+    """Half the rows plus half the second stream's start-up lag, at most MAX_MAIN_SHARE: a
+    published-shape product splits at half, a small one gives the default stream more."""
+    from voicechat.parallel import MAX_MAIN_SHARE, STREAM_LAG_MACS, split_point
+
+    rows = 3088
+    assert split_point(rows, 640 * rows) == round(rows * (0.5 + STREAM_LAG_MACS / (2 * 640 * rows)))
+    assert 0.55 < split_point(rows, 640 * rows) / rows < 0.57  # `small`'s in_proj
+    assert split_point(rows, 100 * rows) == round(rows * MAX_MAIN_SHARE)  # capped
+    assert abs(split_point(40_000, 4096 * 40_000) - 20_000) <= 2  # published shapes: half
+    for n in (2, 3, 7):
+        assert 1 <= split_point(n, 1) <= n - 1  # both parts non-empty

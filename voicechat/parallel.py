@@ -40,13 +40,16 @@ ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # beat 1M by ~4-7% at 4 and 8 bits (it adds the Mamba out_proj and the attention
 # q / o projections); 64K-128K split nothing more there and were no faster.
 MIN_SPLIT_MACS = 1 << 18
-# The default stream takes this share of a split layer's rows, the second stream the rest: the
-# second stream's thread starts its part one wake-up later (it sleeps between parts), so equal
-# halves left the default stream waiting for it. Measured on the benchmark machine (Nemotron-H
-# step, 3 alternating runs per value): 0.56 took the `small` language stage from 64 to 60 ms
-# and `small16` from 33 to 31-32 ms; 0.62 was no better. Each output row is the same dot product
-# whichever stream computes it, so the split point does not change a value (tested).
-MAIN_STREAM_SHARE = 0.56
+# The second stream's thread sleeps between parts and starts its part about one wake-up after the
+# default stream starts its own, so equal halves leave the default stream waiting. The default
+# stream takes the first `split_point` rows: half, plus half of that lag expressed as the
+# multiply-adds it could do meanwhile (`STREAM_LAG_MACS`), at most `MAX_MAIN_SHARE`. Measured on
+# the benchmark machine (Nemotron-H step, alternating runs): `small`'s in_proj (2.0 M MACs)
+# runs best near 0.56 of the rows (language stage 64 -> 60 ms), `small16`'s (0.5 M) near 0.6;
+# at the published shapes (tens of M) the lag is noise and the split stays at half (a fixed
+# 0.56 there made the language stage ~12% slower: the default stream did 56% of a 2-3 s stage).
+STREAM_LAG_MACS = 240_000
+MAX_MAIN_SHARE = 0.6
 
 _override = Override(lambda n: _parse(n, "set_cpu_streams(n)"))
 _local = threading.local()
@@ -131,18 +134,22 @@ def apply(x: mx.array, w) -> mx.array:
     return w(x) if isinstance(w, nn.Module) else linear(x, w)
 
 
-def split_point(rows: int) -> int:
-    """Rows [0, split) go to the default stream, [split, rows) to the second one (both non-empty)."""
-    return min(max(int(round(rows * MAIN_STREAM_SHARE)), 1), rows - 1)
+def split_point(rows: int, macs: int) -> int:
+    """Rows [0, split) of a layer of `macs` multiply-adds per input row go to the default
+    stream, [split, rows) to the second one (both non-empty). Each output row is the same dot
+    product whichever stream computes it, so the split point changes no value (tested)."""
+    share = min(0.5 + STREAM_LAG_MACS / (2 * max(macs, 1)), MAX_MAIN_SHARE)
+    return min(max(int(round(rows * share)), 1), rows - 1)
 
 
 def _row_halves(layer: nn.Module, weights: dict) -> tuple[dict, dict]:
-    """Row views of `weights` split at `MAIN_STREAM_SHARE` of the output rows (the first part
-    for the default stream), made once per weight arrays."""
+    """Row views of `weights` split at `split_point` (the first part for the default stream),
+    made once per weight arrays."""
     names = tuple(weights)
+    macs = _macs(layer)
 
     def halves(*arrays):
-        split = split_point(arrays[0].shape[0])
+        split = split_point(arrays[0].shape[0], macs)
         return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
 
     return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)
@@ -178,7 +185,7 @@ def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
 def _float32_transposed_halves(weight: mx.array, bias: mx.array | None = None) -> dict:
     """{"parts": [lo, hi]}: `_float32_transposed` of W's output rows split as `_row_halves` splits them, each
     contiguous, so a split layer runs the fast layout on both streams."""
-    split = split_point(weight.shape[0])
+    split = split_point(weight.shape[0], weight.shape[0] * weight.shape[1])
     lo = _float32_transposed(weight[:split], None if bias is None else bias[:split])
     hi = _float32_transposed(weight[split:], None if bias is None else bias[split:])
     return {"parts": [lo, hi]}
