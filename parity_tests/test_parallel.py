@@ -392,6 +392,6 @@ def test_split_point_follows_the_product_size():
     assert split_point(rows, 640 * rows) == round(rows * (0.5 + STREAM_LAG_MACS / (2 * 640 * rows)))
     assert 0.55 < split_point(rows, 640 * rows) / rows < 0.57  # `small`'s in_proj
     assert split_point(rows, 100 * rows) == round(rows * MAX_MAIN_SHARE)  # capped
-    assert abs(split_point(40_000, 4096 * 40_000) - 20_000) <= 2  # published shapes: half
+    assert abs(split_point(40_000, 4096 * 40_000) - 20_000) <= 40  # published shapes: half (within 0.1%)
     for n in (2, 3, 7):
         assert 1 <= split_point(n, 1) <= n - 1  # both parts non-empty
