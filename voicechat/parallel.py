@@ -146,10 +146,9 @@ def _row_halves(layer: nn.Module, weights: dict) -> tuple[dict, dict]:
     """Row views of `weights` split at `split_point` (the first part for the default stream),
     made once per weight arrays."""
     names = tuple(weights)
-    macs = _macs(layer)
 
     def halves(*arrays):
-        split = split_point(arrays[0].shape[0], macs)
+        split = split_point(arrays[0].shape[0], _macs(layer))
         return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
 
     return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)

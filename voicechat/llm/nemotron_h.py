@@ -52,9 +52,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        dtype = x.dtype
-        weight = derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
-        return rms_norm(x, weight, self.eps)  # compiled (voicechat.compiled)
+        return rms_norm(x, self.weight_as(x.dtype), self.eps)  # compiled (voicechat.compiled)
+
+    def weight_as(self, dtype) -> mx.array:
+        """The weight in the activation dtype, made once per weight."""
+        return derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
 
 
 class DepthwiseCausalConv1d(nn.Module):
@@ -89,9 +91,14 @@ class DepthwiseCausalConv1d(nn.Module):
 
 def _tap_sum(padded: mx.array, taps: list[mx.array], bias: mx.array | None, length: int) -> mx.array:
     """The K-tap causal sum over padded (1, K-1+L, C) -> (1, L, C), taps in a fixed order."""
-    out = padded[:, 0:length, :] * taps[0]
+    return _tap_sum_of([padded[:, j : j + length, :] for j in range(len(taps))], taps, bias)
+
+
+def _tap_sum_of(inputs: list[mx.array], taps: list[mx.array], bias: mx.array | None) -> mx.array:
+    """Σ_j inputs[j] · taps[j] (+ bias), in tap order: the causal conv over its K shifted inputs."""
+    out = inputs[0] * taps[0]
     for j in range(1, len(taps)):
-        out = out + padded[:, j : j + length, :] * taps[j]
+        out = out + inputs[j] * taps[j]
     return out + bias if bias is not None else out
 
 
@@ -305,11 +312,7 @@ def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, nor
     rep = heads // groups
     gs = groups * state_size
     z, xbc, dt = _split_projection(zxbcdt, pad, d_inner, conv_dim)
-    inputs = [*conv_rows, xbc]
-    out = inputs[0] * taps[0]  # the K-tap causal sum of _tap_sum, same order
-    for j in range(1, k):
-        out = out + inputs[j] * taps[j]
-    xbc_act = nn.silu(out + conv_bias if conv_bias is not None else out)
+    xbc_act = nn.silu(_tap_sum_of([*conv_rows, xbc], taps, conv_bias))
     x_h = xbc_act[..., :d_inner].reshape(1, groups, rep, head_dim)
     b = xbc_act[..., d_inner : d_inner + gs]
     c = xbc_act[..., d_inner + gs :]
@@ -323,9 +326,7 @@ def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, nor
     y = y + d_skip * x_h
     ssm = dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size) \
         + decay.reshape(1, groups, rep, 1, 1) * ssm5
-    # _gated_norm: y ⊙ SiLU(z) over n_groups contiguous channel groups (a group = its heads).
-    u = mx.fast.rms_norm(y.reshape(1, 1, groups, rep * head_dim) * nn.silu(z).reshape(1, 1, groups, rep * head_dim),
-                         None, eps).reshape(1, 1, d_inner) * norm_w
+    u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, eps, norm_w)  # a group's channels = its heads
     # The newest row in the state's dtype (a no-op for float32 states).
     rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
     return u, *rows, ssm.reshape(1, heads, head_dim, state_size)
@@ -572,8 +573,8 @@ def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tup
 
 def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
     """(x + h, norm(x + h)) as one compiled piece: a block's residual add and the next norm."""
-    weight = derived(norm, f"weight_{x.dtype}", (norm.weight,), lambda w: w.astype(x.dtype))
-    return piece(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(x, h, weight)
+    return piece(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
+        x, h, norm.weight_as(x.dtype))
 
 
 # --------------------------------------------------------------------------- model

@@ -48,7 +48,7 @@ from .layers import (
 from .rng import SessionRandom
 from ..compiled import linear_piece, piece
 from ..constants import derived
-from ..parallel import apply, split_rows
+from ..parallel import apply
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
 GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
@@ -425,13 +425,17 @@ def _rvq_core(count, residual, books_t, books, norms):
     return mx.concatenate(codes).astype(mx.int32), residual
 
 
-def _embed_codes_core(static, codes, arrays, proj):
-    """EarTts.embed_codes: Σ_q rvq_embs[q, code_q] (the mask code a zero row), then embed_code."""
-    (mask_code,) = static
-    books, index = arrays
+def _depth_sum(books: mx.array, index: mx.array, codes: mx.array, mask_code: int) -> mx.array:
+    """Σ_q books[q, code_q] in float32 over the last axis of codes (..., Q); index = arange(Q);
+    the mask code contributes a zero row."""
     rows = books[index, mx.minimum(codes, mask_code - 1)]
-    summed = mx.where((codes < mask_code)[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
-    return apply(summed, proj[0])
+    return mx.where((codes < mask_code)[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
+
+
+def _embed_codes_core(static, codes, arrays, proj):
+    """EarTts.embed_codes: the depth sum, then embed_code."""
+    (mask_code,) = static
+    return apply(_depth_sum(*arrays, codes, mask_code), proj[0])
 
 
 def _post_attention_core(eps, x, merged, scales, proj):
@@ -530,7 +534,6 @@ class EarTtsBackbone(nn.Module):
         if state is not None:
             state.offset += x.shape[1]
         return self.norm(x)
-
 
     def _rope(self, n: int, head_dim: int, base: float, start: int) -> tuple[mx.array, mx.array]:
         """`rope_table` for positions start..start+n-1. A single step slices it from a table of
@@ -767,15 +770,17 @@ class EarTts(nn.Module):
     def depthsum(self, codes: mx.array) -> mx.array:
         """codes (..., Q) in 0..codebook_size -> (..., latent) float32: Σ_q rvq_embs[q, code_q],
         the mask code (codebook_size) contributing a zero row."""
-        is_code = codes < self.mask_code
-        rows = self.rvq_embs[mx.arange(self.num_quantizers), mx.minimum(codes, self.mask_code - 1)]
-        return mx.where(is_code[..., None], rows.astype(mx.float32), 0.0).sum(axis=-2)
+        return _depth_sum(*self._depth_sum_arrays(), codes, self.mask_code)
+
+    def _depth_sum_arrays(self) -> list[mx.array]:
+        """[rvq_embs, arange(Q)]: the codebooks and the codebook index `_depth_sum` reads."""
+        index = derived(self, "codebook_index", (self.rvq_embs,), lambda e: mx.arange(e.shape[0]))
+        return [self.rvq_embs, index]
 
     def embed_codes(self, codes: mx.array) -> mx.array:
         """embed_code(depthsum(codes)): (..., Q) -> (..., hidden); one compiled piece."""
-        index = derived(self, "codebook_index", (self.rvq_embs,), lambda e: mx.arange(e.shape[0]))
         return linear_piece("embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes,
-                            [self.rvq_embs, index])
+                            self._depth_sum_arrays())
 
     def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
         """Audio side (n, hidden) and conditional text (n, hidden) -> fused backbone input
@@ -856,7 +861,7 @@ class EarTts(nn.Module):
             rest = self.num_quantizers - done
             codes = mx.concatenate(assigned + [mx.full((rest,), self.mask_code, dtype=mx.int32)])[None]
             e = self.embed_codes(codes)  # (1, hidden)
-            # Row-wise: the conditional and unconditional rows run on two CPU streams.
+            # Both guidance rows as one batch (two stream halves cost twice the dispatches).
             feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)

@@ -24,14 +24,19 @@ from ..compiled import piece
 _MAX_SEED = 2**64
 
 
+def _split(key: mx.array) -> tuple[mx.array, mx.array]:
+    """The global generator's step: state -> (next state, the subkey of this draw)."""
+    halves = mx.random.split(key)  # (2, 2)
+    return halves[0], halves[1]
+
+
 def _uniform_then_normal(shapes, key):
     """Two draws of the global stream from state `key`: split, uniform, split, normal."""
     uniform_shape, normal_shape = shapes
-    halves = mx.random.split(key)
-    u = mx.random.uniform(shape=uniform_shape, key=halves[1])
-    halves = mx.random.split(halves[0])
-    n = mx.random.normal(shape=normal_shape, key=halves[1])
-    return halves[0], u, n
+    key, sub = _split(key)
+    u = mx.random.uniform(shape=uniform_shape, key=sub)
+    key, sub = _split(key)
+    return key, u, mx.random.normal(shape=normal_shape, key=sub)
 
 
 class SessionRandom:
@@ -52,10 +57,9 @@ class SessionRandom:
 
     def next_key(self) -> mx.array:
         """The key the global generator would use for its next draw (advances the stream)."""
-        halves = mx.random.split(self._key)  # (2, 2): [next state, subkey]
-        self._key = halves[0]
+        self._key, sub = _split(self._key)
         self.draws += 1
-        return halves[1]
+        return sub
 
     def uniform(self, shape, dtype=mx.float32) -> mx.array:
         """Same values as `mx.random.uniform(shape=shape, dtype=dtype)` on the global stream."""
