@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from voicechat.parallel import cpu_streams, derived_views, secondary_stream
+from voicechat.parallel import cpu_streams, resident_arrays, secondary_stream
 
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
@@ -293,26 +293,12 @@ def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
 def resident_bytes_by_stage(model) -> dict[str, int]:
     """Bytes each stage keeps resident after `voicechat.load`: its parameters (float32 copies
     replace their 16-bit originals, voicechat.parallel) plus the derived arrays cached on its
-    modules (voicechat.constants.derived; row-half views excluded). Arrays outside the five
-    stages (speaker latents, control codes) go to "other"; "total" is the sum."""
+    modules (voicechat.constants.derived, numpy float32 copies of voicechat.host_gemm included;
+    views excluded): `voicechat.parallel.resident_arrays`. Arrays outside the five stages
+    (speaker latents, control codes) go to "other"; "total" is the sum."""
     out = {s: 0 for s in (*STAGES, "other")}
-    seen: set[int] = set()
-
-    def add(path: str, a) -> None:
-        if isinstance(a, mx.array) and id(a) not in seen:
-            seen.add(id(a))
-            out[_stage_of(path + ".") or "other"] += a.nbytes
-
-    for name, arr in tree_flatten(model.parameters()):
-        add(name, arr)
-    for path, m in model.named_modules():
-        if "_float32_t" in m.__dict__:
-            seen.add(id(m.__dict__["_float32_t"]))  # the buffer behind the `weight` view
-        for key, (_, value) in m.__dict__.get("_derived", {}).items():
-            if derived_views(key):
-                continue
-            for _, a in tree_flatten(value):
-                add(path, a)
+    for path, a in resident_arrays(model):
+        out[_stage_of(path + ".") or "other"] += a.nbytes
     out["total"] = sum(out.values())
     return out
 

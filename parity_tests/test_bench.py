@@ -477,3 +477,27 @@ def test_count_voicechat_stages(tiny_model, long_question_wav):
     # compiled pieces fuse elementwise chains: strictly fewer dispatches where they are used
     assert rows["tts"]["dispatches_per_frame"] < uncompiled["tts"]["dispatches_per_frame"]
     assert rows["total"]["dispatches_per_frame"] < uncompiled["total"]["dispatches_per_frame"]
+
+
+def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
+    """The bench's per-stage resident column and `voicechat.parallel.resident_bytes` count the
+    same arrays (one walk, `resident_arrays`): the stages sum to the model's resident bytes,
+    numpy float32 copies of the codec's products included."""
+    from mlx.utils import tree_flatten
+
+    import voicechat
+    from bench.floor import resident_bytes_by_stage
+    from voicechat import host_gemm
+    from voicechat.parallel import resident_bytes
+
+    model = voicechat.load(tiny_ckpt, warmup=False)
+    codec = model.tts_model.audio_codec
+    with host_gemm.host_gemm_set(True):
+        mx.eval(codec.decode(np.zeros((2, codec.config.num_quantizers), dtype=np.int32)))
+    numpy_bytes = sum(v.nbytes for _, m in codec.named_modules()
+                      for _, v in m.__dict__.get("_derived", {}).values() if isinstance(v, np.ndarray))
+    params = sum(a.nbytes for _, a in tree_flatten(codec.parameters()))
+    assert numpy_bytes > 0  # the decode above made the host copies
+    by_stage = resident_bytes_by_stage(model)
+    assert by_stage["total"] == resident_bytes(model)
+    assert by_stage["codec"] == resident_bytes(codec) >= params + numpy_bytes

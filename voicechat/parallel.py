@@ -371,32 +371,35 @@ def derived_views(name: str) -> bool:
     return name.startswith("row_halves_") or name.endswith("_views")
 
 
-def resident_bytes(module: nn.Module) -> int:
-    """Bytes of the arrays `module` keeps: parameters, plus the derived arrays cached on its
-    modules (voicechat.constants.derived: MLX arrays, and the numpy float32 copies of
-    voicechat.host_gemm), each buffer counted once; derived views of the parameters are not
-    counted again."""
+def resident_arrays(module: nn.Module):
+    """(path, array) for each array `module` keeps, each once: its parameters (path = the
+    parameter's), then the derived arrays cached on its modules (voicechat.constants.derived,
+    path = the module's: MLX arrays, and the numpy float32 copies of voicechat.host_gemm);
+    derived views of the parameters (`derived_views`) are skipped. What `resident_bytes` and the
+    bench's per-stage resident column count."""
     from mlx.utils import tree_flatten
 
-    seen, total = set(), 0
-
-    def add(a):
-        nonlocal total
-        if isinstance(a, (mx.array, np.ndarray)) and id(a) not in seen:  # numpy: voicechat.host_gemm's copies
-            seen.add(id(a))
-            total += a.nbytes
-
-    for _, a in tree_flatten(module.parameters()):
-        add(a)
+    seen = set()
     for _, m in module.named_modules():
         if "_float32_view" in m.__dict__ and m._replaced():
             seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
+    for path, a in tree_flatten(module.parameters()):
+        if id(a) not in seen:
+            seen.add(id(a))
+            yield path, a
+    for path, m in module.named_modules():
         for name, (_, value) in m.__dict__.get("_derived", {}).items():
             if derived_views(name):
                 continue
             for _, a in tree_flatten(value):
-                add(a)
-    return total
+                if isinstance(a, (mx.array, np.ndarray)) and id(a) not in seen:
+                    seen.add(id(a))
+                    yield path, a
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of the arrays `module` keeps (`resident_arrays`), each buffer counted once."""
+    return sum(a.nbytes for _, a in resident_arrays(module))
 
 
 def split_rows(fn, x: mx.array) -> mx.array:
