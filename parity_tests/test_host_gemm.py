@@ -193,3 +193,24 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
         mx.eval(fresh.decode(codes))
     for b in (m for _, m in fresh.named_modules() if isinstance(m, ConvNeXtBlock) and "_derived" in m.__dict__):
         assert len(float32_copies(b, mx.array)) == 2 and float32_copies(b, np.ndarray) == []
+
+
+@pytest.mark.parametrize("numpy_products", [True, False])
+def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
+    """`load` makes the decoder's derived weights (numpy's float32 copies with the products in
+    numpy, MLX float32 norms / biases / taps either way), so the memory the model keeps is
+    taken, and counted by `resident_bytes` and the bench's resident column, at load: decoding
+    afterwards adds no resident byte."""
+    import voicechat
+    from voicechat.parallel import resident_bytes
+
+    with host_gemm.host_gemm_set(numpy_products):
+        codec = voicechat.load(tiny_ckpt, warmup=False).tts_model.audio_codec
+        host_copies = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
+                       if isinstance(v, np.ndarray)]
+        assert bool(host_copies) == numpy_products
+        at_load = resident_bytes(codec)
+        state = codec.make_state()
+        for codes in _codes(codec, 2, seed=5):
+            mx.eval(codec.decode_step(codes, state))
+        assert resident_bytes(codec) == at_load

@@ -150,6 +150,7 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     # Float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
+    model.tts_model.audio_codec.prepare_decoder()  # its float32 / numpy copies, taken (and counted) here
     steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)

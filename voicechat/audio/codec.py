@@ -605,6 +605,17 @@ class Codec(nn.Module):
         geo = self._geometry
         return audio[geo.pad : geo.pad + real.shape[0] * geo.hop]
 
+    def prepare_decoder(self) -> None:
+        """Make the decoder's derived weights now rather than at the first decode: the float32
+        norms, biases and taps, and (with the products in numpy, `voicechat.host_gemm`) numpy's
+        float32 copies of the 1x1 and upsampler weights, 367 MB at the published shapes. `load`
+        calls it, so the memory the model keeps is taken, and counted, at load, and the first
+        frame does not pay for the conversion. It decodes one frame of code 0 on a scratch state
+        (whatever the decoder's call path uses gets made, nothing is listed twice) and keeps
+        nothing else."""
+        codes = np.zeros((1, self._cfg.num_quantizers), dtype=np.int32)
+        mx.eval(self.decode_step(codes, self.make_state()))
+
     def make_state(self) -> CodecState:
         geo = self._geometry
         histories = {
