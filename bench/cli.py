@@ -54,6 +54,9 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="run each load + stream (and the floor model) in its own process, for checkpoints too "
                         "large for two models to sit in memory one after the other")
+    p.add_argument("--cold-page-cache", dest="warm_page_cache", action="store_false",
+                   help="do not read the checkpoint's files before each run (by default they are read, so every "
+                        "backend's load starts from the same page cache; without it the first to load pays the disk)")
     p.add_argument("--bandwidth-mb", type=float, default=256.0,
                    help="size of each matrix of the bandwidth measurement (default 256 MB)")
     p.add_argument("--out", default=None, help="run folder (default reports/bench/<date>-<time>)")
@@ -107,7 +110,7 @@ def cmd_bench(args) -> int:
         drop_first=args.drop_first, extra_decoding_seconds=args.extra_decoding_seconds,
         chunk_samples=args.chunk_samples, seed=args.seed, system_prompt=args.system_prompt,
         offline=args.offline, floor=args.floor, bandwidth_mb=args.bandwidth_mb, plots=args.plots,
-        frames=args.frames, isolate=args.isolate)
+        frames=args.frames, isolate=args.isolate, warm_page_cache=args.warm_page_cache)
     result = run_bench(opts, progress=Progress(enabled=not args.quiet))
     print((out / "summary.md").read_text())
     if args.update_docs is not None:

@@ -325,7 +325,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                f"{'none' if method.get('system_prompt') is None else repr(method['system_prompt'])}.")
     out.append(f"- **Runs:** {method['warmup']} warm-up run(s) (not counted), then {method['runs']} measured run(s) "
                f"per checkpoint and backend; the backends take turns within each run "
-               f"({' → '.join(method['backends'])}), each run loads the checkpoint afresh and releases it.")
+               f"({' → '.join(method['backends'])}), each run loads the checkpoint afresh and releases it"
+               + ("; before each run the checkpoint's files are read once, so every load starts from the same "
+                  "page cache (*load s* is not the disk's speed)." if method.get("warm_page_cache") else "."))
     out.append(f"- **Statistics:** the first {method['drop_first']} frames of every run are dropped (cold start); "
                f"the rest of all measured runs are pooled. RTF = mean frame time / 80 ms "
                f"(above 1.0 the stream falls behind real time). Per-run times are medians over the measured runs; "

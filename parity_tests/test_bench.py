@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -501,3 +502,27 @@ def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
     by_stage = resident_bytes_by_stage(model)
     assert by_stage["total"] == resident_bytes(model)
     assert by_stage["codec"] == resident_bytes(codec) >= params + numpy_bytes
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_checkpoint_files_are_read_before_each_run(tiny_ckpt_4bit, wav_path, tmp_path, monkeypatch, warm):
+    """Every backend's load starts from the same page cache: the checkpoint's files are read in
+    full before each run (all of its bytes, every file), and not at all with warm_page_cache off."""
+    import bench.runner as runner
+
+    calls = []
+    real = runner.read_through
+
+    def recording(folder, *a, **k):
+        calls.append(real(folder, *a, **k))
+        return calls[-1]
+
+    monkeypatch.setattr(runner, "read_through", recording)
+    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=tmp_path / "run",
+                        backends=["voicechat", "voicechat-serial"], runs=1, warmup=1, drop_first=0, frames=2,
+                        offline=False, floor=False, plots=False, heartbeat_s=0, warm_page_cache=warm)
+    assert run_bench(opts, progress=Progress(stream=io.StringIO())).ok
+    on_disk = sum(p.stat().st_size for p in Path(tiny_ckpt_4bit).iterdir() if p.is_file())
+    assert calls == ([on_disk] * 4 if warm else [])  # (1 warm-up + 1 measured) x 2 backends
+    env = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert env["method"]["warm_page_cache"] is warm
