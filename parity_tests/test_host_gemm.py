@@ -202,12 +202,11 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
     taken, and counted by `resident_bytes` and the bench's resident column, at load: decoding
     afterwards adds no resident byte."""
     import voicechat
-    from voicechat.parallel import resident_bytes
+    from voicechat.parallel import resident_arrays, resident_bytes
 
     with host_gemm.host_gemm_set(numpy_products):
         codec = voicechat.load(tiny_ckpt, warmup=False).tts_model.audio_codec
-        host_copies = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
-                       if isinstance(v, np.ndarray)]
+        host_copies = [a for _, a in resident_arrays(codec) if isinstance(a, np.ndarray)]
         assert bool(host_copies) == numpy_products
         at_load = resident_bytes(codec)
         state = codec.make_state()
