@@ -88,6 +88,26 @@ def test_matmul_t_numpy_equals_mlx_within_rounding(small_codec):
             assert (np.abs(np.array(got) - exact) <= bound).all(), (rows, k, out, enabled)
 
 
+def _mlx_float32_transposed(a: mx.array) -> np.ndarray:
+    return np.ascontiguousarray(np.array(a.astype(mx.float32)).T)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_float32_transposed_is_mlx_conversion_bit_for_bit(dtype):
+    """The host copy of w.T holds MLX's own float32 conversion of every value: for bf16 all
+    65,536 bit patterns (zeros, subnormals, infinities, NaNs of both signs), on contiguous,
+    transposed, reshaped and strided views of the weight."""
+    if dtype == mx.bfloat16:
+        every = mx.array(np.arange(1 << 16, dtype=np.uint16)).view(mx.bfloat16).reshape(256, 256)
+    else:
+        every = mx.array(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)).astype(dtype)
+    views = [every, every.T, every.reshape(128, 512), every[:, ::3], every[7:100, 3:60].T]
+    for w in views:
+        got, want = host_gemm.float32_transposed(w), _mlx_float32_transposed(w)
+        assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == tuple(w.shape[::-1])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_matmul_t_sees_a_replaced_weight():
     """The numpy copy of w.T is made per weight array: a new array under the same name is used."""
     owner = nn.Module()
