@@ -195,6 +195,36 @@ def test_nan_weights_named(tmp_path, tiny_ckpt):
         voicechat.load(f)
 
 
+def test_read_weights_names_every_nonfinite_tensor_across_groups(monkeypatch):
+    """read_weights reads and scans a group at a time: with groups of ~1 KB (one or two tensors
+    each) a bad tensor in the first, a middle and the last group is named, in order, and nothing
+    else; float64 goes through MLX's own test, integers are not scanned, a clean set passes and
+    is evaluated."""
+    from voicechat import loading
+
+    monkeypatch.setattr(loading, "READ_GROUP_BYTES", 1000)
+    rng = np.random.default_rng(0)
+
+    def tensors(bad: dict, wide: float) -> dict:
+        out = {"ids": mx.arange(300, dtype=mx.int32)}
+        for i in range(20):
+            values = rng.standard_normal(256).astype(np.float32)
+            if i in bad:
+                values[17 * i % 256] = bad[i]
+            dtype = (mx.float16, mx.bfloat16, mx.float32)[i % 3]
+            out[f"t{i:02d}"] = mx.array(values).astype(dtype) + 0  # lazy, as mx.load's arrays are
+            if i == 4:  # float64: no bit test in the scan, MLX's isfinite
+                out["wide"] = mx.array(np.array([1.0, wide]), dtype=mx.float64) + 0
+        return out
+
+    clean = tensors({}, 2.0)
+    loading.read_weights(clean)
+    assert all(a.nbytes and np.isfinite(np.array(a.astype(mx.float32))).all() for a in clean.values())
+    bad = tensors({0: np.nan, 9: -np.inf, 10: np.inf, 19: np.nan}, np.nan)  # t19 is in the last group
+    with pytest.raises(CheckpointError, match=r"\(5\): t00, wide, t09, t10, t19$"):
+        loading.read_weights(bad)
+
+
 def test_truncated_shard(tmp_path, tiny_ckpt):
     f = _copy(tiny_ckpt, tmp_path / "c")
     shard = sorted(f.glob("*.safetensors"))[0]
