@@ -38,7 +38,7 @@ import numpy as np
 from ..compiled import piece
 from ..config import CodecConfig
 from ..constants import derived
-from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread
+from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread, widen_bf16_bits
 from ..parallel import split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
@@ -352,11 +352,11 @@ def _host_views(*books: mx.array) -> list[tuple[str, np.ndarray]]:
 
 
 def _rows_f32(book: tuple[str, np.ndarray], index: np.ndarray) -> np.ndarray:
-    """Rows `index` of a `_host_views` codebook as float32 (bf16 widened exactly: bits << 16)."""
+    """Rows `index` of a `_host_views` codebook as float32 (bf16 widened exactly)."""
     kind, view = book
     rows = view[index]
     if kind == "bf16":
-        return (rows.astype(np.uint32) << 16).view(np.float32)
+        return widen_bf16_bits(rows)
     return rows.astype(np.float32, copy=False)
 
 
