@@ -21,7 +21,8 @@ Integer lookup tables (subword flags, control codes) are not counted.
 
 Bandwidth: the best effective read rate MLX reaches on this machine for a
 large matrix-vector product in each weight format (bf16, float32, and the
-affine-quantized kernel at 4 and 8 bits via `mx.quantized_matmul`): matrix
+affine-quantized kernel at 4 and 8 bits: `mx.quantized_matmul`, or
+`voicechat.cpu_qmv` where it is on and faster, as the runtime uses it): matrix
 bytes / wall time, best of several repetitions after a warm-up. The floor of a
 stage is the sum over its weight formats of bytes / bandwidth; the ratio
 measured / floor says how far the implementation is from streaming its weights
@@ -37,6 +38,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from voicechat.cpu_qmv import cpu_qmv_enabled
+from voicechat.cpu_qmv import quantized_matmul as cpu_qmv_matmul
 from voicechat.parallel import cpu_streams, resident_arrays, secondary_stream
 
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
@@ -267,11 +270,19 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
         del w
         mx.eval(q, sc, bi)
         nbytes = q.nbytes + sc.nbytes + bi.nbytes
-        s = _best_seconds(lambda: _rows_split(
+        s_mlx = _best_seconds(lambda: _rows_split(
             lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits), q, sc, bi),
             reps)
+        s, kernel = s_mlx, f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"
+        entry = {}
+        if cpu_qmv_enabled():  # the runtime's kernel where it serves (same bits as MLX's)
+            s_qmv = _best_seconds(lambda: _rows_split(
+                lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits), q, sc, bi), reps)
+            entry = {"gbps_mx_quantized_matmul": nbytes / s_mlx / 1e9, "gbps_cpu_qmv": nbytes / s_qmv / 1e9}
+            if s_qmv < s_mlx:
+                s, kernel = s_qmv, f"voicechat cpu_qmv {bits}-bit, group 64, f32 activations"
         results[f"q{bits}"] = {"gbps": nbytes / s / 1e9, "matrix_mb": nbytes / 1e6, "ms": s * 1e3,
-                               "kernel": f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"}
+                               "kernel": kernel, **entry}
         del q, sc, bi
     mx.clear_cache()
     for entry in results.values():

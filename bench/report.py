@@ -301,7 +301,11 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                    + (f". Compiled fixed-shape pieces (`VOICECHAT_COMPILE`): "
                       f"{'on' if mlx['voicechat_compile'] else 'off'}" if "voicechat_compile" in mlx else "")
                    + (f". Codec float32 products through numpy's BLAS (`VOICECHAT_HOST_GEMM`): "
-                      f"{'on' if mlx['voicechat_host_gemm'] else 'off'}" if "voicechat_host_gemm" in mlx else ""))
+                      f"{'on' if mlx['voicechat_host_gemm'] else 'off'}" if "voicechat_host_gemm" in mlx else "")
+                   + (f". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
+                      + (f"on ({mlx.get('voicechat_cpu_qmv_isa')})" if mlx["voicechat_cpu_qmv"] else
+                         f"off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'switched off'})")
+                      if "voicechat_cpu_qmv" in mlx else ""))
     la0, la1 = m.get("load_average_start"), m.get("load_average_end")
     if la0 or la1:
         out.append(f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "

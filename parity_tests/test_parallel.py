@@ -16,7 +16,9 @@ import pytest
 
 import voicechat
 from voicechat import parallel
-from voicechat.parallel import FastLinear, ParallelQuantizedLinear, prepare_linears, split_rows
+from voicechat.cpu_qmv import cpu_qmv_set, platform_served, unavailable_reason
+from voicechat.parallel import (MIN_SPLIT_MACS, QMV_SPEEDUP, FastLinear, FastQuantizedLinear, ParallelQuantizedLinear,
+                                prepare_linears, split_rows)
 
 
 @pytest.fixture
@@ -169,12 +171,27 @@ def test_language_path_and_switch_keep_16_bit_weights(two_streams, monkeypatch):
 def test_prepare_linears_threshold_and_redecision():
     mx.random.seed(7)
     tree = nn.Sequential(nn.Linear(16, 8), nn.QuantizedLinear(512, 512, group_size=64, bits=4))
-    report = prepare_linears(tree)  # default threshold: 512 * 512 MACs >= 256K, 16 * 8 below
+    with cpu_qmv_set(False):  # MLX's kernel: 512 * 512 MACs >= 256K splits, 16 * 8 does not
+        report = prepare_linears(tree)
     assert report["split"] == ["layers.1"]
     assert type(tree.layers[1]) is ParallelQuantizedLinear
     report = prepare_linears(tree, min_split_macs=1 << 30)  # re-decided: nothing splits now
-    assert report["split"] == [] and type(tree.layers[1]) is nn.QuantizedLinear
+    assert report["split"] == [] and type(tree.layers[1]) is FastQuantizedLinear
     assert tree.layers[0].__dict__["_split"] is False
+
+
+@pytest.mark.skipif(not platform_served(), reason="cpu_qmv serves Linux x86-64 only")
+def test_quantized_split_threshold_counts_the_faster_kernel():
+    """Through cpu_qmv a quantized product counts 1 / QMV_SPEEDUP of its multiply-adds: 512 x 512
+    (262K) no longer splits, 1024 x 1024 (1M) does, and the split point moves with the cost."""
+    if unavailable_reason() is not None:
+        pytest.skip(f"cpu_qmv not built here: {unavailable_reason()}")
+    mx.random.seed(7)
+    tree = nn.Sequential(nn.QuantizedLinear(512, 512, group_size=64, bits=4),
+                         nn.QuantizedLinear(1024, 1024, group_size=64, bits=4))
+    with cpu_qmv_set(True):
+        assert prepare_linears(tree)["split"] == ["layers.1"]
+    assert QMV_SPEEDUP * MIN_SPLIT_MACS == 1 << 20
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])

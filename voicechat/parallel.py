@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .constants import derived
+from .cpu_qmv import cpu_qmv_enabled, quantized_matmul
 from .switch import Override, env_flag
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
@@ -50,6 +51,12 @@ MIN_SPLIT_MACS = 1 << 18
 # 0.56 there made the language stage ~12% slower: the default stream did 56% of a 2-3 s stage).
 STREAM_LAG_MACS = 240_000
 MAX_MAIN_SHARE = 0.6
+# `cpu_qmv`'s quantized products run about this many times faster than MLX's CPU kernel (measured
+# at the small16 / small shapes, 4-bit: 3.8-7x per layer), so a quantized layer is split, and its
+# split point placed, as if it had 1 / QMV_SPEEDUP of its multiply-adds. Measured at small16
+# 4-bit (language stage, 3 interleaved rounds): splitting from 1M actual multiply-adds took
+# 15.9 ms against 19.2 ms from 256K and 16.9 ms from 4M.
+QMV_SPEEDUP = 4
 
 _override = Override(lambda n: _parse(n, "set_cpu_streams(n)"))
 _local = threading.local()
@@ -148,22 +155,29 @@ def _row_halves(layer: nn.Module, weights: dict) -> tuple[dict, dict]:
     names = tuple(weights)
 
     def halves(*arrays):
-        split = split_point(arrays[0].shape[0], _macs(layer))
+        split = split_point(arrays[0].shape[0], _split_cost(layer))
         return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
 
     return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)
 
 
-class ParallelQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose output rows are computed in two halves on two CPU streams."""
+class FastQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose product goes through `cpu_qmv.quantized_matmul` (MLX's bits, its
+    faster CPU kernel where that serves the call)."""
 
     _names = ("weight", "scales", "biases", "bias")
 
     def _half(self, x, part, stream):
-        y = mx.quantized_matmul(x, part["weight"], scales=part["scales"], biases=part.get("biases"),
-                                transpose=True, group_size=self.group_size, bits=self.bits,
-                                mode=self.mode, stream=stream)
+        y = quantized_matmul(x, part["weight"], part["scales"], part.get("biases"), group_size=self.group_size,
+                             bits=self.bits, mode=self.mode, stream=stream)
         return y + part["bias"] if "bias" in part else y
+
+    def __call__(self, x):
+        return self._half(x, {n: self[n] for n in self._names if n in self}, None)
+
+
+class ParallelQuantizedLinear(FastQuantizedLinear):
+    """`FastQuantizedLinear` whose output rows are computed in two halves on two CPU streams."""
 
     def __call__(self, x):
         stream = secondary_stream()
@@ -320,6 +334,17 @@ def _macs(layer: nn.Module) -> int:
     return w.shape[0] * w.shape[1]
 
 
+def _split_cost(layer: nn.Module) -> int:
+    """The layer's multiply-adds per input row in the units `MIN_SPLIT_MACS` / `STREAM_LAG_MACS`
+    are measured in (MLX's CPU kernels): a quantized product through `cpu_qmv` counts
+    1 / `QMV_SPEEDUP` of its multiply-adds."""
+    macs = _macs(layer)
+    if isinstance(layer, nn.QuantizedLinear) and layer.mode == "affine" and layer.bits in (4, 8) \
+            and cpu_qmv_enabled():
+        return macs // QMV_SPEEDUP
+    return macs
+
+
 def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
                     float32_copies: bool | None = None, prefix: str = "") -> dict[str, list[str]]:
     """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters
@@ -340,9 +365,9 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
-        big = layer["weight"].shape[0] >= 2 and _macs(layer) >= min_split_macs
+        big = layer["weight"].shape[0] >= 2 and _split_cost(layer) >= min_split_macs
         if isinstance(layer, nn.QuantizedLinear):
-            layer.__class__ = ParallelQuantizedLinear if big else nn.QuantizedLinear
+            layer.__class__ = ParallelQuantizedLinear if big else FastQuantizedLinear
             if big:
                 split.append(path)
             continue

@@ -1,0 +1,218 @@
+"""voicechat.cpu_qmv: the CPU quantized matrix-vector kernel must give `mx.quantized_matmul`'s
+float32 bits exactly (every output element, every instruction-set path, every bits / group size /
+scale dtype / shape / stride the language path can meet), route only the calls it serves, and say
+so when it cannot be used.
+
+Exact equality is the claim, not a tolerance: the kernel performs MLX's scalar operations
+(int -> float, scale * q + bias, x * t, sum + ...) in MLX's order for each row, and each is one
+IEEE-754 single-precision rounding in a vector lane as in a scalar register."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from voicechat import cpu_qmv
+from voicechat.cpu_qmv import BITS, GROUP_SIZES, ISA_NAMES, cpu_qmv_set, platform_served, quantized_matmul
+
+REQUIRE_ENV = "VOICECHAT_REQUIRE_CPU_QMV"
+
+
+def _module():
+    if not platform_served():
+        pytest.skip("cpu_qmv serves Linux x86-64 only")
+    module = cpu_qmv.extension()
+    if module is None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"cpu_qmv cannot be used here ({REQUIRE_ENV}=1): {cpu_qmv.unavailable_reason()}")
+        pytest.skip(f"cpu_qmv not built here: {cpu_qmv.unavailable_reason()}")
+    return module
+
+
+@pytest.fixture
+def module():
+    m = _module()
+    top = m.isa()
+    yield m
+    m.set_isa(top)
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).view(np.uint32)
+
+
+def _quantized(rng, n, k, group, bits, dtype):
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
+                                    group_size=group, bits=bits)
+    return w, scales.astype(dtype), biases.astype(dtype)
+
+
+def _reference(x, w, scales, biases, group, bits):
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits)
+
+
+def test_extension_is_used_where_it_should_be():
+    """On Linux x86-64 the kernel builds, passes its load-time check and is on by default; where
+    CI requires it (VOICECHAT_REQUIRE_CPU_QMV=1) a broken build fails here instead of going slow."""
+    m = _module()
+    assert cpu_qmv.unavailable_reason() is None
+    assert m.MLX_VERSION == mx.__version__
+    assert cpu_qmv.default_cpu_qmv() and cpu_qmv.cpu_qmv_enabled()
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUP_SIZES)
+def test_bit_for_bit_mx_quantized_matmul(module, isa, bits, group):
+    """Row counts that exercise each kernel: whole 64-row (AVX-512) / 32-row (AVX2) blocks, 16 / 8-row
+    blocks, single leftover rows; 1, 3 and (2, 2) input rows; float32, bfloat16 and float16 scales;
+    inputs up to ~1e4 so that the sums carry rounding."""
+    if isa > module.cpu_isa():
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    module.set_isa(isa)
+    rng = np.random.default_rng(1000 * bits + group + isa)
+    k = 3 * max(group, 64)
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for n in (1, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64, 65, 100, 200):
+            w, scales, biases = _quantized(rng, n, k, group, bits, dtype)
+            for shape in ((1, k), (3, k), (2, 2, k)):
+                x = mx.array((rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 5)).astype(np.float32))
+                ours = module.quantized_matvec(x, w, scales, biases, group, bits)
+                assert ours.shape == shape[:-1] + (n,) and ours.dtype == mx.float32
+                ref = _reference(x, w, scales, biases, group, bits)
+                assert np.array_equal(_bits(ours), _bits(ref)), (dtype, n, shape)
+
+
+@pytest.mark.parametrize("isa", [1, 2], ids=ISA_NAMES[1:])
+def test_strided_and_offset_arrays(module, isa):
+    """Views as the language path makes them (row halves at an offset) and stranger ones (every
+    other row, a transposed input) give MLX's bits too."""
+    if isa > module.cpu_isa():
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    module.set_isa(isa)
+    rng = np.random.default_rng(5)
+    w, scales, biases = _quantized(rng, 150, 256, 64, 4, mx.float32)
+    x = mx.array(rng.standard_normal((4, 256)).astype(np.float32))
+    cases = [
+        (x, w[37:], scales[37:], biases[37:]),          # the second half of a split layer
+        (x, w[:37], scales[:37], biases[:37]),
+        (x, w[::2], scales[::2], biases[::2]),          # not row-contiguous
+        (x[::2], w, scales, biases),
+        (mx.array(rng.standard_normal((256, 3)).astype(np.float32)).T, w, scales, biases),
+    ]
+    for xs, ws, ss, bs in cases:
+        ours = module.quantized_matvec(xs, ws, ss, bs, 64, 4)
+        assert np.array_equal(_bits(ours), _bits(_reference(xs, ws, ss, bs, 64, 4)))
+
+
+def test_non_finite_values_propagate_as_mlx_does(module):
+    """inf / NaN inputs and scales: the same bits, NaN payloads included."""
+    rng = np.random.default_rng(6)
+    w, scales, biases = _quantized(rng, 80, 128, 64, 8, mx.float32)
+    xn = rng.standard_normal((2, 128)).astype(np.float32)
+    xn[0, 5], xn[1, 70] = np.inf, np.nan
+    sn = np.array(scales)
+    sn[3, 1], sn[50, 0] = -np.inf, np.nan
+    x, s = mx.array(xn), mx.array(sn)
+    assert np.array_equal(_bits(module.quantized_matvec(x, w, s, biases, 64, 8)),
+                          _bits(_reference(x, w, s, biases, 64, 8)))
+
+
+def test_bad_arguments_say_what_is_expected(module):
+    rng = np.random.default_rng(7)
+    w, scales, biases = _quantized(rng, 16, 128, 64, 4, mx.float32)
+    x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        module.quantized_matvec(x, w, scales, biases, 64, 3)
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        module.quantized_matvec(x, w, scales, biases, 16, 4)
+    with pytest.raises(ValueError, match="x must be float32"):
+        module.quantized_matvec(x.astype(mx.bfloat16), w, scales, biases, 64, 4)
+    with pytest.raises(ValueError, match="last axis must be"):
+        module.quantized_matvec(x[:, :64], w, scales, biases, 64, 4)
+    with pytest.raises(ValueError, match=r"scales and biases must be \(N, K / group_size\)"):
+        module.quantized_matvec(x, w, scales[:8], biases, 64, 4)
+    with pytest.raises(ValueError, match="at most cpu_isa"):
+        module.set_isa(module.cpu_isa() + 1)
+
+
+def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatch):
+    rng = np.random.default_rng(8)
+    calls = []
+    real = module.quantized_matvec
+    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(a[4:6]) or real(*a, **k))
+    w, scales, biases = _quantized(rng, 40, 128, 64, 4, mx.float32)
+    x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
+    ref = _reference(x, w, scales, biases, 64, 4)
+    with cpu_qmv_set(True):
+        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
+        assert calls == [(64, 4)]
+        # Not served: bfloat16 activations, no biases (other modes), 3-bit, a GPU stream absent here.
+        quantized_matmul(x.astype(mx.bfloat16), w, scales, biases, group_size=64, bits=4)
+        w3, s3, b3 = mx.quantize(mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
+        quantized_matmul(x, w3, s3, b3, group_size=64, bits=3)
+        assert calls == [(64, 4)]
+    with cpu_qmv_set(False):
+        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
+        assert calls == [(64, 4)]
+
+
+def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4bit, question_wav, monkeypatch):
+    """A 4-bit tiny model streamed with the kernel and with MLX's: the same text, function ids,
+    codes and audio samples, bit for bit, and the kernel did run."""
+    calls = []
+    real = module.quantized_matvec
+    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
+    wave = question_wav[: 1280 * 12]
+    runs = {}
+    for on in (True, False):
+        with cpu_qmv_set(on):
+            session = tiny_model_4bit.create_streaming_session(seed=0)
+            events = []
+            for start in range(0, wave.size, 1280):
+                events += session.push_audio(wave[start:start + 1280])
+            audio = [e.samples for e in events if e.kind == "audio"]
+            runs[on] = (list(session.text_ids), list(session.function_ids),
+                        np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
+        if on:
+            assert len(calls) > 0
+            n_on = len(calls)
+    assert len(calls) == n_on  # none with the kernel off
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    assert np.array_equal(runs[True][2], runs[False][2]) and np.array_equal(runs[True][3], runs[False][3])
+
+
+def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch):
+    monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "no compiler here"})
+    monkeypatch.delenv(cpu_qmv.ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_qmv, "default_cpu_qmv", lambda: True)
+    with pytest.warns(RuntimeWarning, match="not used \\(no compiler here\\).*same results"):
+        assert cpu_qmv.cpu_qmv_enabled() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert cpu_qmv.cpu_qmv_enabled() is False
+        x = mx.ones((1, 64))
+        w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
+        assert quantized_matmul(x, w, s, b, group_size=64, bits=4).shape == (1, 8)  # MLX's kernel
+    with cpu_qmv_set(True), pytest.raises(RuntimeError, match="cannot be used: no compiler here"):
+        cpu_qmv.cpu_qmv_enabled()
+    monkeypatch.setenv(cpu_qmv.ENV_VAR, "1")
+    with pytest.raises(RuntimeError, match="VOICECHAT_CPU_QMV=1"):
+        cpu_qmv.cpu_qmv_enabled()
+    monkeypatch.setenv(cpu_qmv.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1"):
+        cpu_qmv.cpu_qmv_enabled()
+
+
+@pytest.mark.skipif(not platform_served(), reason="cpu_qmv serves Linux x86-64 only")
+def test_a_failed_build_names_its_cause(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_qmv, "_state", {})
+    monkeypatch.setenv("VOICECHAT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_qmv, "_cmake", lambda: None)
+    assert cpu_qmv.extension() is None
+    assert "no `cmake` found" in cpu_qmv.unavailable_reason()
+    assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))  # nothing half-built left behind

@@ -1,0 +1,267 @@
+"""The quantized language path's matrix-vector products on MLX's x86-64 CPU backend, bit for bit
+MLX's, about 4x faster.
+
+MLX's Linux x86-64 wheels have no SIMD for float in their CPU backend, so `mx.quantized_matmul`
+runs one scalar multiply-add chain per output row: 0.7 GB/s of 4-bit weights on the benchmark
+machine, the largest part of a frame's language stage. `csrc/cpu_qmv.cpp` is an MLX primitive
+that does the same operations in the same order for each row (so every output is MLX's bit for
+bit), with 8 rows in the lanes of an AVX2 register.
+
+It is a C++ extension built on first use, not at install: it links MLX's C++ library and passes
+`mx.array` through nanobind, so it must be built against the exact MLX it runs with. The build
+(CMake + the C++ compiler, ~15 s, one line on stderr) goes to `$VOICECHAT_CACHE/cpu_qmv/<key>`,
+the key covering the sources and the MLX, nanobind and Python versions; later processes import it.
+Before first use the module is checked against `mx.quantized_matmul` on random weights for every
+bits / group size it serves; any difference and it is not used.
+
+`quantized_matmul(...)` takes the extension when `cpu_qmv_enabled()` and the call is one it
+serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a CPU stream),
+else `mx.quantized_matmul`; both give the same bits. The default is on for a CPU default device
+on Linux x86-64 (on macOS MLX's CPU kernel sums 8 lanes at a time, a different order, and Metal
+is the fast path there). `VOICECHAT_CPU_QMV=0|1` or `set_cpu_qmv(...)` override it; forcing it
+on where it cannot be built raises. When the build fails where it is the default, a warning
+says why (and names the build log) and MLX's kernel is used: same results, slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .constants import cache_home
+from .switch import Override, bool_check, env_flag
+
+ENV_VAR = "VOICECHAT_CPU_QMV"
+MODULE_NAME = "_voicechat_cpu_qmv"
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("CMakeLists.txt", "cpu_qmv.cpp", "qmv_avx2.cpp", "qmv_avx512.cpp", "qmv_kernel.h", "qmv_rows.h")
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+ISA_NAMES = ("scalar", "AVX2", "AVX-512")  # the extension's isa() / set_isa() levels
+
+_override = Override(bool_check("set_cpu_qmv"))
+_lock = threading.Lock()
+_state: dict = {}  # "module" (or None) and "reason" once `_load` has run
+
+
+def platform_served() -> bool:
+    """Linux x86-64: where MLX's CPU quantized product is the scalar per-row chain this replaces."""
+    return sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+
+
+def _build_key() -> str:
+    import nanobind
+
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((SOURCE_DIR / name).read_bytes())
+    h.update(f"mlx {mx.__version__} nanobind {nanobind.__version__} python {sys.version}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cmake() -> str | None:
+    try:  # the `cmake` wheel (a dependency on Linux x86-64) first, then the system's
+        import cmake
+
+        path = Path(cmake.CMAKE_BIN_DIR) / "cmake"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("cmake")
+
+
+def _built_module(folder: Path) -> Path | None:
+    found = sorted(folder.glob(MODULE_NAME + "*.so"))
+    return found[0] if found else None
+
+
+def _build(folder: Path) -> None:
+    """CMake-build the module into `folder` (made atomically: a finished build or nothing)."""
+    import nanobind
+
+    cmake = _cmake()
+    if cmake is None:
+        raise RuntimeError("no `cmake` found (pip install cmake, or the system package)")
+    mlx_root = Path(mx.__file__).parent
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    log = folder.parent / f"{folder.name}.build.log"
+    print(f"voicechat: building the CPU quantized matrix-vector kernel (once per MLX version, ~15 s) "
+          f"in {folder}", file=sys.stderr, flush=True)
+    try:
+        configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                     f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}",
+                     f"-DMLX_DIR={mlx_root / 'share' / 'cmake' / 'MLX'}",
+                     f"-DVOICECHAT_MLX_VERSION={mx.__version__}",
+                     f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={work / 'out'}"]
+        with open(log, "w") as out:
+            for cmd in (configure, [cmake, "--build", str(work / "build"), "-j", str(min(os.cpu_count() or 1, 4))]):
+                out.write("$ " + " ".join(cmd) + "\n")
+                out.flush()
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+                if done.returncode != 0:
+                    raise RuntimeError(f"the build failed (exit {done.returncode}); its log: {log}")
+        built = _built_module(work / "out")
+        if built is None:
+            raise RuntimeError(f"the build wrote no {MODULE_NAME} module; its log: {log}")
+        final = work / "final"
+        final.mkdir()
+        shutil.copy2(built, final / built.name)
+        try:
+            os.replace(final, folder)  # another process may have finished first: keep theirs
+        except OSError:
+            if _built_module(folder) is None:
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def self_check(module) -> str | None:
+    """None when `module.quantized_matvec` equals `mx.quantized_matmul` bit for bit on random
+    weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
+    rows: 16-lane, 8-lane and single-row kernels) with each instruction set this CPU runs, else
+    what differed."""
+    rng = np.random.default_rng(20261202)
+    top = module.isa()
+    try:
+        for isa in range(module.cpu_isa() + 1):
+            module.set_isa(isa)
+            for bits in BITS:
+                for group in GROUP_SIZES:
+                    for dtype in (mx.float32, mx.bfloat16):
+                        n, k = 45, 2 * max(GROUP_SIZES)
+                        w, scales, biases = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
+                                                        group_size=group, bits=bits)
+                        scales, biases = scales.astype(dtype), biases.astype(dtype)
+                        x = mx.array(rng.standard_normal((3, k)).astype(np.float32) * 4)
+                        ours = module.quantized_matvec(x, w, scales, biases, group, bits, stream=mx.cpu)
+                        theirs = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                                                     group_size=group, bits=bits, stream=mx.cpu)
+                        if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                            return (f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
+                                    f"scales {dtype}, instruction set {ISA_NAMES[isa]}")
+    finally:
+        module.set_isa(top)
+    return None
+
+
+def _load():
+    """The built and checked module, or None; `_state["reason"]` says why not."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module, reason = None, None
+        if not platform_served():
+            reason = (f"not built on {sys.platform} {platform.machine()}: MLX's CPU kernel there sums in "
+                      "another order, so only MLX's own gives its bits")
+        else:
+            try:
+                folder = cache_home() / "cpu_qmv" / _build_key()
+                if _built_module(folder) is None:
+                    _build(folder)
+                module = _import(_built_module(folder))
+                if module.MLX_VERSION != mx.__version__:
+                    raise RuntimeError(f"built for MLX {module.MLX_VERSION}, running {mx.__version__}")
+                reason = self_check(module)
+                if reason is not None:
+                    module = None
+            except Exception as e:  # noqa: BLE001 - reported below, MLX's kernel used instead
+                module, reason = None, f"{type(e).__name__}: {e}"
+        _state["module"], _state["reason"] = module, reason
+        return module
+
+
+def extension():
+    """The built and checked extension module (None where it cannot be used)."""
+    return _load()
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension cannot be used here (None: it can). Builds it if needed."""
+    _load()
+    return _state["reason"]
+
+
+def default_cpu_qmv() -> bool:
+    env = env_flag(ENV_VAR, "the CPU quantized matrix-vector kernel")
+    if env is not None:
+        return env
+    return mx.default_device().type == mx.DeviceType.cpu and platform_served()
+
+
+def cpu_qmv_enabled() -> bool:
+    """Whether `quantized_matmul` takes the extension for the calls it serves. Forced on (by the
+    environment or `set_cpu_qmv(True)`) where it cannot be used: RuntimeError with the reason.
+    On by default where it cannot be built: one warning, then False."""
+    forced = _override.value if _override.value is not None else env_flag(ENV_VAR)
+    wanted = forced if forced is not None else default_cpu_qmv()
+    if not wanted:
+        return False
+    if _load() is not None:
+        return True
+    if forced:
+        raise RuntimeError(f"{ENV_VAR}=1 / set_cpu_qmv(True), but the CPU kernel cannot be used: "
+                           f"{_state['reason']}")
+    if not _state.get("warned"):
+        _state["warned"] = True
+        warnings.warn(f"voicechat: the CPU quantized matrix-vector kernel is not used ({_state['reason']}); "
+                      "MLX's kernel gives the same results, about 4x slower on this CPU. "
+                      f"Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def set_cpu_qmv(enabled: bool | None) -> None:
+    """Force the extension on (True) or off (False) for this process; None restores the default."""
+    _override.set(enabled)
+
+
+def cpu_qmv_set(enabled: bool | None):
+    """`set_cpu_qmv(enabled)` inside a with-block."""
+    return _override.scoped(enabled)
+
+
+def _served(x, w, scales, biases, group_size, bits, mode, stream) -> bool:
+    if stream is None:
+        if mx.default_device().type != mx.DeviceType.cpu:
+            return False
+    elif not isinstance(stream, mx.Stream) or stream.device.type != mx.DeviceType.cpu:
+        return False
+    return (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
+            and x.dtype == mx.float32 and w.ndim == 2 and w.dtype == mx.uint32 and scales.ndim == 2
+            and scales.dtype in (mx.float32, mx.bfloat16, mx.float16) and biases.dtype == scales.dtype
+            and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
+            and scales.shape == biases.shape == (w.shape[0], x.shape[-1] // group_size))
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *,
+                     group_size: int, bits: int, mode: str = "affine", stream=None) -> mx.array:
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, through the extension when
+    enabled and the call is one it serves (same bits either way)."""
+    if _served(x, w, scales, biases, group_size, bits, mode, stream) and cpu_qmv_enabled():
+        return _state["module"].quantized_matvec(x, w, scales, biases, group_size, bits, stream=stream)
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                               bits=bits, mode=mode, stream=stream)
+
+
+__all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "platform_served",
+           "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason"]

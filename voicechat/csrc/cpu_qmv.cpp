@@ -1,0 +1,217 @@
+// A quantized matrix-vector product for MLX's CPU backend on x86-64 that gives the same float32
+// bits as MLX's own kernel, several times faster (voicechat/cpu_qmv.py says when it is used).
+//
+// MLX's x86 build has no SIMD for float (simd::max_size<float> == 1), so its affine quantized
+// product x @ W.T runs `_qmm_t`: for each output row n, in k order,
+//     sum += x[k] * (scale * float(q[n, k]) + bias)
+// rounding after each multiply and add (the library has no FMA instructions). This kernel does
+// the same operations in the same order for every row, with one row per lane of an AVX-512 or
+// AVX2 register (qmv_kernel.h) instead of one scalar chain per row. IEEE single multiply / add /
+// int->float conversion round the same in a lane as in a scalar register, and the build turns
+// FMA contraction off, so each output element is MLX's bit for bit (checked at load against
+// mx.quantized_matmul, and by the tests).
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "qmv_rows.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+template <typename S>
+inline float to_float(S v) {
+  return static_cast<float>(v);
+}
+
+// One output row in MLX's scalar order (rows left over after the vector blocks).
+template <int bits, int G, typename S>
+void row_scalar(float* out, const float* x, const uint32_t* w32, const S* sc, const S* bi, int K) {
+  constexpr int mask = (1 << bits) - 1;
+  constexpr int per_byte = 8 / bits;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w32);
+  float sum = 0;
+  for (int k = 0; k < K; k += G) {
+    float s = to_float(*sc++);
+    float b = to_float(*bi++);
+    for (int kw = 0; kw < G / per_byte; kw++) {
+      uint8_t wi = *w++;
+      for (int p = 0; p < per_byte; p++) {
+        sum += (*x++) * (s * static_cast<float>(wi & mask) + b);
+        if (bits != 8) wi >>= bits;
+      }
+    }
+  }
+  *out = sum;
+}
+
+// The widest row kernels used: 2 AVX-512, 1 AVX2, 0 scalar only (the CPU's best unless lowered
+// by set_isa, which the tests use to run every path on one machine).
+int cpu_isa() {
+  return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+}
+std::atomic<int> isa_in_use{cpu_isa()};
+
+template <int bits, int G, typename S>
+void qmv(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi, int M, int N, int K) {
+  const int isa = isa_in_use.load(std::memory_order_relaxed);
+  const bool avx512 = isa >= 2, avx2 = isa >= 1;
+  const size_t words = K * bits / 32, groups = K / G;
+  for (int m = 0; m < M; m++) {
+    int n = 0;
+    if (avx512) n = voicechat_qmv::rows_avx512(bits, G, out, x, w, sc, bi, N, K);
+    if (avx2 && n < N) {  // the rows after the 16-lane blocks, 8 at a time
+      n += voicechat_qmv::rows_avx2(bits, G, out + n, x, w + n * words, sc + n * groups, bi + n * groups, N - n, K);
+    }
+    for (; n < N; n++) row_scalar<bits, G, S>(out + n, x, w + n * words, sc + n * groups, bi + n * groups, K);
+    out += N;
+    x += K;
+  }
+}
+
+template <typename S>
+void qmv_dispatch(int bits, int G, float* o, const float* x, const uint32_t* w, const S* s, const S* b,
+                  int M, int N, int K) {
+#define VOICECHAT_QMV_CASE(B, GS) \
+  if (bits == B && G == GS) return qmv<B, GS, S>(o, x, w, s, b, M, N, K);
+  VOICECHAT_QMV_CASE(4, 32)
+  VOICECHAT_QMV_CASE(4, 64)
+  VOICECHAT_QMV_CASE(4, 128)
+  VOICECHAT_QMV_CASE(8, 32)
+  VOICECHAT_QMV_CASE(8, 64)
+  VOICECHAT_QMV_CASE(8, 128)
+#undef VOICECHAT_QMV_CASE
+  throw std::invalid_argument("cpu_qmv: bits must be 4 or 8 and group_size 32, 64 or 128");
+}
+
+// The array's elements in row-major order: its own buffer when it is row-contiguous, else a copy.
+template <typename T>
+const T* row_major(const mx::array& a, std::vector<T>& copy) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  copy.resize(a.size());
+  const T* src = a.data<T>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t loc = 0;
+    for (int d = 0; d < a.ndim(); d++) loc += index[d] * a.strides()[d];
+    copy[i] = src[loc];
+    for (int d = a.ndim() - 1; d >= 0; d--) {
+      if (++index[d] < a.shape(d)) break;
+      index[d] = 0;
+    }
+  }
+  return copy.data();
+}
+
+template <typename S>
+void run(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::array& bi, mx::array& out,
+         int bits, int G) {
+  std::vector<float> xc;
+  std::vector<uint32_t> wc;
+  std::vector<S> sc_c, bi_c;
+  const int K = x.shape(-1);
+  const int M = static_cast<int>(x.size() / K);
+  const int N = out.shape(-1);
+  qmv_dispatch<S>(bits, G, out.data<float>(), row_major<float>(x, xc), row_major<uint32_t>(w, wc),
+                  row_major<S>(sc, sc_c), row_major<S>(bi, bi_c), M, N, K);
+}
+
+class CpuQuantizedMatvec : public mx::UnaryPrimitive {
+ public:
+  CpuQuantizedMatvec(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([out = mx::array::unsafe_weak_copy(out), x = mx::array::unsafe_weak_copy(inputs[0]),
+                      w = mx::array::unsafe_weak_copy(inputs[1]), sc = mx::array::unsafe_weak_copy(inputs[2]),
+                      bi = mx::array::unsafe_weak_copy(inputs[3]), bits = bits_, G = group_size_]() mutable {
+      switch (sc.dtype()) {
+        case mx::float32: return run<float>(x, w, sc, bi, out, bits, G);
+        case mx::bfloat16: return run<mx::bfloat16_t>(x, w, sc, bi, out, bits, G);
+        case mx::float16: return run<mx::float16_t>(x, w, sc, bi, out, bits, G);
+        default: throw std::invalid_argument("cpu_qmv: scales must be float32, bfloat16 or float16");
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernel serves the GPU)");
+  }
+
+  const char* name() const override { return "CpuQuantizedMatvec"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuQuantizedMatvec&>(other);
+    return o.group_size_ == group_size_ && o.bits_ == bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_qmv: bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("cpu_qmv: group_size must be 32, 64 or 128");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("cpu_qmv: x must be float32");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("cpu_qmv: w must be 2-D uint32");
+  const int N = w.shape(0);
+  const int K = w.shape(1) * 32 / bits;
+  if (x.ndim() < 1 || x.shape(-1) != K)
+    throw std::invalid_argument("cpu_qmv: x's last axis must be w.shape[1] * 32 / bits = " + std::to_string(K));
+  if (scales.dtype() != biases.dtype() || scales.ndim() != 2 || biases.ndim() != 2 ||
+      scales.shape(0) != N || biases.shape(0) != N || scales.shape(1) != K / group_size ||
+      biases.shape(1) != K / group_size)
+    throw std::invalid_argument("cpu_qmv: scales and biases must be (N, K / group_size), one dtype");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32, std::make_shared<CpuQuantizedMatvec>(stream, group_size, bits),
+                   {x, w, scales, biases});
+}
+
+}  // namespace
+
+NB_MODULE(_voicechat_cpu_qmv, m) {
+  m.doc() = "x @ dequantize(w).T for MLX's CPU backend, bit-identical to mx.quantized_matmul on x86-64";
+  m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
+        nb::arg("stream") = nb::none());
+  m.attr("MLX_VERSION") = VOICECHAT_MLX_VERSION;
+  m.def("isa", [] { return isa_in_use.load(); }, "row kernels in use: 2 AVX-512, 1 AVX2, 0 scalar");
+  m.def("cpu_isa", &cpu_isa, "the widest row kernels this CPU runs: 2 AVX-512, 1 AVX2, 0 scalar");
+  m.def(
+      "set_isa",
+      [](int isa) {
+        if (isa < 0 || isa > cpu_isa())
+          throw std::invalid_argument("set_isa: 0 (scalar), 1 (AVX2) or 2 (AVX-512), at most cpu_isa() = " +
+                                      std::to_string(cpu_isa()) + ", got " + std::to_string(isa));
+        isa_in_use.store(isa);
+      },
+      nb::arg("isa"), "use row kernels up to this instruction set (for tests)");
+}

@@ -1,0 +1,127 @@
+// The row kernels of cpu_qmv.cpp, compiled once per instruction set (qmv_avx2.cpp,
+// qmv_avx512.cpp set QMV_LANES and their own -m flags; the build turns FMA contraction off).
+//
+// Output rows are taken QMV_LANES at a time, one row per vector lane, 4 vectors per step. Each
+// lane runs MLX's scalar order for its row:
+//     for k in groups, for each packed word, for each value p in it (low bits first):
+//         sum += x[k] * (scale * float(q) + bias)
+// The words of the lanes' rows are fetched with one gather per vector; the scales and biases of
+// a group likewise when they are float32.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "qmv_rows.h"
+
+namespace voicechat_qmv {
+namespace QMV_NS {
+
+constexpr int L = QMV_LANES;
+#ifndef QMV_BLOCK
+#define QMV_BLOCK 4
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 256
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+
+inline vu gather_words(const uint32_t* base, vi index) {
+#if QMV_LANES == 16
+  return (vu)_mm512_i32gather_epi32((__m512i)index, base, 4);
+#else
+  return (vu)_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), (__m256i)index, 4);
+#endif
+}
+
+inline vf gather_floats(const float* base, vi index) {
+#if QMV_LANES == 16
+  return (vf)_mm512_i32gather_ps((__m512i)index, base, 4);
+#else
+  return (vf)_mm256_i32gather_ps(base, (__m256i)index, 4);
+#endif
+}
+
+template <typename S>
+inline vf load_lanes(const S* base, vi index) {
+  if constexpr (std::is_same_v<S, float>) {
+    return gather_floats(base, index);
+  } else {
+    vf out;
+    for (int l = 0; l < L; l++) out[l] = static_cast<float>(base[index[l]]);
+    return out;
+  }
+}
+
+// V * L consecutive output rows from n0.
+template <int bits, int G, int V, typename S>
+inline void rows_block(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi, int K, int n0) {
+  constexpr int per_word = 32 / bits;
+  constexpr uint32_t mask = (1u << bits) - 1;
+  const int words = K / per_word, groups = K / G;
+  vi word_index[V], group_index[V];
+  for (int v = 0; v < V; v++)
+    for (int l = 0; l < L; l++) {
+      word_index[v][l] = (n0 + v * L + l) * words;
+      group_index[v][l] = (n0 + v * L + l) * groups;
+    }
+  vf sum[V];
+  for (int v = 0; v < V; v++) sum[v] = vf{};
+  for (int g = 0; g < groups; g++) {
+    vf s[V], b[V];
+    for (int v = 0; v < V; v++) {
+      s[v] = load_lanes<S>(sc + g, group_index[v]);
+      b[v] = load_lanes<S>(bi + g, group_index[v]);
+    }
+    // The lanes' rows are read in parallel streams, too many for the hardware prefetcher:
+    // fetch each row's words PREFETCH_BYTES ahead.
+    for (int v = 0; v < V; v++)
+      for (int l = 0; l < L; l++)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + word_index[v][l] + (g + 1) * (G / per_word)) +
+                           PREFETCH_BYTES);
+    for (int i = g * (G / per_word); i < (g + 1) * (G / per_word); i++) {
+      vu wv[V];
+      for (int v = 0; v < V; v++) wv[v] = gather_words(w + i, word_index[v]);
+      const float* xk = x + i * per_word;
+#pragma GCC unroll 8
+      for (int p = 0; p < per_word; p++) {
+        const float xp = xk[p];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) {
+          vi q = (vi)((wv[v] >> (bits * p)) & mask);
+          vf t = s[v] * __builtin_convertvector(q, vf) + b[v];
+          sum[v] = sum[v] + xp * t;
+        }
+      }
+    }
+  }
+  for (int v = 0; v < V; v++)
+    for (int l = 0; l < L; l++) out[v * L + l] = sum[v][l];
+}
+
+template <int bits, int G, typename S>
+int rows(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi, int N, int K) {
+  int n = 0;
+  for (; n + QMV_BLOCK * L <= N; n += QMV_BLOCK * L) rows_block<bits, G, QMV_BLOCK, S>(out + n, x, w, sc, bi, K, n);
+  for (; n + L <= N; n += L) rows_block<bits, G, 1, S>(out + n, x, w, sc, bi, K, n);
+  return n;
+}
+
+}  // namespace QMV_NS
+
+// The entry point of this instruction set: rows [0, n) done, n returned (a multiple of L).
+#define QMV_ENTRY_CASES(S)                                                           \
+  if (bits == 4 && G == 32) return QMV_NS::rows<4, 32, S>(out, x, w, sc, bi, N, K);   \
+  if (bits == 4 && G == 64) return QMV_NS::rows<4, 64, S>(out, x, w, sc, bi, N, K);   \
+  if (bits == 4 && G == 128) return QMV_NS::rows<4, 128, S>(out, x, w, sc, bi, N, K); \
+  if (bits == 8 && G == 32) return QMV_NS::rows<8, 32, S>(out, x, w, sc, bi, N, K);   \
+  if (bits == 8 && G == 64) return QMV_NS::rows<8, 64, S>(out, x, w, sc, bi, N, K);   \
+  if (bits == 8 && G == 128) return QMV_NS::rows<8, 128, S>(out, x, w, sc, bi, N, K); \
+  return 0;
+
+}  // namespace voicechat_qmv

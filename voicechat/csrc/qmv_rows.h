@@ -1,0 +1,24 @@
+// The per-instruction-set row kernels (qmv_kernel.h): rows [0, n) of out = x @ W.T computed,
+// n returned (0 when the bits / group size is not served). S: the scales' / biases' type.
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/types/bf16.h"
+#include "mlx/types/half_types.h"
+
+namespace voicechat_qmv {
+
+#define QMV_DECLARE(NAME)                                                                                 \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w, const float* sc,               \
+           const float* bi, int N, int K);                                                                \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w,                                \
+           const mlx::core::bfloat16_t* sc, const mlx::core::bfloat16_t* bi, int N, int K);               \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w,                                \
+           const mlx::core::float16_t* sc, const mlx::core::float16_t* bi, int N, int K);
+
+QMV_DECLARE(rows_avx2)
+QMV_DECLARE(rows_avx512)
+
+#undef QMV_DECLARE
+}  // namespace voicechat_qmv
