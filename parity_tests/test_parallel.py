@@ -338,27 +338,28 @@ def test_compiled_mog_trunk_equals_uncompiled(tiny_model):
     _same(fused, plain)
 
 
-def test_serial_backend_matches_and_restores_settings(tiny_ckpt, question_wav):
-    """The benchmark's `voicechat-serial` backend (one stream, nothing compiled, codec products in
-    MLX) gives the same streamed ids and codes as `voicechat`, audio within the 1e-5 bound of two
+def test_serial_backend_matches_and_restores_settings(tiny_ckpt_4bit, question_wav):
+    """The benchmark's `voicechat-serial` backend (one stream, nothing compiled, codec products and
+    quantized products in MLX; a 4-bit model) gives the same streamed ids and codes as `voicechat`, audio within the 1e-5 bound of two
     float32 summation orders (api.md's streaming-vs-offline audio bound), and leaves the process
     settings as it found them."""
     from harness.backends import get_backend
-    from voicechat import compiled, host_gemm
+    from voicechat import compiled, cpu_qmv, host_gemm
 
     audio = question_wav[: 1280 * 8]
     parallel.set_cpu_streams(2)
     compiled.set_compile(True)
     host_gemm.set_host_gemm(True)
+    qmv = cpu_qmv.cpu_qmv_enabled()
     try:
         runs = {}
         for name in ("voicechat", "voicechat-serial"):
             backend = get_backend(name)
-            backend.load(str(tiny_ckpt))
+            backend.load(str(tiny_ckpt_4bit))
             runs[name] = backend.stream(audio, profile=True)
             assert backend.asr_frame_ms(audio)  # per-step times, one per whole frame
             assert parallel.cpu_streams() == 2 and compiled.compile_enabled() is True
-            assert host_gemm.host_gemm_enabled() is True
+            assert host_gemm.host_gemm_enabled() is True and cpu_qmv.cpu_qmv_enabled() is qmv
     finally:
         parallel.set_cpu_streams(None)
         compiled.set_compile(None)

@@ -58,10 +58,34 @@ inline vf load_lanes(const S* base, vi index) {
   }
 }
 
-// V * L consecutive output rows from n0.
+// Unaligned L-word load (the rows of a matrix start at any word).
+typedef uint32_t vu_unaligned __attribute__((vector_size(4 * L), aligned(4)));
+
+// m[r][c] -> m[c][r] for an L x L tile of words, in log2(L) stages of two-input lane shuffles:
+// each stage swaps the off-diagonal blocks of size `half` (Eklundh's transpose).
+inline void transpose(vu* m) {
+  for (int half = L / 2; half >= 1; half /= 2) {
+    vi lo_mask, hi_mask;
+    for (int j = 0; j < L; j++) {
+      lo_mask[j] = (j & half) ? L + j - half : j;
+      hi_mask[j] = (j & half) ? L + j : j + half;
+    }
+    for (int i = 0; i < L; i++) {
+      if (i & half) continue;
+      vu x = m[i], y = m[i + half];
+      m[i] = __builtin_shuffle(x, y, (vu)lo_mask);
+      m[i + half] = __builtin_shuffle(x, y, (vu)hi_mask);
+    }
+  }
+}
+
+// V * L consecutive output rows from n0. The words are read L at a time from each row (one
+// vector load per row), transposed so that vector i holds word i of every lane's row; words past
+// the last whole tile of L are gathered one word per lane.
 template <int bits, int G, int V, typename S>
 inline void rows_block(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi, int K, int n0) {
   constexpr int per_word = 32 / bits;
+  constexpr int words_per_group = G / per_word;
   constexpr uint32_t mask = (1u << bits) - 1;
   const int words = K / per_word, groups = K / G;
   vi word_index[V], group_index[V];
@@ -70,33 +94,41 @@ inline void rows_block(float* out, const float* x, const uint32_t* w, const S* s
       word_index[v][l] = (n0 + v * L + l) * words;
       group_index[v][l] = (n0 + v * L + l) * groups;
     }
-  vf sum[V];
+  vf sum[V], s[V], b[V];
   for (int v = 0; v < V; v++) sum[v] = vf{};
-  for (int g = 0; g < groups; g++) {
-    vf s[V], b[V];
-    for (int v = 0; v < V; v++) {
-      s[v] = load_lanes<S>(sc + g, group_index[v]);
-      b[v] = load_lanes<S>(bi + g, group_index[v]);
+  vu tile[V][L];
+  const int tiled = words / L * L;
+  for (int i = 0; i < words; i++) {
+    if (i % words_per_group == 0) {
+      const int g = i / words_per_group;
+      for (int v = 0; v < V; v++) {
+        s[v] = load_lanes<S>(sc + g, group_index[v]);
+        b[v] = load_lanes<S>(bi + g, group_index[v]);
+      }
     }
-    // The lanes' rows are read in parallel streams, too many for the hardware prefetcher:
-    // fetch each row's words PREFETCH_BYTES ahead.
-    for (int v = 0; v < V; v++)
-      for (int l = 0; l < L; l++)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + word_index[v][l] + (g + 1) * (G / per_word)) +
-                           PREFETCH_BYTES);
-    for (int i = g * (G / per_word); i < (g + 1) * (G / per_word); i++) {
-      vu wv[V];
-      for (int v = 0; v < V; v++) wv[v] = gather_words(w + i, word_index[v]);
-      const float* xk = x + i * per_word;
-#pragma GCC unroll 8
-      for (int p = 0; p < per_word; p++) {
-        const float xp = xk[p];
-#pragma GCC unroll 4
-        for (int v = 0; v < V; v++) {
-          vi q = (vi)((wv[v] >> (bits * p)) & mask);
-          vf t = s[v] * __builtin_convertvector(q, vf) + b[v];
-          sum[v] = sum[v] + xp * t;
+    if (i < tiled && i % L == 0) {
+      for (int v = 0; v < V; v++) {
+        for (int r = 0; r < L; r++) {
+          const uint32_t* row = w + word_index[v][r] + i;
+          tile[v][r] = *reinterpret_cast<const vu_unaligned*>(row);
+          // The lanes' rows are read in parallel streams, too many for the hardware
+          // prefetcher: fetch each row PREFETCH_BYTES ahead.
+          __builtin_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES);
         }
+        transpose(tile[v]);
+      }
+    }
+    vu wv[V];
+    for (int v = 0; v < V; v++) wv[v] = i < tiled ? tile[v][i % L] : gather_words(w + i, word_index[v]);
+    const float* xk = x + i * per_word;
+#pragma GCC unroll 8
+    for (int p = 0; p < per_word; p++) {
+      const float xp = xk[p];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; v++) {
+        vi q = (vi)((wv[v] >> (bits * p)) & mask);
+        vf t = s[v] * __builtin_convertvector(q, vf) + b[v];
+        sum[v] = sum[v] + xp * t;
       }
     }
   }
