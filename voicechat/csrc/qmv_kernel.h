@@ -156,4 +156,19 @@ int rows(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi
   if (bits == 8 && G == 128) return QMV_NS::rows<8, 128, S>(out, x, w, sc, bi, N, K); \
   return 0;
 
+// The three entry points (float32 / bfloat16 / float16 scales) of this instruction set.
+#define QMV_DEFINE_ENTRIES(NAME)                                                                        \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w, const float* sc,             \
+           const float* bi, int N, int K) {                                                             \
+    QMV_ENTRY_CASES(float)                                                                              \
+  }                                                                                                     \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w,                              \
+           const mlx::core::bfloat16_t* sc, const mlx::core::bfloat16_t* bi, int N, int K) {            \
+    QMV_ENTRY_CASES(mlx::core::bfloat16_t)                                                              \
+  }                                                                                                     \
+  int NAME(int bits, int G, float* out, const float* x, const uint32_t* w,                              \
+           const mlx::core::float16_t* sc, const mlx::core::float16_t* bi, int N, int K) {              \
+    QMV_ENTRY_CASES(mlx::core::float16_t)                                                               \
+  }
+
 }  // namespace voicechat_qmv
