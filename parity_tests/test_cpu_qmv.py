@@ -186,6 +186,45 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4b
     assert np.array_equal(runs[True][2], runs[False][2]) and np.array_equal(runs[True][3], runs[False][3])
 
 
+def test_the_kept_decision_follows_what_it_depends_on(module, monkeypatch):
+    """`cpu_qmv_enabled()` is kept between calls; a change of the environment, of the forced
+    value or of the loaded module is seen at the next call."""
+    monkeypatch.setenv(cpu_qmv.ENV_VAR, "0")
+    assert cpu_qmv.cpu_qmv_enabled() is False and cpu_qmv.cpu_qmv_enabled() is False
+    monkeypatch.setenv(cpu_qmv.ENV_VAR, "1")
+    assert cpu_qmv.cpu_qmv_enabled() is True
+    with cpu_qmv_set(False):
+        assert cpu_qmv.cpu_qmv_enabled() is False
+    assert cpu_qmv.cpu_qmv_enabled() is True
+    monkeypatch.delenv(cpu_qmv.ENV_VAR)
+    assert cpu_qmv.cpu_qmv_enabled() is True  # the default on a Linux x86-64 CPU device
+    monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "substituted"})
+    with cpu_qmv_set(True), pytest.raises(RuntimeError, match="substituted"):
+        cpu_qmv.cpu_qmv_enabled()
+
+
+def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch):
+    """`FastQuantizedLinear` checks once per weight arrays whether the kernel serves them: a
+    4-bit layer given 3-bit weights (not served) goes to MLX's kernel, with MLX's result."""
+    from voicechat.parallel import FastQuantizedLinear
+
+    rng = np.random.default_rng(9)
+    calls = []
+    real = module.quantized_matvec
+    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    layer = FastQuantizedLinear(128, 40, bias=False, group_size=64, bits=4)
+    layer.weight, layer.scales, layer.biases = _quantized(rng, 40, 128, 64, 4, mx.float32)
+    x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
+    with cpu_qmv_set(True):
+        assert np.array_equal(_bits(layer(x)), _bits(_reference(x, layer.weight, layer.scales, layer.biases, 64, 4)))
+        assert calls == [4]
+        layer.bits = 3
+        layer.weight, layer.scales, layer.biases = mx.quantize(
+            mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
+        assert np.array_equal(_bits(layer(x)), _bits(_reference(x, layer.weight, layer.scales, layer.biases, 64, 3)))
+        assert calls == [4]
+
+
 def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch):
     monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "no compiler here"})
     monkeypatch.delenv(cpu_qmv.ENV_VAR, raising=False)

@@ -212,22 +212,40 @@ def default_cpu_qmv() -> bool:
 def cpu_qmv_enabled() -> bool:
     """Whether `quantized_matmul` takes the extension for the calls it serves. Forced on (by the
     environment or `set_cpu_qmv(True)`) where it cannot be used: RuntimeError with the reason.
-    On by default where it cannot be built: one warning, then False."""
+    On by default where it cannot be built: one warning, then False.
+
+    Asked once per quantized product, so the answer is kept until what it depends on changes
+    (the forced value, the environment variable, the default device, the loaded module): the
+    full decision reads the environment twice and takes a lock, ~4 us, ~1 ms of a small frame."""
+    key = _decision_key()
+    if _decision[0] == key:
+        return _decision[1]
     forced = _override.value if _override.value is not None else env_flag(ENV_VAR)
     wanted = forced if forced is not None else default_cpu_qmv()
     if not wanted:
-        return False
-    if _load() is not None:
-        return True
-    if forced:
+        enabled = False
+    elif _load() is not None:
+        enabled = True
+    elif forced:
         raise RuntimeError(f"{ENV_VAR}=1 / set_cpu_qmv(True), but the CPU kernel cannot be used: "
                            f"{_state['reason']}")
-    if not _state.get("warned"):
-        _state["warned"] = True
-        warnings.warn(f"voicechat: the CPU quantized matrix-vector kernel is not used ({_state['reason']}); "
-                      "MLX's kernel gives the same results, about 4x slower on this CPU. "
-                      f"Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=2)
-    return False
+    else:
+        if not _state.get("warned"):
+            _state["warned"] = True
+            warnings.warn(f"voicechat: the CPU quantized matrix-vector kernel is not used ({_state['reason']}); "
+                          "MLX's kernel gives the same results, about 4x slower on this CPU. "
+                          f"Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=2)
+        enabled = False
+    _decision[:] = [_decision_key(), enabled]  # after `_load`, which fills `_state`
+    return enabled
+
+
+_decision: list = [None, False]  # [the `_decision_key` it was made under, cpu_qmv_enabled()]
+
+
+def _decision_key() -> tuple:
+    # `_state` itself (not only its module): the tests substitute the whole dict.
+    return (_override.value, os.environ.get(ENV_VAR), mx.default_device(), _state, _state.get("module", _state))
 
 
 def set_cpu_qmv(enabled: bool | None) -> None:
@@ -240,28 +258,42 @@ def cpu_qmv_set(enabled: bool | None):
     return _override.scoped(enabled)
 
 
-def _served(x, w, scales, biases, group_size, bits, mode, stream) -> bool:
-    if stream is None:
-        if mx.default_device().type != mx.DeviceType.cpu:
-            return False
-    elif not isinstance(stream, mx.Stream) or stream.device.type != mx.DeviceType.cpu:
-        return False
+def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str = "affine") -> bool:
+    """Whether the extension serves products with these weights (affine 4 / 8-bit, group 32 / 64 /
+    128, 2-D packed uint32 weights, float scales and biases of one dtype and matching shape). A
+    layer checks its weights once (`parallel.FastQuantizedLinear`); each call checks its input."""
     return (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
-            and x.dtype == mx.float32 and w.ndim == 2 and w.dtype == mx.uint32 and scales.ndim == 2
+            and w.ndim == 2 and w.dtype == mx.uint32 and scales.ndim == 2
             and scales.dtype in (mx.float32, mx.bfloat16, mx.float16) and biases.dtype == scales.dtype
-            and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
-            and scales.shape == biases.shape == (w.shape[0], x.shape[-1] // group_size))
+            and scales.shape == biases.shape == (w.shape[0], w.shape[1] * 32 // bits // group_size))
+
+
+_CPU = mx.Device(mx.cpu)  # MLX has one CPU device; comparing devices is 4x cheaper than their types
+
+
+def _input_served(x, w, bits, stream) -> bool:
+    if stream is None:
+        if mx.default_device() != _CPU:
+            return False
+    elif not isinstance(stream, mx.Stream) or stream.device != _CPU:
+        return False
+    return x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *,
-                     group_size: int, bits: int, mode: str = "affine", stream=None) -> mx.array:
+                     group_size: int, bits: int, mode: str = "affine", stream=None,
+                     served: bool | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, through the extension when
-    enabled and the call is one it serves (same bits either way)."""
-    if _served(x, w, scales, biases, group_size, bits, mode, stream) and cpu_qmv_enabled():
+    enabled and the call is one it serves (same bits either way). `served`: the caller's
+    `weights_served(...)` for these weights, checked here when None (the extension rejects,
+    with a clear error, weights it cannot take whatever a caller passes)."""
+    if served is None:
+        served = weights_served(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    if served and _input_served(x, w, bits, stream) and cpu_qmv_enabled():
         return _state["module"].quantized_matvec(x, w, scales, biases, group_size, bits, stream=stream)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=bits, mode=mode, stream=stream)
 
 
 __all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "platform_served",
-           "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason"]
+           "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason", "weights_served"]

@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .constants import derived
-from .cpu_qmv import cpu_qmv_enabled, quantized_matmul
+from .cpu_qmv import cpu_qmv_enabled, quantized_matmul, weights_served
 from .switch import Override, env_flag
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
@@ -167,13 +167,23 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     _names = ("weight", "scales", "biases", "bias")
 
-    def _half(self, x, part, stream):
+    def _weights(self) -> tuple[dict, bool]:
+        """The layer's arrays by name, and whether `cpu_qmv` serves them (checked once per arrays:
+        a product is a few microseconds of Python, the check another two)."""
+        weights = {n: self[n] for n in self._names if n in self}
+        served = derived(self, "qmv_served", tuple(weights.values()), lambda *_: weights_served(
+            weights["weight"], weights["scales"], weights.get("biases"), group_size=self.group_size,
+            bits=self.bits, mode=self.mode))
+        return weights, served
+
+    def _half(self, x, part, stream, served):
         y = quantized_matmul(x, part["weight"], part["scales"], part.get("biases"), group_size=self.group_size,
-                             bits=self.bits, mode=self.mode, stream=stream)
+                             bits=self.bits, mode=self.mode, stream=stream, served=served)
         return y + part["bias"] if "bias" in part else y
 
     def __call__(self, x):
-        return self._half(x, {n: self[n] for n in self._names if n in self}, None)
+        weights, served = self._weights()
+        return self._half(x, weights, None, served)
 
 
 class ParallelQuantizedLinear(FastQuantizedLinear):
@@ -183,8 +193,9 @@ class ParallelQuantizedLinear(FastQuantizedLinear):
         stream = secondary_stream()
         if stream is None:
             return super().__call__(x)
-        lo, hi = _row_halves(self, {n: self[n] for n in self._names if n in self})
-        return mx.concatenate([self._half(x, lo, None), self._half(x, hi, stream)], axis=-1)
+        weights, served = self._weights()  # a row half of served weights is served too
+        lo, hi = _row_halves(self, weights)
+        return mx.concatenate([self._half(x, lo, None, served), self._half(x, hi, stream, served)], axis=-1)
 
 
 def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
