@@ -1,11 +1,13 @@
 """voicechat.cpu_qmv: the CPU quantized matrix-vector kernel must give `mx.quantized_matmul`'s
 float32 bits exactly (every output element, every instruction-set path, every bits / group size /
-scale dtype / shape / stride the language path can meet), route only the calls it serves, and say
-so when it cannot be used.
+scale dtype / shape / stride the language path can meet), and its float32 product `mx.matmul`'s
+(every column block, row count and view the conformer / TTS / codebook products meet), route
+only the calls they serve, and say so when they cannot be used.
 
-Exact equality is the claim, not a tolerance: the kernel performs MLX's scalar operations
-(int -> float, scale * q + bias, x * t, sum + ...) in MLX's order for each row, and each is one
-IEEE-754 single-precision rounding in a vector lane as in a scalar register."""
+Exact equality is the claim, not a tolerance: the kernels perform MLX's scalar operations
+(int -> float, scale * q + bias, x * t, sum + ...; the reference sgemm's c + x * w) in MLX's
+order for each output, and each is one IEEE-754 single-precision rounding in a vector lane as
+in a scalar register."""
 
 from __future__ import annotations
 
@@ -122,6 +124,76 @@ def test_non_finite_values_propagate_as_mlx_does(module):
                           _bits(_reference(x, w, s, biases, 64, 8)))
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
+def test_float32_matmul_is_mx_matmul_bit_for_bit(module, isa):
+    """Column counts through every block (64 / 16 columns on AVX-512, 32 / 8 on AVX2, single
+    columns), row counts through the 4 / 2 / 1-row blocks, batch axes, K from 1 up, inputs up
+    to ~1e4 so that the sums carry rounding."""
+    if isa > module.cpu_isa():
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    module.set_isa(isa)
+    rng = np.random.default_rng(200 + isa)
+    for k in (1, 7, 72, 257):
+        for n in (1, 7, 8, 9, 16, 17, 33, 64, 65, 72, 100, 288):
+            wt = mx.array(rng.standard_normal((k, n)).astype(np.float32))
+            for shape in ((k,), (1, k), (2, k), (3, k), (7, k), (2, 1, k)):
+                x = mx.array((rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 5)).astype(np.float32))
+                ours = module.float32_matmul(x, wt)
+                assert ours.shape == shape[:-1] + (n,) and ours.dtype == mx.float32
+                assert np.array_equal(_bits(ours), _bits(mx.matmul(x, wt))), (k, n, shape)
+
+
+def test_float32_matmul_views_and_non_finite_values(module):
+    """A codebook slice of a (Q, K, N) array (row-contiguous at an offset), a transposed and a
+    strided input, a transposed weight; inf / NaN in inputs and weights: MLX's bits."""
+    rng = np.random.default_rng(11)
+    books = mx.array(rng.standard_normal((5, 32, 100)).astype(np.float32))
+    x = mx.array(rng.standard_normal((4, 32)).astype(np.float32))
+    cases = [
+        (x[:1], books[3]),
+        (mx.array(rng.standard_normal((32, 3)).astype(np.float32)).T, books[1]),
+        (x[::2], books[0]),
+        (x, mx.array(rng.standard_normal((100, 32)).astype(np.float32)).T),
+    ]
+    xn = rng.standard_normal((3, 32)).astype(np.float32)
+    xn[0, 4], xn[1, 9], xn[2, 0] = np.inf, np.nan, 0.0
+    wn = rng.standard_normal((32, 40)).astype(np.float32)
+    wn[0, 3], wn[10, 20] = np.inf, -np.inf  # 0 * inf: NaN, as MLX (no zero skipping)
+    cases.append((mx.array(xn), mx.array(wn)))
+    for xs, wt in cases:
+        assert np.array_equal(_bits(module.float32_matmul(xs, wt)), _bits(mx.matmul(xs, wt)))
+
+
+def test_float32_matmul_router(module, monkeypatch):
+    """`cpu_qmv.float32_matmul` takes the kernel for float32 products with a 2-D weight on a CPU
+    stream while the switch is on, MLX's matmul otherwise; the same values either way."""
+    rng = np.random.default_rng(12)
+    calls = []
+    real = module.float32_matmul
+    monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = mx.array(rng.standard_normal((2, 24)).astype(np.float32))
+    wt = mx.array(rng.standard_normal((24, 40)).astype(np.float32))
+    with cpu_qmv_set(True):
+        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt)), _bits(mx.matmul(x, wt)))
+        assert calls == [1]
+        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16))  # not float32
+        cpu_qmv.float32_matmul(x, mx.stack([wt, wt]))  # a batched weight
+        assert calls == [1]
+    with cpu_qmv_set(False):
+        cpu_qmv.float32_matmul(x, wt)
+        assert calls == [1]
+
+
+def test_float32_matmul_bad_arguments(module):
+    x = mx.ones((2, 8))
+    with pytest.raises(ValueError, match="float32 x and wt"):
+        module.float32_matmul(x.astype(mx.float16), mx.ones((8, 4)))
+    with pytest.raises(ValueError, match="wt must be 2-D"):
+        module.float32_matmul(x, mx.ones((1, 8, 4)))
+    with pytest.raises(ValueError, match=r"last axis must be wt.shape\[0\] = 6"):
+        module.float32_matmul(x, mx.ones((6, 4)))
+
+
 def test_bad_arguments_say_what_is_expected(module):
     rng = np.random.default_rng(7)
     w, scales, biases = _quantized(rng, 16, 128, 64, 4, mx.float32)
@@ -162,11 +234,12 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
 
 
 def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4bit, question_wav, monkeypatch):
-    """A 4-bit tiny model streamed with the kernel and with MLX's: the same text, function ids,
-    codes and audio samples, bit for bit, and the kernel did run."""
-    calls = []
-    real = module.quantized_matvec
+    """A 4-bit tiny model streamed with the kernels and with MLX's: the same text, function ids,
+    codes and audio samples, bit for bit, and both kernels (quantized, float32) did run."""
+    calls, f32_calls = [], []
+    real, real_f32 = module.quantized_matvec, module.float32_matmul
     monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: f32_calls.append(1) or real_f32(*a, **k))
     wave = question_wav[: 1280 * 12]
     runs = {}
     for on in (True, False):
@@ -179,9 +252,9 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4b
             runs[on] = (list(session.text_ids), list(session.function_ids),
                         np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
         if on:
-            assert len(calls) > 0
-            n_on = len(calls)
-    assert len(calls) == n_on  # none with the kernel off
+            assert len(calls) > 0 and len(f32_calls) > 0
+            n_on, n_f32 = len(calls), len(f32_calls)
+    assert len(calls) == n_on and len(f32_calls) == n_f32  # none with the kernels off
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     assert np.array_equal(runs[True][2], runs[False][2]) and np.array_equal(runs[True][3], runs[False][3])
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .cpu_qmv import cpu_qmv_enabled
 from .switch import Override, bool_check, env_flag
 
 ENV_VAR = "VOICECHAT_COMPILE"
@@ -49,13 +50,16 @@ def compile_set(enabled: bool | None):
 def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
     """The function `make()` builds for `key` (static dimensions), compiled when enabled.
 
-    Both versions are cached per key, so a layer stack shares one trace."""
+    Both versions are cached per key, so a layer stack shares one trace. A trace records which
+    products it runs (`voicechat.cpu_qmv`'s or MLX's, decided when traced), so the kernels' switch
+    is part of the key too."""
     compiled = compile_enabled()
-    entry = _compiled.get((key, compiled))
+    full = (key, compiled, cpu_qmv_enabled())
+    entry = _compiled.get(full)
     if entry is None:
         fn = make()
         entry = mx.compile(fn) if compiled else fn
-        _compiled[(key, compiled)] = entry
+        _compiled[full] = entry
     return entry
 
 

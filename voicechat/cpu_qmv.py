@@ -1,26 +1,32 @@
-"""The quantized language path's matrix-vector products on MLX's x86-64 CPU backend, bit for bit
-MLX's, about 4x faster.
+"""The CPU products of a frame on MLX's x86-64 CPU backend, bit for bit MLX's, several times
+faster: the quantized language path's matrix-vector products and the float32 products with the
+weight copies of the conformer, TTS and codebooks.
 
 MLX's Linux x86-64 wheels have no SIMD for float in their CPU backend, so `mx.quantized_matmul`
 runs one scalar multiply-add chain per output row: 0.7 GB/s of 4-bit weights on the benchmark
 machine, the largest part of a frame's language stage. `csrc/cpu_qmv.cpp` is an MLX primitive
 that does the same operations in the same order for each row (so every output is MLX's bit for
-bit), with 8 rows in the lanes of an AVX2 register.
+bit), with 16 rows in the lanes of an AVX-512 register (8 with AVX2). Their float32 `mx.matmul`
+calls the Netlib reference sgemm, one sequential chain `c = c + x[m, k] * w[k, n]` per output
+(k ascending, no FMA); the extension's float32 product runs the same chains for 16 (8) columns
+in a vector's lanes and reads each weight row once per 4 rows of x.
 
 It is a C++ extension built on first use, not at install: it links MLX's C++ library and passes
 `mx.array` through nanobind, so it must be built against the exact MLX it runs with. The build
 (CMake + the C++ compiler, ~15 s, one line on stderr) goes to `$VOICECHAT_CACHE/cpu_qmv/<key>`,
 the key covering the sources and the MLX, nanobind and Python versions; later processes import it.
-Before first use the module is checked against `mx.quantized_matmul` on random weights for every
-bits / group size it serves; any difference and it is not used.
+Before first use the module is checked against `mx.quantized_matmul` and `mx.matmul` on random
+inputs (every bits / group size, every instruction set); any difference and it is not used.
 
 `quantized_matmul(...)` takes the extension when `cpu_qmv_enabled()` and the call is one it
 serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a CPU stream),
-else `mx.quantized_matmul`; both give the same bits. The default is on for a CPU default device
-on Linux x86-64 (on macOS MLX's CPU kernel sums 8 lanes at a time, a different order, and Metal
-is the fast path there). `VOICECHAT_CPU_QMV=0|1` or `set_cpu_qmv(...)` override it; forcing it
-on where it cannot be built raises. When the build fails where it is the default, a warning
-says why (and names the build log) and MLX's kernel is used: same results, slower.
+else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D float32 wt),
+else `mx.matmul`; the same bits either way. The default is on for a CPU default device on Linux
+x86-64 (on macOS MLX's CPU kernels sum 8 lanes at a time and its BLAS is Accelerate: other
+orders, and Metal is the fast path there). `VOICECHAT_CPU_QMV=0|1` or `set_cpu_qmv(...)` switch
+both; forcing it on where it cannot be built raises. When the build fails where it is the
+default, a warning says why (and names the build log) and MLX's kernels are used: same results,
+slower.
 """
 
 from __future__ import annotations
@@ -139,8 +145,9 @@ def _import(path: Path):
 def self_check(module) -> str | None:
     """None when `module.quantized_matvec` equals `mx.quantized_matmul` bit for bit on random
     weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
-    rows: 16-lane, 8-lane and single-row kernels) with each instruction set this CPU runs, else
-    what differed."""
+    rows: 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals `mx.matmul`
+    (three shapes covering its column blocks and single columns), with each instruction set this
+    CPU runs, else what differed."""
     rng = np.random.default_rng(20261202)
     top = module.isa()
     try:
@@ -160,6 +167,13 @@ def self_check(module) -> str | None:
                         if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
                             return (f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
                                     f"scales {dtype}, instruction set {ISA_NAMES[isa]}")
+            for m, k, n in ((1, 72, 72), (2, 40, 100), (5, 33, 17)):  # 64-, 16-, 8-lane, single columns
+                x = mx.array(rng.standard_normal((m, k)).astype(np.float32) * 4)
+                wt = mx.array(rng.standard_normal((k, n)).astype(np.float32))
+                ours = module.float32_matmul(x, wt, stream=mx.cpu)
+                theirs = mx.matmul(x, wt, stream=mx.cpu)
+                if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                    return f"float32_matmul differs from mx.matmul at {(m, k, n)}, instruction set {ISA_NAMES[isa]}"
     finally:
         module.set_isa(top)
     return None
@@ -271,13 +285,14 @@ def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str =
 _CPU = mx.Device(mx.cpu)  # MLX has one CPU device; comparing devices is 4x cheaper than their types
 
 
-def _input_served(x, w, bits, stream) -> bool:
+def _stream_served(stream) -> bool:
     if stream is None:
-        if mx.default_device() != _CPU:
-            return False
-    elif not isinstance(stream, mx.Stream) or stream.device != _CPU:
-        return False
-    return x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
+        return mx.default_device() == _CPU
+    return isinstance(stream, mx.Stream) and stream.device == _CPU
+
+
+def _input_served(x, w, bits, stream) -> bool:
+    return _stream_served(stream) and x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *,
@@ -295,5 +310,18 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                                bits=bits, mode=mode, stream=stream)
 
 
-__all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "platform_served",
+def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
+    """`mx.matmul(x, wt)` for x (..., K) and a 2-D wt (K, N), through the extension's float32
+    product when enabled and both are float32 on a CPU stream (same bits either way: MLX's CPU
+    matmul is the Netlib reference sgemm, one sequential chain per output, which the extension
+    runs 8 / 16 columns per vector). Used for the float32 weight copies of the conformer, TTS
+    and codebook products (`voicechat.parallel.linear`)."""
+    if (x.dtype == mx.float32 and wt.dtype == mx.float32 and wt.ndim == 2 and x.ndim >= 1
+            and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and cpu_qmv_enabled()):
+        return _state["module"].float32_matmul(x, wt, stream=stream)
+    return mx.matmul(x, wt, stream=stream)
+
+
+__all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "float32_matmul",
+           "platform_served",
            "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason", "weights_served"]

@@ -33,6 +33,7 @@ import numpy as np
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
 from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
+from ..cpu_qmv import float32_matmul
 from ..parallel import apply
 from .mel import as_waveform, log_mel
 
@@ -160,7 +161,7 @@ def _depthwise(din, taps, bias):
 
 def _pointwise(x, p):
     """1x1 conv as a product; p = {"weight_t": (I, O) matrix, "bias"?} (ConvModule.pointwise_weights)."""
-    y = x @ p["weight_t"]
+    y = float32_matmul(x, p["weight_t"])
     return y + p["bias"] if "bias" in p else y
 
 

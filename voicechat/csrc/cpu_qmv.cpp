@@ -172,6 +172,72 @@ class CpuQuantizedMatvec : public mx::UnaryPrimitive {
   int bits_;
 };
 
+// ---- float32 products x @ Wt -------------------------------------------------------------------
+// MLX's CPU matmul calls the Netlib reference sgemm, linked by MLX's Linux wheel: each output is
+// the chain c = 0; for k ascending: c = c + x[m, k] * Wt[k, n], product and sum each rounded (no
+// FMA). The vector kernels run L columns' chains in L lanes (qmv_kernel.h); the columns left over
+// run the same chain one at a time.
+void matmul_f32(float* out, const float* x, const float* wt, int M, int N, int K) {
+  const int isa = isa_in_use.load(std::memory_order_relaxed);
+  int n = 0;
+  if (isa >= 2) n = voicechat_qmv::rows_avx512_f32(out, N, x, wt, N, M, N, K);
+  if (isa >= 1 && n < N) n += voicechat_qmv::rows_avx2_f32(out + n, N, x, wt + n, N, M, N - n, K);
+  for (; n < N; n++) {
+    for (int m = 0; m < M; m++) {
+      float c = 0;
+      for (int k = 0; k < K; k++) c = c + x[static_cast<size_t>(m) * K + k] * wt[static_cast<size_t>(k) * N + n];
+      out[static_cast<size_t>(m) * N + n] = c;
+    }
+  }
+}
+
+class CpuMatmulF32 : public mx::UnaryPrimitive {
+ public:
+  explicit CpuMatmulF32(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([out = mx::array::unsafe_weak_copy(out), x = mx::array::unsafe_weak_copy(inputs[0]),
+                      wt = mx::array::unsafe_weak_copy(inputs[1])]() mutable {
+      std::vector<float> xc, wc;
+      const int K = wt.shape(0), N = wt.shape(1);
+      const int M = static_cast<int>(x.size() / K);
+      matmul_f32(out.data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernel serves the GPU)");
+  }
+
+  const char* name() const override { return "CpuMatmulF32"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(1);
+    return {shape};
+  }
+};
+
+mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32 || wt.dtype() != mx::float32)
+    throw std::invalid_argument("cpu_qmv: float32_matmul takes float32 x and wt");
+  if (wt.ndim() != 2) throw std::invalid_argument("cpu_qmv: wt must be 2-D (K, N)");
+  if (x.ndim() < 1 || x.shape(-1) != wt.shape(0))
+    throw std::invalid_argument("cpu_qmv: x's last axis must be wt.shape[0] = " + std::to_string(wt.shape(0)));
+  if (wt.shape(0) == 0) throw std::invalid_argument("cpu_qmv: K = 0 (MLX's own matmul serves it)");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
+  auto shape = x.shape();
+  shape.back() = wt.shape(1);
+  return mx::array(shape, mx::float32, std::make_shared<CpuMatmulF32>(stream), {x, wt});
+}
+
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_qmv: bits must be 4 or 8");
@@ -202,6 +268,8 @@ NB_MODULE(_voicechat_cpu_qmv, m) {
   m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none());
+  m.def("float32_matmul", &float32_matmul, nb::arg("x"), nb::arg("wt"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "x @ wt for float32 x (..., K) and wt (K, N): mx.matmul's bits on MLX's x86-64 CPU backend");
   m.attr("MLX_VERSION") = VOICECHAT_MLX_VERSION;
   m.def("isa", [] { return isa_in_use.load(); }, "row kernels in use: 2 AVX-512, 1 AVX2, 0 scalar");
   m.def("cpu_isa", &cpu_isa, "the widest row kernels this CPU runs: 2 AVX-512, 1 AVX2, 0 scalar");

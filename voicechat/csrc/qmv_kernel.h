@@ -144,6 +144,48 @@ int rows(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi
   return n;
 }
 
+// ---- float32 products x (M, K) @ Wt (K, N), MLX's CPU bits ---------------------------------
+// MLX's CPU matmul calls the Netlib reference sgemm, which forms each output as a chain over k
+// ascending from zero: c += x[m, k] * Wt[k, n], rounding the product and the sum (no FMA). Here
+// the chains of L consecutive columns run in one vector's lanes, V vectors and R rows of x at a
+// time, so each row of Wt is read once per R rows instead of once per row.
+typedef float vf_unaligned __attribute__((vector_size(4 * L), aligned(4)));
+
+template <int V, int R>
+inline void f32_block(float* out, int ldo, const float* x, const float* wt, int ldw, int K) {
+  vf acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = vf{};
+  for (int k = 0; k < K; k++) {
+    const float* row = wt + static_cast<size_t>(k) * ldw;
+    vf wv[V];
+    for (int v = 0; v < V; v++) wv[v] = *reinterpret_cast<const vf_unaligned*>(row + v * L);
+    for (int r = 0; r < R; r++) {
+      const float xr = x[static_cast<size_t>(r) * K + k];
+      for (int v = 0; v < V; v++) acc[r][v] = acc[r][v] + xr * wv[v];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++)
+      *reinterpret_cast<vf_unaligned*>(out + static_cast<size_t>(r) * ldo + v * L) = acc[r][v];
+}
+
+template <int V>
+inline void f32_columns(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int K) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) f32_block<V, 4>(out + static_cast<size_t>(m) * ldo, ldo, x + static_cast<size_t>(m) * K, wt, ldw, K);
+  for (; m + 2 <= M; m += 2) f32_block<V, 2>(out + static_cast<size_t>(m) * ldo, ldo, x + static_cast<size_t>(m) * K, wt, ldw, K);
+  for (; m < M; m++) f32_block<V, 1>(out + static_cast<size_t>(m) * ldo, ldo, x + static_cast<size_t>(m) * K, wt, ldw, K);
+}
+
+// Columns [0, n) of out for every row, n (a multiple of L, at most N) returned.
+inline int f32_cols(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int N, int K) {
+  int n = 0;
+  for (; n + 4 * L <= N; n += 4 * L) f32_columns<4>(out + n, ldo, x, wt + n, ldw, M, K);
+  for (; n + L <= N; n += L) f32_columns<1>(out + n, ldo, x, wt + n, ldw, M, K);
+  return n;
+}
+
 }  // namespace QMV_NS
 
 // The entry point of this instruction set: rows [0, n) done, n returned (a multiple of L).
@@ -156,8 +198,12 @@ int rows(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi
   if (bits == 8 && G == 128) return QMV_NS::rows<8, 128, S>(out, x, w, sc, bi, N, K); \
   return 0;
 
-// The three entry points (float32 / bfloat16 / float16 scales) of this instruction set.
+// The entry points of this instruction set: the float32 product's, and the quantized product's for
+// float32 / bfloat16 / float16 scales.
 #define QMV_DEFINE_ENTRIES(NAME)                                                                        \
+  int NAME##_f32(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int N, int K) {   \
+    return QMV_NS::f32_cols(out, ldo, x, wt, ldw, M, N, K);                                             \
+  }                                                                                                     \
   int NAME(int bits, int G, float* out, const float* x, const uint32_t* w, const float* sc,             \
            const float* bi, int N, int K) {                                                             \
     QMV_ENTRY_CASES(float)                                                                              \

@@ -48,6 +48,7 @@ from .layers import (
 from .rng import SessionRandom
 from ..compiled import linear_piece, piece
 from ..constants import derived
+from ..cpu_qmv import float32_matmul
 from ..parallel import apply
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
@@ -418,7 +419,7 @@ def _rvq_core(count, residual, books_t, books, norms):
     """EarTts.quantize_residual over `count` codebooks (one compiled piece per pass length)."""
     codes = []
     for book_t, book, norm in zip(books_t, books, norms):
-        dist = norm - 2.0 * (residual @ book_t)
+        dist = norm - 2.0 * float32_matmul(residual, book_t)
         j = mx.argmin(dist, axis=-1)  # (1,) uint32
         residual = residual - mx.take(book, j, axis=0)  # row j* (1, latent)
         codes.append(j)
