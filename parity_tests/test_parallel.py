@@ -413,3 +413,34 @@ def test_split_point_follows_the_product_size():
     assert abs(split_point(40_000, 4096 * 40_000) - 20_000) <= 40  # published shapes: half (within 0.1%)
     for n in (2, 3, 7):
         assert 1 <= split_point(n, 1) <= n - 1  # both parts non-empty
+
+
+def test_switch_decisions_are_held_for_a_frame(monkeypatch):
+    """Inside `decisions_held()` (one streamed frame) each switch is decided once: a change of its
+    environment variable applies from the next block; nested blocks share the outer decisions; a
+    decision that raises is not kept; another thread decides for itself."""
+    import threading
+
+    from voicechat import compiled, cpu_qmv
+    from voicechat.switch import decisions_held
+
+    monkeypatch.delenv(compiled.ENV_VAR, raising=False)
+    monkeypatch.delenv(parallel.ENV_VAR, raising=False)
+    with decisions_held():
+        assert compiled.compile_enabled() is True and parallel.cpu_streams() == parallel.default_cpu_streams()
+        monkeypatch.setenv(compiled.ENV_VAR, "0")
+        monkeypatch.setenv(parallel.ENV_VAR, "1")
+        assert compiled.compile_enabled() is True  # held for the frame
+        with decisions_held():
+            assert compiled.compile_enabled() is True
+        seen = {}
+        thread = threading.Thread(target=lambda: seen.update(compile=compiled.compile_enabled()))
+        thread.start()
+        thread.join()
+        assert seen == {"compile": False}  # not this thread's frame
+    assert compiled.compile_enabled() is False and parallel.cpu_streams() == 1  # the next frame
+    monkeypatch.setenv(cpu_qmv.ENV_VAR, "yes")
+    with decisions_held():
+        for _ in range(2):  # raises each time: a failed decision is not held
+            with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1"):
+                cpu_qmv.cpu_qmv_enabled()

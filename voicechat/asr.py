@@ -23,6 +23,7 @@ from .audio.conformer import ConformerStream
 from .audio.mel import StreamingLogMel
 from .audio_input import as_mono_float32, check_sample_rate
 from .errors import SessionClosedError, WrongThreadError
+from .switch import decisions_held
 
 
 class AsrStreamSession:
@@ -52,6 +53,10 @@ class AsrStreamSession:
             raise SessionClosedError("the ASR session is finished; create a new one")
 
     def _decode(self, mel: mx.array, final: bool, t_push: float) -> str:
+        with decisions_held():  # the execution switches, decided once for the push
+            return self._decode_held(mel, final, t_push)
+
+    def _decode_held(self, mel: mx.array, final: bool, t_push: float) -> str:
         if not mel.shape[0] and not final:
             return ""
         enc = self.conformer.push(mel, final=final)

@@ -21,7 +21,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .cpu_qmv import cpu_qmv_enabled
-from .switch import Override, bool_check, env_flag
+from .switch import Override, bool_check, env_flag, held
 
 ENV_VAR = "VOICECHAT_COMPILE"
 
@@ -30,7 +30,12 @@ _compiled: dict = {}
 
 
 def compile_enabled() -> bool:
-    """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off)."""
+    """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off);
+    decided once per frame (`switch.decisions_held`)."""
+    return held("compile", _compile_decision)
+
+
+def _compile_decision() -> bool:
     if _override.value is not None:
         return _override.value
     env = env_flag(ENV_VAR)

@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from .constants import cache_home
-from .switch import Override, bool_check, env_flag
+from .switch import Override, bool_check, env_flag, held
 
 ENV_VAR = "VOICECHAT_CPU_QMV"
 MODULE_NAME = "_voicechat_cpu_qmv"
@@ -224,13 +224,18 @@ def default_cpu_qmv() -> bool:
 
 
 def cpu_qmv_enabled() -> bool:
-    """Whether `quantized_matmul` takes the extension for the calls it serves. Forced on (by the
-    environment or `set_cpu_qmv(True)`) where it cannot be used: RuntimeError with the reason.
-    On by default where it cannot be built: one warning, then False.
+    """Whether `quantized_matmul` / `float32_matmul` take the extension for the calls they serve.
+    Forced on (by the environment or `set_cpu_qmv(True)`) where it cannot be used: RuntimeError
+    with the reason. On by default where it cannot be built: one warning, then False.
 
-    Asked once per quantized product, so the answer is kept until what it depends on changes
-    (the forced value, the environment variable, the default device, the loaded module): the
-    full decision reads the environment twice and takes a lock, ~4 us, ~1 ms of a small frame."""
+    Asked for every product, so the answer is held for a frame (`switch.decisions_held`) and,
+    between frames, kept until what it depends on changes (the forced value, the environment
+    variable, the default device, the loaded module): the full decision reads the environment
+    twice and takes a lock, ~4 us."""
+    return held("cpu_qmv", _enabled_decision)
+
+
+def _enabled_decision() -> bool:
     key = _decision_key()
     if _decision[0] == key:
         return _decision[1]

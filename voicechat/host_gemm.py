@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .constants import derived
-from .switch import Override, bool_check, env_flag
+from .switch import Override, bool_check, env_flag, held
 
 ENV_VAR = "VOICECHAT_HOST_GEMM"
 
@@ -49,7 +49,9 @@ def default_host_gemm() -> bool:
 
 
 def host_gemm_enabled() -> bool:
-    return _override.value if _override.value is not None else default_host_gemm()
+    """Whether the codec's float32 products run in numpy now; decided once per frame
+    (`switch.decisions_held`)."""
+    return held("host_gemm", lambda: _override.value if _override.value is not None else default_host_gemm())
 
 
 def set_host_gemm(enabled: bool | None) -> None:

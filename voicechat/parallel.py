@@ -32,7 +32,7 @@ import numpy as np
 
 from .constants import derived
 from .cpu_qmv import cpu_qmv_enabled, float32_matmul, quantized_matmul, weights_served
-from .switch import Override, env_flag
+from .switch import Override, env_flag, held
 
 ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
@@ -93,8 +93,9 @@ def default_cpu_streams() -> int:
 
 
 def cpu_streams() -> int:
-    """How many CPU streams a frame uses now (1 = everything on the default stream)."""
-    return _override.value if _override.value is not None else default_cpu_streams()
+    """How many CPU streams a frame uses now (1 = everything on the default stream); decided once
+    per frame (`switch.decisions_held`)."""
+    return held("cpu_streams", lambda: _override.value if _override.value is not None else default_cpu_streams())
 
 
 def set_cpu_streams(n: int | None) -> None:

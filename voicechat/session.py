@@ -28,6 +28,7 @@ from .audio_input import as_mono_float32, check_sample_rate
 from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
 from .profiler import FrameTiming, Profile
+from .switch import decisions_held
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
 from .tts.ear_tts import replace_control_codes
@@ -158,6 +159,10 @@ class VoiceChatStreamingSession:
     # -- one frame
 
     def _frame(self, samples: np.ndarray) -> list:
+        with decisions_held():  # the execution switches, decided once for the frame
+            return self._run_frame(samples)
+
+    def _run_frame(self, samples: np.ndarray) -> list:
         prof = self.profile is not None
         t0 = time.perf_counter()
         enc, emb = self.perception.push_frame(samples)
