@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -128,31 +129,40 @@ void run(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::
                   row_major<S>(sc, sc_c), row_major<S>(bi, bi_c), M, N, K);
 }
 
-class CpuQuantizedMatvec : public mx::UnaryPrimitive {
+// An MLX primitive computed as one task on its CPU stream. The task gets the inputs and the output
+// as weak copies (the encoder keeps their buffers alive until it has run) and a function that
+// captures the primitive's parameters by value: the primitive itself may be gone by then.
+class CpuTask : public mx::UnaryPrimitive {
  public:
-  CpuQuantizedMatvec(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  using Task = std::function<void(const std::vector<mx::array>&, mx::array&)>;
+  using mx::UnaryPrimitive::UnaryPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
     encoder.set_output_array(out);
-    encoder.dispatch([out = mx::array::unsafe_weak_copy(out), x = mx::array::unsafe_weak_copy(inputs[0]),
-                      w = mx::array::unsafe_weak_copy(inputs[1]), sc = mx::array::unsafe_weak_copy(inputs[2]),
-                      bi = mx::array::unsafe_weak_copy(inputs[3]), bits = bits_, G = group_size_]() mutable {
-      switch (sc.dtype()) {
-        case mx::float32: return run<float>(x, w, sc, bi, out, bits, G);
-        case mx::bfloat16: return run<mx::bfloat16_t>(x, w, sc, bi, out, bits, G);
-        case mx::float16: return run<mx::float16_t>(x, w, sc, bi, out, bits, G);
-        default: throw std::invalid_argument("cpu_qmv: scales must be float32, bfloat16 or float16");
-      }
+    encoder.dispatch([task = task(), in = std::move(in), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      task(in, out);
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernel serves the GPU)");
+    throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernels serve the GPU)");
   }
+
+ protected:
+  virtual Task task() const = 0;
+};
+
+class CpuQuantizedMatvec : public CpuTask {
+ public:
+  CpuQuantizedMatvec(mx::Stream stream, int group_size, int bits)
+      : CpuTask(stream), group_size_(group_size), bits_(bits) {}
 
   const char* name() const override { return "CpuQuantizedMatvec"; }
 
@@ -165,6 +175,19 @@ class CpuQuantizedMatvec : public mx::UnaryPrimitive {
     auto shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
+  }
+
+ protected:
+  Task task() const override {
+    return [bits = bits_, G = group_size_](const std::vector<mx::array>& in, mx::array& out) {
+      const auto &x = in[0], &w = in[1], &sc = in[2], &bi = in[3];
+      switch (sc.dtype()) {
+        case mx::float32: return run<float>(x, w, sc, bi, out, bits, G);
+        case mx::bfloat16: return run<mx::bfloat16_t>(x, w, sc, bi, out, bits, G);
+        case mx::float16: return run<mx::float16_t>(x, w, sc, bi, out, bits, G);
+        default: throw std::invalid_argument("cpu_qmv: scales must be float32, bfloat16 or float16");
+      }
+    };
   }
 
  private:
@@ -191,27 +214,9 @@ void matmul_f32(float* out, const float* x, const float* wt, int M, int N, int K
   }
 }
 
-class CpuMatmulF32 : public mx::UnaryPrimitive {
+class CpuMatmulF32 : public CpuTask {
  public:
-  explicit CpuMatmulF32(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([out = mx::array::unsafe_weak_copy(out), x = mx::array::unsafe_weak_copy(inputs[0]),
-                      wt = mx::array::unsafe_weak_copy(inputs[1])]() mutable {
-      std::vector<float> xc, wc;
-      const int K = wt.shape(0), N = wt.shape(1);
-      const int M = static_cast<int>(x.size() / K);
-      matmul_f32(out.data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernel serves the GPU)");
-  }
+  using CpuTask::CpuTask;
 
   const char* name() const override { return "CpuMatmulF32"; }
 
@@ -221,6 +226,17 @@ class CpuMatmulF32 : public mx::UnaryPrimitive {
     auto shape = inputs[0].shape();
     shape.back() = inputs[1].shape(1);
     return {shape};
+  }
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, mx::array& out) {
+      const auto &x = in[0], &wt = in[1];
+      std::vector<float> xc, wc;
+      const int K = wt.shape(0), N = wt.shape(1);
+      const int M = static_cast<int>(x.size() / K);
+      matmul_f32(out.data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
+    };
   }
 };
 
