@@ -155,8 +155,16 @@ class CpuTask : public mx::UnaryPrimitive {
     throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernels serve the GPU)");
   }
 
+  // x's shape with its last axis replaced by the product's output columns.
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = columns(inputs);
+    return {shape};
+  }
+
  protected:
   virtual Task task() const = 0;
+  virtual int columns(const std::vector<mx::array>& inputs) const = 0;
 };
 
 class CpuQuantizedMatvec : public CpuTask {
@@ -171,13 +179,9 @@ class CpuQuantizedMatvec : public CpuTask {
     return o.group_size_ == group_size_ && o.bits_ == bits_;
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
-    return {shape};
-  }
-
  protected:
+  int columns(const std::vector<mx::array>& inputs) const override { return inputs[1].shape(0); }  // w (N, K)
+
   Task task() const override {
     return [bits = bits_, G = group_size_](const std::vector<mx::array>& in, mx::array& out) {
       const auto &x = in[0], &w = in[1], &sc = in[2], &bi = in[3];
@@ -222,13 +226,9 @@ class CpuMatmulF32 : public CpuTask {
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(1);
-    return {shape};
-  }
-
  protected:
+  int columns(const std::vector<mx::array>& inputs) const override { return inputs[1].shape(1); }  // wt (K, N)
+
   Task task() const override {
     return [](const std::vector<mx::array>& in, mx::array& out) {
       const auto &x = in[0], &wt = in[1];
