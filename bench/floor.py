@@ -207,9 +207,6 @@ def _halves_product(x: mx.array, halves_t: list[mx.array], product=float32_matmu
     return mx.concatenate([lo, hi], axis=-1)
 
 
-def _mlx_matmul(x, w, stream=None):
-    return mx.matmul(x, w, stream=stream)
-
 
 def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
     """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
@@ -242,7 +239,7 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
     mx.eval(w, x32)
     s_view = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
     halves_t = _transposed_halves(w)
-    s_t = _best_seconds(lambda: _halves_product(x32, halves_t, _mlx_matmul), reps)
+    s_t = _best_seconds(lambda: _halves_product(x32, halves_t, mx.matmul), reps)
     s, kernel = (s_t, "f32 x f32 matmul, W.T contiguous") if s_t <= s_view else (s_view, "f32 x f32 matmul")
     entry = {}
     if cpu_qmv_enabled():  # the runtime's float32 product where it serves (same bits as MLX's)

@@ -251,9 +251,10 @@ def _enabled_decision() -> bool:
     else:
         if not _state.get("warned"):
             _state["warned"] = True
-            warnings.warn(f"voicechat: the CPU quantized matrix-vector kernel is not used ({_state['reason']}); "
-                          "MLX's kernel gives the same results, about 4x slower on this CPU. "
-                          f"Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=2)
+            # stacklevel 4: past `held` and `cpu_qmv_enabled`, at the caller.
+            warnings.warn(f"voicechat: the CPU kernels (quantized and float32 products) are not used "
+                          f"({_state['reason']}); MLX's kernels give the same results, several times "
+                          f"slower on this CPU. Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=4)
         enabled = False
     _decision[:] = [_decision_key(), enabled]  # after `_load`, which fills `_state`
     return enabled
