@@ -1,8 +1,9 @@
 """voicechat.cpu_qmv: the CPU quantized matrix-vector kernel must give `mx.quantized_matmul`'s
 float32 bits exactly (every output element, every instruction-set path, every bits / group size /
-scale dtype / shape / stride the language path can meet), and its float32 product `mx.matmul`'s
-(every column block, row count and view the conformer / TTS / codebook products meet), route
-only the calls they serve, and say so when they cannot be used.
+scale dtype / shape / stride the language path can meet), its float32 product `mx.matmul`'s
+(every column block, row count and view the conformer / TTS / codebook products meet) and its
+norms `mx.fast.rms_norm` / `layer_norm`'s, route only the calls they serve, and say so when
+they cannot be used.
 
 Exact equality is the claim, not a tolerance: the kernels perform MLX's scalar operations
 (int -> float, scale * q + bias, x * t, sum + ...; the reference sgemm's c + x * w) in MLX's
@@ -194,6 +195,124 @@ def test_float32_matmul_bad_arguments(module):
         module.float32_matmul(x, mx.ones((6, 4)))
 
 
+def _norm_emulated(x: np.ndarray, w, b, eps: float, layer: bool) -> np.ndarray:
+    """mx.fast.rms_norm / layer_norm as MLX's CPU composition computes them, written out in
+    numpy float32: every operation rounded, 1 / d rounded from double, each sum the sequential
+    chain s = 0; s = s + v[k] (k ascending) of MLX's x86 reduction. Independent of both the
+    kernel and MLX, so a kernel summing in another order (pairwise, 8 lanes) fails here."""
+    f32 = np.float32
+    d = x.shape[-1]
+    inv_d = f32(1.0 / d)
+
+    def chain(v):
+        s = np.zeros(v.shape[:-1], f32)
+        for k in range(d):
+            s = (s + v[..., k]).astype(f32)
+        return s[..., None]
+
+    with np.errstate(all="ignore"):  # overflow / 0 * inf / NaN are part of what is compared
+        return _norm_chain(x, w, b, eps, layer, chain, inv_d)
+
+
+def _norm_chain(x, w, b, eps, layer, chain, inv_d):
+    f32 = np.float32
+    c = x
+    if layer:
+        c = (x - (chain(x) * inv_d).astype(f32)).astype(f32)
+    scale = (f32(1) / np.sqrt(((chain((c * c).astype(f32)) * inv_d).astype(f32) + f32(eps)).astype(f32))).astype(f32)
+    y = (c * scale).astype(f32)
+    if w is not None:
+        y = (y * w.astype(f32)).astype(f32)
+    if b is not None:
+        y = (y + b.astype(f32)).astype(f32)
+    return y
+
+
+def test_norms_are_mlx_fast_norms_bit_for_bit(module):
+    """`rms_norm` / `layer_norm` against `mx.fast`'s and an independent numpy emulation of MLX's
+    order: widths 1 to 1000 (the conformer's, TTS's and language widths at the small presets,
+    odd ones), 1-3 leading axes, float32 / bfloat16 / float16 weights, with and without weight and
+    bias, epsilons 1e-5 / 1e-6 / 0, inputs over 40 decades, all zeros, inf and NaN. Exact."""
+    rng = np.random.default_rng(13)
+    for trial in range(60):
+        d = int(rng.choice([1, 2, 7, 64, 72, 280, 1000]))
+        shape = tuple(int(v) for v in rng.integers(1, 4, size=trial % 3)) + (d,)
+        x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-20, 20)).astype(np.float32)
+        if trial % 10 == 3:
+            x[...] = 0
+        if trial % 10 == 7:
+            x.flat[rng.integers(x.size)] = rng.choice([np.inf, -np.inf, np.nan])
+        dtype = (mx.float32, mx.bfloat16, mx.float16)[trial % 3]
+        w = mx.array(rng.standard_normal(d).astype(np.float32)).astype(dtype)
+        b = mx.array(rng.standard_normal(d).astype(np.float32)).astype(dtype)
+        eps = (1e-5, 1e-6, 0.0)[trial % 3]
+        for wi, bi in ((w, b), (w, None), (None, b), (None, None)):
+            ours = module.layer_norm(mx.array(x), wi, bi, eps)
+            assert np.array_equal(_bits(ours), _bits(mx.fast.layer_norm(mx.array(x), wi, bi, eps))), (shape, dtype)
+            np_w = None if wi is None else np.array(wi.astype(mx.float32))
+            np_b = None if bi is None else np.array(bi.astype(mx.float32))
+            assert np.array_equal(_bits(ours), _norm_emulated(x, np_w, np_b, eps, True).view(np.uint32))
+        for wi in (w, None):
+            ours = module.rms_norm(mx.array(x), wi, eps)
+            assert np.array_equal(_bits(ours), _bits(mx.fast.rms_norm(mx.array(x), wi, eps))), (shape, dtype)
+            np_w = None if wi is None else np.array(wi.astype(mx.float32))
+            assert np.array_equal(_bits(ours), _norm_emulated(x, np_w, None, eps, False).view(np.uint32))
+
+
+def test_norms_on_views_and_inside_compiled_pieces(module):
+    """Transposed, strided and offset inputs, and the norm inside `mx.compile` between fused
+    elementwise operations (how the frame's pieces run it): MLX's bits."""
+    rng = np.random.default_rng(14)
+    base = mx.array(rng.standard_normal((4, 72, 6)).astype(np.float32))
+    w = mx.array(rng.standard_normal(72).astype(np.float32))
+    b = mx.array(rng.standard_normal(72).astype(np.float32))
+    for x in (base.transpose(0, 2, 1), base[1:3, :, 2], base[:, ::2, 0].T[None]):
+        d = x.shape[-1]
+        wd, bd = w[:d], b[:d]
+        assert np.array_equal(_bits(module.rms_norm(x, wd, 1e-6)), _bits(mx.fast.rms_norm(x, wd, 1e-6)))
+        assert np.array_equal(_bits(module.layer_norm(x, wd, bd, 1e-5)), _bits(mx.fast.layer_norm(x, wd, bd, 1e-5)))
+    x = base[0].T
+
+    def piece(norm):
+        return mx.compile(lambda a, c, e: norm(a * 2.0 + 1.0, c, e) * 0.5 + a)
+
+    ours = piece(lambda a, c, e: module.layer_norm(a, c, e, 1e-5))(x, w, b)
+    theirs = piece(lambda a, c, e: mx.fast.layer_norm(a, c, e, 1e-5))(x, w, b)
+    assert np.array_equal(_bits(ours), _bits(theirs))
+    ours = piece(lambda a, c, e: module.rms_norm(a, c, 1e-6) + e)(x, w, b)
+    theirs = piece(lambda a, c, e: mx.fast.rms_norm(a, c, 1e-6) + e)(x, w, b)
+    assert np.array_equal(_bits(ours), _bits(theirs))
+
+
+def test_norm_router_and_bad_arguments(module, monkeypatch):
+    """`cpu_qmv.rms_norm` / `layer_norm` take the kernel for float32 x with 1-D float params on a
+    CPU stream while the switch is on, `mx.fast`'s otherwise; the kernel's errors name what it takes."""
+    calls = []
+    for name in ("rms_norm", "layer_norm"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    x, w = mx.ones((2, 8)), mx.ones((8,))
+    with cpu_qmv_set(True):
+        cpu_qmv.rms_norm(x, w, 1e-6)
+        cpu_qmv.layer_norm(x, w, None, 1e-5)
+        assert calls == [1, 1]
+        cpu_qmv.rms_norm(x.astype(mx.bfloat16), w, 1e-6)  # not float32
+        cpu_qmv.layer_norm(x, w.astype(mx.int32), None, 1e-5)  # not a float weight
+        assert calls == [1, 1]
+    with cpu_qmv_set(False):
+        cpu_qmv.rms_norm(x, w, 1e-6)
+        assert calls == [1, 1]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="takes float32 x"):
+        module.rms_norm(x.astype(mx.float16), w, 1e-6)
+    with pytest.raises(ValueError, match=r"1-D of x's last axis \(8\)"):
+        module.layer_norm(x, mx.ones((4,)), None, 1e-5)
+    with pytest.raises(ValueError, match="non-empty last axis"):
+        module.rms_norm(mx.ones((2, 0)), None, 1e-6)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        module.layer_norm(x, None, mx.ones((8,), dtype=mx.int32), 1e-5)
+
+
 def test_bad_arguments_say_what_is_expected(module):
     rng = np.random.default_rng(7)
     w, scales, biases = _quantized(rng, 16, 128, 64, 4, mx.float32)
@@ -235,11 +354,14 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
 
 def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4bit, question_wav, monkeypatch):
     """A 4-bit tiny model streamed with the kernels and with MLX's: the same text, function ids,
-    codes and audio samples, bit for bit, and both kernels (quantized, float32) did run."""
-    calls, f32_calls = [], []
+    codes and audio samples, bit for bit, and the kernels (quantized, float32, both norms) did run."""
+    calls, f32_calls, norm_calls = [], [], []
     real, real_f32 = module.quantized_matvec, module.float32_matmul
     monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: f32_calls.append(1) or real_f32(*a, **k))
+    for name in ("rms_norm", "layer_norm"):
+        monkeypatch.setattr(module, name, lambda *a, _r=getattr(module, name), _n=name, **k:
+                            norm_calls.append(_n) or _r(*a, **k))
     wave = question_wav[: 1280 * 12]
     runs = {}
     for on in (True, False):
@@ -253,8 +375,9 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4b
                         np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
         if on:
             assert len(calls) > 0 and len(f32_calls) > 0
-            n_on, n_f32 = len(calls), len(f32_calls)
-    assert len(calls) == n_on and len(f32_calls) == n_f32  # none with the kernels off
+            assert {"rms_norm", "layer_norm"} <= set(norm_calls)
+            n_on, n_f32, n_norm = len(calls), len(f32_calls), len(norm_calls)
+    assert len(calls) == n_on and len(f32_calls) == n_f32 and len(norm_calls) == n_norm  # none with them off
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     assert np.array_equal(runs[True][2], runs[False][2]) and np.array_equal(runs[True][3], runs[False][3])
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import cpu_qmv
 from .cpu_qmv import cpu_qmv_enabled
 from .switch import Override, bool_check, env_flag, held
 
@@ -100,12 +101,15 @@ def linear_piece(name: str, fn: Callable, static: tuple, layers, x: mx.array, *a
 
 
 def _rms_norm_core(eps: float, x: mx.array, weight: mx.array | None) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
+    return cpu_qmv.rms_norm(x, weight, eps)
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """`mx.fast.rms_norm` as a compiled piece: on a CPU the op runs as its composition, whose
-    elementwise tail fuses (3 dispatches instead of ~11, the same float32 operations)."""
+    """`mx.fast.rms_norm`, one dispatch where the CPU kernels serve it (`cpu_qmv.rms_norm`),
+    else as a compiled piece: on a CPU the op runs as its composition, whose elementwise tail
+    fuses (3 dispatches instead of ~11, the same float32 operations)."""
+    if cpu_qmv.norm_served(x, weight):
+        return cpu_qmv.rms_norm(x, weight, eps)
     key = ("rms_norm", eps, weight is None)
     if weight is None:
         return piece(key, lambda: lambda x: _rms_norm_core(eps, x, None))(x)
@@ -113,11 +117,13 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
 
 
 def _layer_norm_core(eps: float, x: mx.array, p: dict) -> mx.array:
-    return mx.fast.layer_norm(x, p.get("weight"), p.get("bias"), eps)
+    return layer_norm(x, p, eps)
 
 
 def compiled_layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
-    """`mx.fast.layer_norm` as a compiled piece (`p` from `norm_params`), as `rms_norm`."""
+    """`mx.fast.layer_norm` (`p` from `norm_params`), as `rms_norm`: one dispatch or a compiled piece."""
+    if cpu_qmv.norm_served(x, p.get("weight"), p.get("bias")):
+        return layer_norm(x, p, eps)
     return piece(("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps))(x, p)
 
 
@@ -127,7 +133,8 @@ def norm_params(norm) -> dict:
 
 
 def layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
-    return mx.fast.layer_norm(x, p.get("weight"), p.get("bias"), eps)
+    """`mx.fast.layer_norm` with an nn.LayerNorm's params; the CPU kernels' where they serve it."""
+    return cpu_qmv.layer_norm(x, p.get("weight"), p.get("bias"), eps)
 
 
 __all__ = ["ENV_VAR", "compile_enabled", "set_compile", "compile_set", "piece", "structure", "layer_weights",

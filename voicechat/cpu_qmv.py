@@ -147,7 +147,8 @@ def self_check(module) -> str | None:
     weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
     rows: 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals `mx.matmul`
     (three shapes covering its column blocks and single columns), with each instruction set this
-    CPU runs, else what differed."""
+    CPU runs, and its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights),
+    else what differed."""
     rng = np.random.default_rng(20261202)
     top = module.isa()
     try:
@@ -174,6 +175,15 @@ def self_check(module) -> str | None:
                 theirs = mx.matmul(x, wt, stream=mx.cpu)
                 if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
                     return f"float32_matmul differs from mx.matmul at {(m, k, n)}, instruction set {ISA_NAMES[isa]}"
+        for rows, d, wdtype in ((3, 72, mx.float32), (2, 1000, mx.bfloat16)):  # norms (no ISA paths)
+            x = mx.array(rng.standard_normal((rows, d)).astype(np.float32) * 7)
+            w, b = (mx.array(rng.standard_normal(d).astype(np.float32)).astype(wdtype) for _ in range(2))
+            for name, ours, theirs in (
+                    ("rms_norm", module.rms_norm(x, w, 1e-6, stream=mx.cpu), mx.fast.rms_norm(x, w, 1e-6, stream=mx.cpu)),
+                    ("layer_norm", module.layer_norm(x, w, b, 1e-5, stream=mx.cpu),
+                     mx.fast.layer_norm(x, w, b, 1e-5, stream=mx.cpu))):
+                if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                    return f"{name} differs from mx.fast.{name} at {(rows, d)}, weight {wdtype}"
     finally:
         module.set_isa(top)
     return None
@@ -328,6 +338,36 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
     return mx.matmul(x, wt, stream=stream)
 
 
+def norm_served(x: mx.array, *params, stream=None) -> bool:
+    """Whether `rms_norm` / `layer_norm` take the extension for x with these weight / bias (or
+    None) params: enabled, float32 x, 1-D float params of x's last axis, a CPU stream."""
+    return (x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] > 0 and _stream_served(stream)
+            and all(p is None or (p.ndim == 1 and p.shape[0] == x.shape[-1] and p.dtype in _NORM_DTYPES)
+                    for p in params)
+            and cpu_qmv_enabled())
+
+
+_NORM_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -> mx.array:
+    """`mx.fast.rms_norm(x, weight, eps)`, through the extension's norm when enabled and served
+    (float32 x, a 1-D float weight or None, a CPU stream): one dispatch instead of MLX's three
+    (square, sum, the fused tail), the same bits (MLX's CPU sum is one sequential chain per row
+    on x86-64, which the extension runs)."""
+    if norm_served(x, weight, stream=stream):
+        return _state["module"].rms_norm(x, weight, eps, stream=stream)
+    return mx.fast.rms_norm(x, weight, eps, stream=stream)
+
+
+def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
+               stream=None) -> mx.array:
+    """`mx.fast.layer_norm(x, weight, bias, eps)`, as `rms_norm`: one dispatch instead of five."""
+    if norm_served(x, weight, bias, stream=stream):
+        return _state["module"].layer_norm(x, weight, bias, eps, stream=stream)
+    return mx.fast.layer_norm(x, weight, bias, eps, stream=stream)
+
+
 __all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "float32_matmul",
-           "platform_served",
+           "layer_norm", "norm_served", "platform_served", "rms_norm",
            "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason", "weights_served"]

@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import cpu_qmv
 from ..compiled import piece
 from ..config import CodecConfig
 from ..constants import derived
@@ -80,7 +81,7 @@ def _depthwise_norm_core(k: int, padded: mx.array, taps: list, bias: mx.array, n
     y = padded[0:length] * taps[0]
     for j in range(1, k):
         y = y + padded[j : j + length] * taps[j]
-    return mx.fast.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
+    return cpu_qmv.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
 
 
 def _bias_gelu(y: mx.array, b: mx.array) -> mx.array:

@@ -12,6 +12,8 @@
 // mx.quantized_matmul, and by the tests).
 
 #include <atomic>
+#include <cmath>
+#include <optional>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -240,6 +243,115 @@ class CpuMatmulF32 : public CpuTask {
   }
 };
 
+// ---- norms over the last axis ------------------------------------------------------------------
+// mx.fast.rms_norm / layer_norm on a CPU run as their compositions (mlx/fast.cpp): for float32 x,
+//   rms:   y = x * (1 / sqrt(sum(x * x) * (1 / d) + eps))          [* w]
+//   layer: mu = sum(x) * (1 / d); c = x - mu; y = c * (1 / sqrt(sum(c * c) * (1 / d) + eps)) [* w] [+ b]
+// each operation rounded to float32, 1 / d rounded from double, and every sum the sequential chain
+// of MLX's x86 reduction (no SIMD there: s = 0; s = s + v[k] for k ascending). Three dispatches
+// (rms) or five (layer) per norm on MLX; one here, the same bits. Weight and bias of any float
+// dtype are widened to float32 (exactly), as MLX's type promotion does.
+void norm_rows(float* out, const float* x, const float* w, const float* b, size_t rows, int d, float eps,
+               bool layer) {
+  const float inv_d = static_cast<float>(1.0 / d);
+  for (size_t r = 0; r < rows; r++, x += d, out += d) {
+    float mu = 0;
+    if (layer) {
+      float s = 0;
+      for (int k = 0; k < d; k++) s = s + x[k];
+      mu = s * inv_d;
+    }
+    float s = 0;
+    for (int k = 0; k < d; k++) {
+      const float c = layer ? x[k] - mu : x[k];
+      s = s + c * c;
+    }
+    const float scale = 1.0f / std::sqrt(s * inv_d + eps);
+    for (int k = 0; k < d; k++) {
+      float y = (layer ? x[k] - mu : x[k]) * scale;
+      if (w) y = y * w[k];
+      if (b) y = y + b[k];
+      out[k] = y;
+    }
+  }
+}
+
+// A 1-D float array as float32 values (a copy unless it already is one, contiguous).
+const float* widened(const mx::array& a, std::vector<float>& copy) {
+  if (a.dtype() == mx::float32) return row_major<float>(a, copy);
+  copy.resize(a.size());
+  switch (a.dtype()) {
+    case mx::bfloat16: {
+      std::vector<mx::bfloat16_t> c;
+      const auto* v = row_major<mx::bfloat16_t>(a, c);
+      for (size_t i = 0; i < a.size(); i++) copy[i] = static_cast<float>(v[i]);
+      break;
+    }
+    case mx::float16: {
+      std::vector<mx::float16_t> c;
+      const auto* v = row_major<mx::float16_t>(a, c);
+      for (size_t i = 0; i < a.size(); i++) copy[i] = static_cast<float>(v[i]);
+      break;
+    }
+    default: throw std::invalid_argument("cpu_qmv: norm weight / bias must be float32, bfloat16 or float16");
+  }
+  return copy.data();
+}
+
+class CpuNorm : public CpuTask {
+ public:
+  CpuNorm(mx::Stream stream, bool layer, bool has_weight, bool has_bias, float eps)
+      : CpuTask(stream), layer_(layer), has_weight_(has_weight), has_bias_(has_bias), eps_(eps) {}
+
+  const char* name() const override { return layer_ ? "CpuLayerNorm" : "CpuRmsNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuNorm&>(other);
+    return o.layer_ == layer_ && o.has_weight_ == has_weight_ && o.has_bias_ == has_bias_ && o.eps_ == eps_;
+  }
+
+ protected:
+  int columns(const std::vector<mx::array>& inputs) const override { return inputs[0].shape(-1); }
+
+  Task task() const override {
+    return [layer = layer_, hw = has_weight_, hb = has_bias_, eps = eps_](const std::vector<mx::array>& in,
+                                                                         mx::array& out) {
+      std::vector<float> xc, wc, bc;
+      const int d = in[0].shape(-1);
+      const float* w = hw ? widened(in[1], wc) : nullptr;
+      const float* b = hb ? widened(in[hw ? 2 : 1], bc) : nullptr;
+      norm_rows(out.data<float>(), row_major<float>(in[0], xc), w, b, in[0].size() / d, d, eps, layer);
+    };
+  }
+
+ private:
+  bool layer_, has_weight_, has_bias_;
+  float eps_;
+};
+
+mx::array norm(const mx::array& x, const std::optional<mx::array>& weight, const std::optional<mx::array>& bias,
+               float eps, bool layer, mx::StreamOrDevice s) {
+  const char* what = layer ? "layer_norm" : "rms_norm";
+  if (x.dtype() != mx::float32) throw std::invalid_argument(std::string("cpu_qmv: ") + what + " takes float32 x");
+  if (x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument(std::string("cpu_qmv: ") + what + " needs x with a non-empty last axis");
+  std::vector<mx::array> inputs = {x};
+  for (const auto* p : {&weight, &bias}) {
+    if (!p->has_value()) continue;
+    const auto& a = p->value();
+    if (a.ndim() != 1 || a.shape(0) != x.shape(-1))
+      throw std::invalid_argument(std::string("cpu_qmv: ") + what + " weight / bias must be 1-D of x's last axis (" +
+                                  std::to_string(x.shape(-1)) + ")");
+    if (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16 && a.dtype() != mx::float16)
+      throw std::invalid_argument(std::string("cpu_qmv: ") + what + " weight / bias must be float32, bfloat16 or float16");
+    inputs.push_back(a);
+  }
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<CpuNorm>(stream, layer, weight.has_value(), bias.has_value(), eps), inputs);
+}
+
 mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || wt.dtype() != mx::float32)
     throw std::invalid_argument("cpu_qmv: float32_matmul takes float32 x and wt");
@@ -286,6 +398,19 @@ NB_MODULE(_voicechat_cpu_qmv, m) {
         nb::arg("stream") = nb::none());
   m.def("float32_matmul", &float32_matmul, nb::arg("x"), nb::arg("wt"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x @ wt for float32 x (..., K) and wt (K, N): mx.matmul's bits on MLX's x86-64 CPU backend");
+  m.def(
+      "rms_norm",
+      [](const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s) {
+        return norm(x, weight, std::nullopt, eps, false, s);
+      },
+      nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"), nb::kw_only(), nb::arg("stream") = nb::none(),
+      "mx.fast.rms_norm's bits for float32 x on MLX's x86-64 CPU backend, one dispatch");
+  m.def(
+      "layer_norm",
+      [](const mx::array& x, const std::optional<mx::array>& weight, const std::optional<mx::array>& bias, float eps,
+         mx::StreamOrDevice s) { return norm(x, weight, bias, eps, true, s); },
+      nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("eps"), nb::kw_only(),
+      nb::arg("stream") = nb::none(), "mx.fast.layer_norm's bits for float32 x on MLX's x86-64 CPU backend, one dispatch");
   m.attr("MLX_VERSION") = VOICECHAT_MLX_VERSION;
   m.def("isa", [] { return isa_in_use.load(); }, "row kernels in use: 2 AVX-512, 1 AVX2, 0 scalar");
   m.def("cpu_isa", &cpu_isa, "the widest row kernels this CPU runs: 2 AVX-512, 1 AVX2, 0 scalar");

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from .. import cpu_qmv
 from ..compiled import piece, rms_norm
 from ..constants import derived
 
@@ -123,7 +124,7 @@ def _gated_norm(y: mx.array, z: mx.array, groups: int, eps: float, norm_w: mx.ar
     """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (1, L, d)."""
     length, d = y.shape[1], y.shape[2]
     u = (y * nn.silu(z)).reshape(1, length, groups, d // groups)
-    return mx.fast.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
+    return cpu_qmv.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
 
 
 def _segment_sums(log_decay: mx.array) -> mx.array:
@@ -568,7 +569,7 @@ class NemotronHBlock(nn.Module):
 
 def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
     y = x + h
-    return y, mx.fast.rms_norm(y, weight, eps)
+    return y, cpu_qmv.rms_norm(y, weight, eps)
 
 
 def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
