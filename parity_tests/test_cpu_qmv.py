@@ -2,8 +2,8 @@
 float32 bits exactly (every output element, every instruction-set path, every bits / group size /
 scale dtype / shape / stride the language path can meet), its float32 product `mx.matmul`'s
 (every column block, row count and view the conformer / TTS / codebook products meet) and its
-norms `mx.fast.rms_norm` / `layer_norm`'s, route only the calls they serve, and say so when
-they cannot be used.
+norms `mx.fast.rms_norm` / `layer_norm`'s, its RVQ pass the per-codebook MLX ops', route only
+the calls they serve, and say so when they cannot be used.
 
 Exact equality is the claim, not a tolerance: the kernels perform MLX's scalar operations
 (int -> float, scale * q + bias, x * t, sum + ...; the reference sgemm's c + x * w) in MLX's
@@ -313,6 +313,56 @@ def test_norm_router_and_bad_arguments(module, monkeypatch):
         module.layer_norm(x, None, mx.ones((8,), dtype=mx.int32), 1e-5)
 
 
+def test_rvq_pass_is_the_per_codebook_ops_bit_for_bit(module):
+    """`rvq_pass` against `_rvq_core` (MLX's product, distance, argmin, gather, subtract per
+    codebook), compiled and not: codes and the remaining residual, over codebook counts, widths
+    and sizes (C = 1 to 1024), codebook slices at an offset, ties (a duplicated code: the first
+    wins), and inf / NaN in a codebook (argmin takes the first NaN, as MLX's)."""
+    import functools
+
+    from voicechat.tts.ear_tts import _rvq_core
+
+    rng = np.random.default_rng(15)
+    for trial in range(40):
+        q_all, latent, c = int(rng.integers(1, 7)), int(rng.choice([1, 5, 32])), int(rng.choice([1, 3, 17, 256, 1024]))
+        stored = (rng.standard_normal((q_all, c, latent)) * rng.uniform(0.1, 3)).astype(np.float32)
+        if trial % 5 == 1 and c > 1:
+            stored[:, c - 1] = stored[:, 0]  # ties
+        if trial % 5 == 2:
+            stored[rng.integers(q_all), rng.integers(c), rng.integers(latent)] = rng.choice([np.inf, np.nan])
+        books = mx.array(stored)
+        books_t, norms = mx.contiguous(books.transpose(0, 2, 1)), (books * books).sum(-1)
+        residual = mx.array((rng.standard_normal((1, latent)) * 2).astype(np.float32))
+        first = int(rng.integers(0, q_all))
+        count = int(rng.integers(1, q_all - first + 1))
+        per_book = [books_t[q] for q in range(first, first + count)]
+        ops = functools.partial(_rvq_core, count)
+        codes, rest = module.rvq_pass(residual, books_t[first:first + count], norms[first:first + count])
+        assert codes.dtype == mx.int32 and codes.shape == (count,) and rest.shape == (1, latent)
+        for run in (ops, mx.compile(ops)):
+            want_codes, want_rest = run(residual, per_book, [b.T for b in per_book],
+                                        [norms[q:q + 1] for q in range(first, first + count)])
+            assert codes.tolist() == want_codes.tolist(), (trial, q_all, latent, c)
+            assert np.array_equal(_bits(rest), _bits(want_rest))
+
+
+def test_rvq_pass_router_and_bad_arguments(module):
+    books_t, norms, residual = mx.ones((2, 4, 8)), mx.ones((2, 8)), mx.ones((1, 4))
+    with cpu_qmv_set(False):
+        assert cpu_qmv.rvq_pass(residual, books_t, norms) is None
+    with cpu_qmv_set(True):
+        assert cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms) is None
+        assert cpu_qmv.rvq_pass(residual, books_t, norms) is not None
+    with pytest.raises(ValueError, match="float32 residual, books_t and norms"):
+        module.rvq_pass(residual, books_t.astype(mx.float16), norms)
+    with pytest.raises(ValueError, match=r"one row of books_t.shape\[1\] = 4"):
+        module.rvq_pass(mx.ones((1, 5)), books_t, norms)
+    with pytest.raises(ValueError, match=r"norms must be \(count, C\) = \(2, 8\)"):
+        module.rvq_pass(residual, books_t, mx.ones((8,)))
+    with pytest.raises(ValueError, match=r"\(count >= 1, latent >= 1, C >= 1\)"):
+        module.rvq_pass(residual, mx.ones((4, 8)), norms)
+
+
 def test_bad_arguments_say_what_is_expected(module):
     rng = np.random.default_rng(7)
     w, scales, biases = _quantized(rng, 16, 128, 64, 4, mx.float32)
@@ -354,12 +404,13 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
 
 def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4bit, question_wav, monkeypatch):
     """A 4-bit tiny model streamed with the kernels and with MLX's: the same text, function ids,
-    codes and audio samples, bit for bit, and the kernels (quantized, float32, both norms) did run."""
+    codes and audio samples, bit for bit, and the kernels (quantized, float32, both norms, the
+    RVQ pass) did run."""
     calls, f32_calls, norm_calls = [], [], []
     real, real_f32 = module.quantized_matvec, module.float32_matmul
     monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: f32_calls.append(1) or real_f32(*a, **k))
-    for name in ("rms_norm", "layer_norm"):
+    for name in ("rms_norm", "layer_norm", "rvq_pass"):
         monkeypatch.setattr(module, name, lambda *a, _r=getattr(module, name), _n=name, **k:
                             norm_calls.append(_n) or _r(*a, **k))
     wave = question_wav[: 1280 * 12]
@@ -375,7 +426,7 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4b
                         np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
         if on:
             assert len(calls) > 0 and len(f32_calls) > 0
-            assert {"rms_norm", "layer_norm"} <= set(norm_calls)
+            assert {"rms_norm", "layer_norm", "rvq_pass"} <= set(norm_calls)
             n_on, n_f32, n_norm = len(calls), len(f32_calls), len(norm_calls)
     assert len(calls) == n_on and len(f32_calls) == n_f32 and len(norm_calls) == n_norm  # none with them off
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]

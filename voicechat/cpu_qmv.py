@@ -147,8 +147,8 @@ def self_check(module) -> str | None:
     weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
     rows: 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals `mx.matmul`
     (three shapes covering its column blocks and single columns), with each instruction set this
-    CPU runs, and its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights),
-    else what differed."""
+    CPU runs, its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights) and
+    its `rvq_pass` MLX's per-codebook ops, else what differed."""
     rng = np.random.default_rng(20261202)
     top = module.isa()
     try:
@@ -184,6 +184,18 @@ def self_check(module) -> str | None:
                      mx.fast.layer_norm(x, w, b, 1e-5, stream=mx.cpu))):
                 if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
                     return f"{name} differs from mx.fast.{name} at {(rows, d)}, weight {wdtype}"
+        books_t = mx.array(rng.standard_normal((3, 16, 100)).astype(np.float32))  # an RVQ pass
+        norms = (books_t * books_t).sum(axis=1)
+        residual = mx.array(rng.standard_normal((1, 16)).astype(np.float32))
+        codes, rest = module.rvq_pass(residual, books_t, norms, stream=mx.cpu)
+        want = []
+        for q in range(3):
+            j = mx.argmin(norms[q] - 2.0 * mx.matmul(residual, books_t[q]), axis=-1)
+            residual = residual - books_t[q][:, j].T
+            want.append(j.item())
+        if codes.tolist() != want or not np.array_equal(np.array(rest).view(np.uint32),
+                                                         np.array(residual).view(np.uint32)):
+            return "rvq_pass differs from MLX's per-codebook product, argmin and subtraction"
     finally:
         module.set_isa(top)
     return None
@@ -368,6 +380,19 @@ def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps:
     return mx.fast.layer_norm(x, weight, bias, eps, stream=stream)
 
 
+def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=None):
+    """Greedy residual vector quantization of one float32 row over `books_t` (count, latent, C)
+    with squared norms `norms` (count, C): -> (codes (count,) int32, the remaining residual), in
+    one dispatch instead of five per codebook; the bits of MLX's ops in `tts.ear_tts._rvq_core`.
+    None when the extension does not serve the call (disabled, not float32, not a CPU stream):
+    the caller then runs those ops."""
+    if (residual.dtype == books_t.dtype == norms.dtype == mx.float32 and books_t.ndim == 3
+            and residual.size == books_t.shape[1] and _stream_served(stream) and cpu_qmv_enabled()):
+        codes, rest = _state["module"].rvq_pass(residual, books_t, norms, stream=stream)
+        return codes, rest
+    return None
+
+
 __all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "float32_matmul",
-           "layer_norm", "norm_served", "platform_served", "rms_norm",
+           "layer_norm", "norm_served", "platform_served", "rms_norm", "rvq_pass",
            "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason", "weights_served"]

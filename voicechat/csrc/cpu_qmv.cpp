@@ -11,6 +11,7 @@
 // FMA contraction off, so each output element is MLX's bit for bit (checked at load against
 // mx.quantized_matmul, and by the tests).
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
@@ -23,6 +24,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/variant.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -352,6 +354,95 @@ mx::array norm(const mx::array& x, const std::optional<mx::array>& weight, const
                    std::make_shared<CpuNorm>(stream, layer, weight.has_value(), bias.has_value(), eps), inputs);
 }
 
+// ---- greedy residual vector quantization (EAR-TTS, one MoG pass) --------------------------------
+// For each codebook q in turn, MLX's ops (voicechat/tts/ear_tts.py `_rvq_core`) compute
+//   dot = residual @ books_t[q]   (the sgemm chain c = 0; c = c + r[k] * e[k, j], k ascending)
+//   dist = norms[q] - 2 * dot;  j = argmin(dist) (the first NaN, else the first minimum)
+//   residual = residual - books_t[q][:, j]
+// five dispatches per codebook; here one task for the pass, the same operations in the same order.
+void rvq_pass(int32_t* codes, float* residual, const float* books_t, const float* norms, int count, int latent,
+              int C) {
+  std::vector<float> dot(C);
+  for (int q = 0; q < count; q++) {
+    const float* book = books_t + static_cast<size_t>(q) * latent * C;
+    if (C > 0) matmul_f32(dot.data(), residual, book, 1, C, latent);
+    const float* norm = norms + static_cast<size_t>(q) * C;
+    int best = 0;
+    float best_d = norm[0] - 2.0f * dot[0];
+    for (int j = 1; j < C; j++) {
+      const float d = norm[j] - 2.0f * dot[j];
+      if (std::isnan(best_d)) break;
+      if (std::isnan(d) || d < best_d) {
+        best_d = d;
+        best = j;
+      }
+    }
+    for (int k = 0; k < latent; k++) residual[k] = residual[k] - book[static_cast<size_t>(k) * C + best];
+    codes[q] = best;
+  }
+}
+
+class CpuRvqPass : public mx::Primitive {
+ public:
+  explicit CpuRvqPass(mx::Stream stream) : mx::Primitive(stream) {}
+
+  const char* name() const override { return "CpuRvqPass"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in;
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    std::vector<mx::array> out;
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      out.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([in = std::move(in), out = std::move(out)]() mutable {
+      std::vector<float> rc, bc, nc;
+      const auto &residual = in[0], &books_t = in[1], &norms = in[2];
+      const int count = books_t.shape(0), latent = books_t.shape(1), C = books_t.shape(2);
+      float* r = out[1].data<float>();
+      const float* r0 = row_major<float>(residual, rc);
+      std::copy(r0, r0 + latent, r);
+      rvq_pass(out[0].data<int32_t>(), r, row_major<float>(books_t, bc), row_major<float>(norms, nc), count, latent,
+               C);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("cpu_qmv: CPU streams only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[1].shape(0)}, inputs[0].shape()};
+  }
+};
+
+std::vector<mx::array> rvq_pass_op(const mx::array& residual, const mx::array& books_t, const mx::array& norms,
+                                   mx::StreamOrDevice s) {
+  if (residual.dtype() != mx::float32 || books_t.dtype() != mx::float32 || norms.dtype() != mx::float32)
+    throw std::invalid_argument("cpu_qmv: rvq_pass takes float32 residual, books_t and norms");
+  if (books_t.ndim() != 3 || books_t.shape(0) < 1 || books_t.shape(1) < 1 || books_t.shape(2) < 1)
+    throw std::invalid_argument("cpu_qmv: rvq_pass books_t must be (count >= 1, latent >= 1, C >= 1)");
+  if (residual.size() != static_cast<size_t>(books_t.shape(1)) || residual.ndim() < 1 ||
+      residual.shape(-1) != books_t.shape(1))
+    throw std::invalid_argument("cpu_qmv: rvq_pass residual must be one row of books_t.shape[1] = " +
+                                std::to_string(books_t.shape(1)) + " values");
+  if (norms.shape() != mx::Shape{books_t.shape(0), books_t.shape(2)})
+    throw std::invalid_argument("cpu_qmv: rvq_pass norms must be (count, C) = (" + std::to_string(books_t.shape(0)) +
+                                ", " + std::to_string(books_t.shape(2)) + ")");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
+  return mx::array::make_arrays({{books_t.shape(0)}, residual.shape()}, {mx::int32, mx::float32},
+                                std::make_shared<CpuRvqPass>(stream), {residual, books_t, norms});
+}
+
 mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || wt.dtype() != mx::float32)
     throw std::invalid_argument("cpu_qmv: float32_matmul takes float32 x and wt");
@@ -411,6 +502,10 @@ NB_MODULE(_voicechat_cpu_qmv, m) {
          mx::StreamOrDevice s) { return norm(x, weight, bias, eps, true, s); },
       nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("eps"), nb::kw_only(),
       nb::arg("stream") = nb::none(), "mx.fast.layer_norm's bits for float32 x on MLX's x86-64 CPU backend, one dispatch");
+  m.def("rvq_pass", &rvq_pass_op, nb::arg("residual"), nb::arg("books_t"), nb::arg("norms"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "greedy RVQ of one float32 residual row over books_t (count, latent, C) with norms (count, C) -> "
+        "(codes (count,) int32, the remaining residual): EAR-TTS's per-codebook MLX ops' bits, one dispatch");
   m.attr("MLX_VERSION") = VOICECHAT_MLX_VERSION;
   m.def("isa", [] { return isa_in_use.load(); }, "row kernels in use: 2 AVX-512, 1 AVX2, 0 scalar");
   m.def("cpu_isa", &cpu_isa, "the widest row kernels this CPU runs: 2 AVX-512, 1 AVX2, 0 scalar");

@@ -48,6 +48,7 @@ from .layers import (
 from .rng import SessionRandom
 from ..compiled import linear_piece, piece
 from ..constants import derived
+from .. import cpu_qmv
 from ..cpu_qmv import float32_matmul
 from ..parallel import apply
 
@@ -883,7 +884,12 @@ class EarTts(nn.Module):
     def quantize_pass(self, residual: mx.array, first: int, count: int) -> tuple[mx.array, mx.array]:
         """`quantize_residual` with the codes as one (count,) int32 array: what a MoG pass runs.
         One compiled piece per pass length; per codebook one product, the distance, argmin and
-        one row gather (~7 dispatches: the codebooks are per-codebook arrays made once)."""
+        one row gather (~7 dispatches: the codebooks are per-codebook arrays made once); where the
+        CPU kernels serve it, the whole pass as one dispatch (`cpu_qmv.rvq_pass`, the same bits)."""
+        books_all, norms_all = self.rvq_books()
+        fused = cpu_qmv.rvq_pass(residual, books_all[first:first + count], norms_all[first:first + count])
+        if fused is not None:
+            return fused
         books_t, books, all_norms = self.rvq_book_list()
         core = piece(("rvq", count), lambda: functools.partial(_rvq_core, count))
         part = slice(first, first + count)
