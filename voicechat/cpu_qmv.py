@@ -9,7 +9,11 @@ that does the same operations in the same order for each row (so every output is
 bit), with 16 rows in the lanes of an AVX-512 register (8 with AVX2). Their float32 `mx.matmul`
 calls the Netlib reference sgemm, one sequential chain `c = c + x[m, k] * w[k, n]` per output
 (k ascending, no FMA); the extension's float32 product runs the same chains for 16 (8) columns
-in a vector's lanes and reads each weight row once per 4 rows of x.
+in a vector's lanes and reads each weight row once per 4 rows of x. Two more primitives save
+dispatches rather than time per operation: `rms_norm` / `layer_norm` (MLX runs `mx.fast`'s norms
+as their compositions on a CPU, 3 / 5 dispatches; its sums there are one sequential chain per
+row) and `rvq_pass` (EAR-TTS's greedy RVQ over a pass's codebooks, 5 dispatches per codebook on
+MLX), each the same operations in the same order in one dispatch.
 
 It is a C++ extension built on first use, not at install: it links MLX's C++ library and passes
 `mx.array` through nanobind, so it must be built against the exact MLX it runs with. The build
@@ -21,7 +25,8 @@ inputs (every bits / group size, every instruction set); any difference and it i
 `quantized_matmul(...)` takes the extension when `cpu_qmv_enabled()` and the call is one it
 serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a CPU stream),
 else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D float32 wt),
-else `mx.matmul`; the same bits either way. The default is on for a CPU default device on Linux
+else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight / bias) else `mx.fast`'s;
+`rvq_pass` returns None where not served (the caller runs MLX's ops); the same bits either way. The default is on for a CPU default device on Linux
 x86-64 (on macOS MLX's CPU kernels sum 8 lanes at a time and its BLAS is Accelerate: other
 orders, and Metal is the fast path there). `VOICECHAT_CPU_QMV=0|1` or `set_cpu_qmv(...)` switch
 both; forcing it on where it cannot be built raises. When the build fails where it is the
