@@ -35,7 +35,7 @@ def add_bench_parser(subparsers) -> None:
                         f"long_question.wav (default {DEFAULT_AUDIO})")
     p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
                    help="implementation to run (repeatable; default voicechat); voicechat-serial = this project on one "
-                        "CPU stream, nothing compiled; mlx-vlm needs the peers extra")
+                        "CPU stream, nothing compiled, no CPU kernels, no overlapped evaluation; mlx-vlm needs the peers extra")
     p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")
     p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)")

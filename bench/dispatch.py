@@ -1,7 +1,8 @@
 """Operations dispatched and host synchronisations per streamed frame, counted from MLX's graph.
 
 MLX builds a lazy graph and runs it when something needs the values: `mx.eval`,
-`array.item()` / `.tolist()`, or numpy reading the array (`np.asarray`, `np.array`).
+`array.item()` / `.tolist()`, or numpy reading the array (`np.asarray`, `np.array`); or
+earlier, without waiting, `mx.async_eval` (counted as dispatches, not as a synchronisation).
 While `count_dispatches()` is active those entry points are wrapped: before each
 evaluation the graph behind the requested arrays is exported (`mx.export_to_dot`)
 and its operation nodes are counted. Each node is one kernel dispatch on the CPU
@@ -41,7 +42,9 @@ class DispatchCounter:
         self.syncs: Counter = Counter()
         self.ops: dict[str, Counter] = defaultdict(Counter)
 
-    def record(self, arrays) -> None:
+    def record(self, arrays, *, sync: bool = True) -> None:
+        """Count the nodes behind `arrays` that would run; `sync`: the caller waits for them
+        (an `mx.async_eval` ahead of the wait, `voicechat.overlap`, does not)."""
         lazy = [a for a in _flatten(arrays) if isinstance(a, mx.array)]
         if not lazy:
             return
@@ -50,7 +53,7 @@ class DispatchCounter:
         labels = _NODE.findall(buf.getvalue())
         if labels:
             self.dispatches[self.stage] += len(labels)
-            self.syncs[self.stage] += 1
+            self.syncs[self.stage] += int(sync)
             self.ops[self.stage].update(re.sub(r"[\s(].*", "", lab) for lab in labels)
 
     def snapshot(self) -> tuple[Counter, Counter]:
@@ -72,12 +75,16 @@ def _flatten(tree):
 def count_dispatches():
     """Count every MLX evaluation inside the block into the yielded `DispatchCounter`."""
     counter = DispatchCounter()
-    eval_, item, tolist = mx.eval, mx.array.item, mx.array.tolist
+    eval_, async_eval, item, tolist = mx.eval, mx.async_eval, mx.array.item, mx.array.tolist
     asarray, array = np.asarray, np.array
 
     def eval_counted(*args):
         counter.record(args)
         return eval_(*args)
+
+    def async_eval_counted(*args):
+        counter.record(args, sync=False)
+        return async_eval(*args)
 
     def item_counted(self):
         counter.record(self)
@@ -97,12 +104,12 @@ def count_dispatches():
             counter.record(a)
         return array(a, *args, **kwargs)
 
-    mx.eval, mx.array.item, mx.array.tolist = eval_counted, item_counted, tolist_counted
+    mx.eval, mx.async_eval, mx.array.item, mx.array.tolist = eval_counted, async_eval_counted, item_counted, tolist_counted
     np.asarray, np.array = asarray_counted, array_counted
     try:
         yield counter
     finally:
-        mx.eval, mx.array.item, mx.array.tolist = eval_, item, tolist
+        mx.eval, mx.async_eval, mx.array.item, mx.array.tolist = eval_, async_eval, item, tolist
         np.asarray, np.array = asarray, array
 
 

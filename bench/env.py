@@ -107,6 +107,7 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
     from voicechat.compiled import compile_enabled
     from voicechat.cpu_qmv import ISA_NAMES, cpu_qmv_enabled, extension, unavailable_reason
     from voicechat.host_gemm import host_gemm_enabled
+    from voicechat.overlap import overlap_enabled
     from voicechat.parallel import cpu_streams
 
     date = date or datetime.now(timezone.utc)
@@ -132,7 +133,7 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
         "mlx": {"version": getattr(mx, "__version__", None), "default_device": str(mx.default_device()),
                 "metal_available": metal, "voicechat_cpu_streams": cpu_streams(),
                 "voicechat_compile": compile_enabled(), "voicechat_host_gemm": host_gemm_enabled(),
-                "voicechat_cpu_qmv": cpu_qmv_enabled(),
+                "voicechat_cpu_qmv": cpu_qmv_enabled(), "voicechat_overlap": overlap_enabled(),
                 "voicechat_cpu_qmv_isa": ISA_NAMES[extension().isa()] if extension() is not None else None,
                 "voicechat_cpu_qmv_unavailable": unavailable_reason()},
         "packages": package_versions(),

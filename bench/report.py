@@ -305,7 +305,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                    + (f". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
                       + (f"on ({mlx.get('voicechat_cpu_qmv_isa')})" if mlx["voicechat_cpu_qmv"] else
                          f"off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'switched off'})")
-                      if "voicechat_cpu_qmv" in mlx else ""))
+                      if "voicechat_cpu_qmv" in mlx else "")
+                   + (f". Layer by layer evaluation overlapped with graph building (`VOICECHAT_OVERLAP`): "
+                      f"{'on' if mlx['voicechat_overlap'] else 'off'}" if "voicechat_overlap" in mlx else ""))
     la0, la1 = m.get("load_average_start"), m.get("load_average_end")
     if la0 or la1:
         out.append(f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "

@@ -324,6 +324,55 @@ def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams):
     assert any(key[1] for key in compiled._compiled)  # compiled pieces were built ((key, compiled, kernels))
 
 
+# -- overlapped evaluation (voicechat.overlap)
+
+
+def test_overlap_flag_validation(monkeypatch):
+    from voicechat import overlap
+
+    monkeypatch.setenv(overlap.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="VOICECHAT_OVERLAP must be 0 or 1"):
+        overlap.overlap_enabled()
+    monkeypatch.setenv(overlap.ENV_VAR, "0")
+    assert overlap.overlap_enabled() is False
+    monkeypatch.delenv(overlap.ENV_VAR)
+    assert overlap.overlap_enabled() is (mx.default_device().type == mx.DeviceType.cpu)
+    with pytest.raises(TypeError, match="set_overlap expects True, False or None"):
+        overlap.set_overlap(1)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_overlapped_evaluation_equals_waiting(tiny_ckpt, question_wav, streams, monkeypatch):
+    """Layers evaluated ahead (`mx.async_eval` after each conformer, Nemotron-H and TTS backbone
+    layer and each MoG pass) vs evaluated when needed: the streamed session (outputs and caches)
+    and offline are bit-identical; with the switch on, each of the three stacks did evaluate
+    ahead, with it off none did."""
+    import sys
+
+    from voicechat import overlap
+
+    callers = []
+    real = mx.async_eval
+
+    def counted(*arrays):
+        callers.append(sys._getframe(2).f_code.co_filename)  # past overlap.start
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", counted)
+    model = voicechat.load(tiny_ckpt)
+    audio = question_wav[: 1280 * 12]
+    runs = {}
+    with parallel.cpu_streams_set(streams):
+        for enabled in (False, True):
+            callers.clear()
+            with overlap.overlap_set(enabled):
+                runs[enabled] = _streamed_and_offline(model, audio)
+            stacks = {name for name in ("conformer.py", "nemotron_h.py", "ear_tts.py")
+                      if any(c.endswith(name) for c in callers)}
+            assert stacks == ({"conformer.py", "nemotron_h.py", "ear_tts.py"} if enabled else set())
+    _assert_identical(runs[False], runs[True])
+
+
 def test_compiled_mog_trunk_equals_uncompiled(tiny_model):
     """The MoG trunk feeds only the sampling, whose discrete choices can absorb a rounding
     difference; compare its features directly (both guidance rows, as generate_codes runs it)."""

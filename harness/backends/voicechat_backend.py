@@ -452,8 +452,8 @@ def _take_frame_records(run: StreamRun, frames: list, with_logits: bool) -> None
 class SerialVoiceChatBackend(VoiceChatBackend):
     """This project on one CPU stream, nothing compiled, every product in MLX (`voicechat-serial`):
     the benchmark runs it beside `voicechat` to measure what the two-stream split, the compiled
-    pieces, the codec's numpy products and the quantized kernel give (voicechat.parallel,
-    voicechat.compiled, voicechat.host_gemm, voicechat.cpu_qmv). Ids, codes and every cache but the codec's are bit-identical to
+    pieces, the codec's numpy products, the CPU kernels and the overlapped evaluation give
+    (voicechat.parallel, voicechat.compiled, voicechat.host_gemm, voicechat.cpu_qmv, voicechat.overlap). Ids, codes and every cache but the codec's are bit-identical to
     `voicechat`; the audio differs by float32 summation order (~1e-7) when `voicechat` runs
     the codec products through numpy."""
 
@@ -464,9 +464,10 @@ class SerialVoiceChatBackend(VoiceChatBackend):
         from voicechat.compiled import compile_set
         from voicechat.cpu_qmv import cpu_qmv_set
         from voicechat.host_gemm import host_gemm_set
+        from voicechat.overlap import overlap_set
         from voicechat.parallel import cpu_streams_set
 
-        with cpu_streams_set(1), compile_set(False), host_gemm_set(False), cpu_qmv_set(False):
+        with cpu_streams_set(1), compile_set(False), host_gemm_set(False), cpu_qmv_set(False), overlap_set(False):
             yield
 
     def load(self, checkpoint: str):

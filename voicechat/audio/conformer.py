@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
+from .. import overlap
 from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
 from ..cpu_qmv import float32_matmul
@@ -574,6 +575,7 @@ class ConformerStream:
                 x, st.k_cache[i], st.v_cache[i], st.conv_cache[i],
                 self.pos_proj[i] if self.cache_projections else None, left
             )
+            overlap.start(x)  # layer i runs while the next one is built
         keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs
         st.mel_cache = cache[keep_from - cache_start :]
         st.mel_consumed = consumed

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
-from .. import cpu_qmv
+from .. import cpu_qmv, overlap
 from ..compiled import piece, rms_norm
 from ..constants import derived
 
@@ -666,6 +666,7 @@ class NemotronH(nn.Module):
             else:
                 x, h = add_rms_norm(x, added, block.norm)
             added = block.mix(h, layer_state, single_step, self.ssd_chunk_size)
+            overlap.start(added)  # this block runs while the next one is built
         state.offset += x.shape[1]
         if added is None:
             return self.norm_f(x)

@@ -48,7 +48,7 @@ from .layers import (
 from .rng import SessionRandom
 from ..compiled import linear_piece, piece
 from ..constants import derived
-from .. import cpu_qmv
+from .. import cpu_qmv, overlap
 from ..cpu_qmv import float32_matmul
 from ..parallel import apply
 
@@ -533,6 +533,7 @@ class EarTtsBackbone(nn.Module):
             if rope is None:
                 rope = tables[attn.rope_base] = self._rope(n, attn.head_dim, attn.rope_base, start)
             x = layer(x, state, rope)
+            overlap.start(x)  # this layer runs while the next one is built
         if state is not None:
             state.offset += x.shape[1]
         return self.norm(x)
@@ -870,6 +871,7 @@ class EarTts(nn.Module):
             residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale,
                                                      log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax)
             codes, _ = self.quantize_pass(residual, done, count)
+            overlap.start(codes)  # this pass runs while the next one is built
             assigned.append(codes)
             done += count
         return mx.concatenate(assigned)
