@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
+from .heap import keep_heap
 from .parallel import prepare_linears
 from .progress import bar
 from .tokenizer import TextTokenizer
@@ -123,6 +124,8 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     from .tts.numerics import numerics_from
 
     numerics = numerics_from(numerics)  # a bad value fails before anything is read
+    if mx.default_device().type == mx.DeviceType.cpu:
+        keep_heap()  # glibc keeps freed large temporaries for the next frame (voicechat/heap.py)
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
     steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py
