@@ -294,16 +294,24 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
 # -- compiled pieces (voicechat.compiled)
 
 
-def test_compile_flag_validation(monkeypatch):
-    from voicechat import compiled
+@pytest.mark.parametrize("module, getter, setter, cpu_only", [("compiled", "compile_enabled", "set_compile", False),
+                                                              ("overlap", "overlap_enabled", "set_overlap", True)])
+def test_switch_flag_validation(monkeypatch, module, getter, setter, cpu_only):
+    """VOICECHAT_COMPILE / VOICECHAT_OVERLAP: 0 / 1 only (the error names the variable), unset
+    means the default (compile: on; overlap: on for a CPU device only), and the setter takes
+    True, False or None only."""
+    import importlib
 
-    monkeypatch.setenv(compiled.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="VOICECHAT_COMPILE must be 0 or 1, got 'yes'"):
-        compiled.compile_enabled()
-    monkeypatch.setenv(compiled.ENV_VAR, "0")
-    assert compiled.compile_enabled() is False
-    with pytest.raises(TypeError, match="set_compile expects True, False or None"):
-        compiled.set_compile("on")
+    mod = importlib.import_module(f"voicechat.{module}")
+    monkeypatch.setenv(mod.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=f"{mod.ENV_VAR} must be 0 or 1.*got 'yes'"):
+        getattr(mod, getter)()
+    monkeypatch.setenv(mod.ENV_VAR, "0")
+    assert getattr(mod, getter)() is False
+    monkeypatch.delenv(mod.ENV_VAR)
+    assert getattr(mod, getter)() is (not cpu_only or mx.default_device().type == mx.DeviceType.cpu)
+    with pytest.raises(TypeError, match=f"{setter} expects True, False or None"):
+        getattr(mod, setter)("on")
 
 
 @pytest.mark.parametrize("streams", [1, 2])
@@ -325,20 +333,6 @@ def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams):
 
 
 # -- overlapped evaluation (voicechat.overlap)
-
-
-def test_overlap_flag_validation(monkeypatch):
-    from voicechat import overlap
-
-    monkeypatch.setenv(overlap.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="VOICECHAT_OVERLAP must be 0 or 1"):
-        overlap.overlap_enabled()
-    monkeypatch.setenv(overlap.ENV_VAR, "0")
-    assert overlap.overlap_enabled() is False
-    monkeypatch.delenv(overlap.ENV_VAR)
-    assert overlap.overlap_enabled() is (mx.default_device().type == mx.DeviceType.cpu)
-    with pytest.raises(TypeError, match="set_overlap expects True, False or None"):
-        overlap.set_overlap(1)
 
 
 @pytest.mark.parametrize("streams", [1, 2])
