@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .audio.conformer import ConvModule
 from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
@@ -153,6 +154,9 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     # Float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
+    for module in model.modules():  # the conformer's 1x1 conv weights as float32 W.T, once: at the
+        if isinstance(module, ConvModule):  # published shapes making them took 1.8 s of the first frame
+            module.pointwise_weights()
     model.tts_model.audio_codec.prepare_decoder()  # its float32 / numpy copies, taken (and counted) here
     steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
