@@ -299,9 +299,13 @@ def test_norm_router_and_bad_arguments(module, monkeypatch):
         cpu_qmv.rms_norm(x.astype(mx.bfloat16), w, 1e-6)  # not float32
         cpu_qmv.layer_norm(x, w.astype(mx.int32), None, 1e-5)  # not a float weight
         assert calls == [1, 1]
+        cpu_qmv.rms_norm(x, w, 1e-6, served=False)  # the caller's own check says no
+        assert calls == [1, 1]
+        cpu_qmv.layer_norm(x, w, None, 1e-5, served=True)  # ... or yes, not checked again
+        assert calls == [1, 1, 1]
     with cpu_qmv_set(False):
         cpu_qmv.rms_norm(x, w, 1e-6)
-        assert calls == [1, 1]
+        assert calls == [1, 1, 1]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="takes float32 x"):
         module.rms_norm(x.astype(mx.float16), w, 1e-6)

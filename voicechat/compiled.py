@@ -109,7 +109,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     else as a compiled piece: on a CPU the op runs as its composition, whose elementwise tail
     fuses (3 dispatches instead of ~11, the same float32 operations)."""
     if cpu_qmv.norm_served(x, weight):
-        return cpu_qmv.rms_norm(x, weight, eps)
+        return cpu_qmv.rms_norm(x, weight, eps, served=True)
     key = ("rms_norm", eps, weight is None)
     if weight is None:
         return piece(key, lambda: lambda x: _rms_norm_core(eps, x, None))(x)
@@ -123,7 +123,7 @@ def _layer_norm_core(eps: float, x: mx.array, p: dict) -> mx.array:
 def compiled_layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
     """`mx.fast.layer_norm` (`p` from `norm_params`), as `rms_norm`: one dispatch or a compiled piece."""
     if cpu_qmv.norm_served(x, p.get("weight"), p.get("bias")):
-        return layer_norm(x, p, eps)
+        return cpu_qmv.layer_norm(x, p.get("weight"), p.get("bias"), eps, served=True)
     return piece(("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps))(x, p)
 
 

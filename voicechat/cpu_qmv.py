@@ -367,20 +367,22 @@ def norm_served(x: mx.array, *params, stream=None) -> bool:
 _NORM_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -> mx.array:
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None,
+             served: bool | None = None) -> mx.array:
     """`mx.fast.rms_norm(x, weight, eps)`, through the extension's norm when enabled and served
     (float32 x, a 1-D float weight or None, a CPU stream): one dispatch instead of MLX's three
     (square, sum, the fused tail), the same bits (MLX's CPU sum is one sequential chain per row
-    on x86-64, which the extension runs)."""
-    if norm_served(x, weight, stream=stream):
+    on x86-64, which the extension runs). `served`: the caller's `norm_served(...)` for these
+    arguments, checked here when None."""
+    if norm_served(x, weight, stream=stream) if served is None else served:
         return _state["module"].rms_norm(x, weight, eps, stream=stream)
     return mx.fast.rms_norm(x, weight, eps, stream=stream)
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
-               stream=None) -> mx.array:
+               stream=None, served: bool | None = None) -> mx.array:
     """`mx.fast.layer_norm(x, weight, bias, eps)`, as `rms_norm`: one dispatch instead of five."""
-    if norm_served(x, weight, bias, stream=stream):
+    if norm_served(x, weight, bias, stream=stream) if served is None else served:
         return _state["module"].layer_norm(x, weight, bias, eps, stream=stream)
     return mx.fast.layer_norm(x, weight, bias, eps, stream=stream)
 
@@ -393,8 +395,7 @@ def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=N
     the caller then runs those ops."""
     if (residual.dtype == books_t.dtype == norms.dtype == mx.float32 and books_t.ndim == 3
             and residual.size == books_t.shape[1] and _stream_served(stream) and cpu_qmv_enabled()):
-        codes, rest = _state["module"].rvq_pass(residual, books_t, norms, stream=stream)
-        return codes, rest
+        return tuple(_state["module"].rvq_pass(residual, books_t, norms, stream=stream))
     return None
 
 

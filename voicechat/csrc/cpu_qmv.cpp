@@ -103,10 +103,9 @@ void qmv_dispatch(int bits, int G, float* o, const float* x, const uint32_t* w, 
 }
 
 // The array's elements in row-major order: its own buffer when it is row-contiguous, else a copy.
-// Tasks keep their copies and scratch in thread_local buffers that only grow: a task that mallocs
-// and frees on the stream's worker thread can make glibc trim that thread's heap right after MLX
-// freed a large temporary there (a bf16 weight widened for a product), so the next one faults
-// its pages in again (measured at the published shapes: perception 0.32 -> 0.9 s per frame).
+// Tasks keep their copies and scratch in thread_local buffers that only grow, so a task neither
+// mallocs nor frees on the stream's worker thread (glibc's heap behaviour around MLX's large
+// temporaries is what voicechat/heap.py settles; these buffers alone did not change it).
 template <typename T>
 const T* row_major(const mx::array& a, std::vector<T>& copy) {
   if (a.flags().row_contiguous) return a.data<T>();
@@ -138,33 +137,34 @@ void run(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::
                   row_major<S>(sc, sc_c), row_major<S>(bi, bi_c), M, N, K);
 }
 
-// An MLX primitive computed as one task on its CPU stream. The task gets the inputs and the output
+// An MLX primitive computed as one task on its CPU stream. The task gets the inputs and the outputs
 // as weak copies (the encoder keeps their buffers alive until it has run) and a function that
 // captures the primitive's parameters by value: the primitive itself may be gone by then.
-class CpuTask : public mx::UnaryPrimitive {
+class CpuTask : public mx::Primitive {
  public:
-  using Task = std::function<void(const std::vector<mx::array>&, mx::array&)>;
-  using mx::UnaryPrimitive::UnaryPrimitive;
+  using Task = std::function<void(const std::vector<mx::array>&, std::vector<mx::array>&)>;
+  using mx::Primitive::Primitive;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> in;
+    std::vector<mx::array> in, out;
     for (auto& a : inputs) {
       encoder.set_input_array(a);
       in.push_back(mx::array::unsafe_weak_copy(a));
     }
-    encoder.set_output_array(out);
-    encoder.dispatch([task = task(), in = std::move(in), out = mx::array::unsafe_weak_copy(out)]() mutable {
-      task(in, out);
-    });
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      out.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([task = task(), in = std::move(in), out = std::move(out)]() mutable { task(in, out); });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("cpu_qmv: CPU streams only (MLX's own kernels serve the GPU)");
   }
 
-  // x's shape with its last axis replaced by the product's output columns.
+  // One output: x's shape with its last axis replaced by the product's output columns.
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
     shape.back() = columns(inputs);
@@ -173,7 +173,7 @@ class CpuTask : public mx::UnaryPrimitive {
 
  protected:
   virtual Task task() const = 0;
-  virtual int columns(const std::vector<mx::array>& inputs) const = 0;
+  virtual int columns(const std::vector<mx::array>& inputs) const { return inputs[0].shape(-1); }
 };
 
 class CpuQuantizedMatvec : public CpuTask {
@@ -192,8 +192,9 @@ class CpuQuantizedMatvec : public CpuTask {
   int columns(const std::vector<mx::array>& inputs) const override { return inputs[1].shape(0); }  // w (N, K)
 
   Task task() const override {
-    return [bits = bits_, G = group_size_](const std::vector<mx::array>& in, mx::array& out) {
+    return [bits = bits_, G = group_size_](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
       const auto &x = in[0], &w = in[1], &sc = in[2], &bi = in[3];
+      auto& out = outs[0];
       switch (sc.dtype()) {
         case mx::float32: return run<float>(x, w, sc, bi, out, bits, G);
         case mx::bfloat16: return run<mx::bfloat16_t>(x, w, sc, bi, out, bits, G);
@@ -239,12 +240,12 @@ class CpuMatmulF32 : public CpuTask {
   int columns(const std::vector<mx::array>& inputs) const override { return inputs[1].shape(1); }  // wt (K, N)
 
   Task task() const override {
-    return [](const std::vector<mx::array>& in, mx::array& out) {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       const auto &x = in[0], &wt = in[1];
       thread_local std::vector<float> xc, wc;
       const int K = wt.shape(0), N = wt.shape(1);
       const int M = static_cast<int>(x.size() / K);
-      matmul_f32(out.data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
+      matmul_f32(out[0].data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
     };
   }
 };
@@ -317,16 +318,14 @@ class CpuNorm : public CpuTask {
   }
 
  protected:
-  int columns(const std::vector<mx::array>& inputs) const override { return inputs[0].shape(-1); }
-
   Task task() const override {
     return [layer = layer_, hw = has_weight_, hb = has_bias_, eps = eps_](const std::vector<mx::array>& in,
-                                                                         mx::array& out) {
+                                                                         std::vector<mx::array>& out) {
       thread_local std::vector<float> xc, wc, bc;
       const int d = in[0].shape(-1);
       const float* w = hw ? widened(in[1], wc) : nullptr;
       const float* b = hb ? widened(in[hw ? 2 : 1], bc) : nullptr;
-      norm_rows(out.data<float>(), row_major<float>(in[0], xc), w, b, in[0].size() / d, d, eps, layer);
+      norm_rows(out[0].data<float>(), row_major<float>(in[0], xc), w, b, in[0].size() / d, d, eps, layer);
     };
   }
 
@@ -370,7 +369,7 @@ void rvq_pass(int32_t* codes, float* residual, const float* books_t, const float
   dot.resize(C);
   for (int q = 0; q < count; q++) {
     const float* book = books_t + static_cast<size_t>(q) * latent * C;
-    if (C > 0) matmul_f32(dot.data(), residual, book, 1, C, latent);
+    matmul_f32(dot.data(), residual, book, 1, C, latent);  // C >= 1 (rvq_pass_op)
     const float* norm = norms + static_cast<size_t>(q) * C;
     int best = 0;
     float best_d = norm[0] - 2.0f * dot[0];
@@ -387,28 +386,22 @@ void rvq_pass(int32_t* codes, float* residual, const float* books_t, const float
   }
 }
 
-class CpuRvqPass : public mx::Primitive {
+class CpuRvqPass : public CpuTask {
  public:
-  explicit CpuRvqPass(mx::Stream stream) : mx::Primitive(stream) {}
+  using CpuTask::CpuTask;
 
   const char* name() const override { return "CpuRvqPass"; }
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> in;
-    for (auto& a : inputs) {
-      encoder.set_input_array(a);
-      in.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    std::vector<mx::array> out;
-    for (auto& o : outputs) {
-      o.set_data(mx::allocator::malloc(o.nbytes()));
-      encoder.set_output_array(o);
-      out.push_back(mx::array::unsafe_weak_copy(o));
-    }
-    encoder.dispatch([in = std::move(in), out = std::move(out)]() mutable {
+  // (codes (count,), the remaining residual)
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[1].shape(0)}, inputs[0].shape()};
+  }
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       thread_local std::vector<float> rc, bc, nc;
       const auto &residual = in[0], &books_t = in[1], &norms = in[2];
       const int count = books_t.shape(0), latent = books_t.shape(1), C = books_t.shape(2);
@@ -417,15 +410,7 @@ class CpuRvqPass : public mx::Primitive {
       std::copy(r0, r0 + latent, r);
       rvq_pass(out[0].data<int32_t>(), r, row_major<float>(books_t, bc), row_major<float>(norms, nc), count, latent,
                C);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("cpu_qmv: CPU streams only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[1].shape(0)}, inputs[0].shape()};
+    };
   }
 };
 
