@@ -135,8 +135,24 @@ def test_full_preset_sizes_match_published():
     assert abs(bf16["bytes"] / 22.19e9 - 1) < 0.01
 
 
-def test_save_and_reload_round_trip(tmp_path, tiny_model_4bit):
+def test_save_and_reload_round_trip(tmp_path, tiny_ckpt_4bit, tiny_model_4bit):
+    """`save` writes the checkpoint it was loaded from, tensor for tensor in the stored dtypes
+    (the weights `load` replaced by float32 copies go back to bf16), and reloads to the same
+    parameters."""
     out = voicechat.loading.save(tiny_model_4bit, tmp_path / "saved")
+    original, written = _raw(tiny_ckpt_4bit), _raw(out)
+    # the mel front end's window and filterbank (stored in the published layout) are not
+    # written back: sanitize drops them (architecture.md), the front end computes its own
+    assert set(original) - set(written) <= {"stt_model.perception.preprocessor.featurizer.window",
+                                            "stt_model.perception.preprocessor.featurizer.fb"}
+    assert set(written) <= set(original)
+    for k, v in ((k, v) for k, v in original.items() if k in written):
+        assert written[k].dtype == v.dtype, k
+        if ".lstm.bias_" in k:  # load keeps bias_ih + bias_hh (one bias); save writes it as bias_ih
+            k_ih, k_hh = k.replace("bias_hh", "bias_ih"), k.replace("bias_ih", "bias_hh")
+            assert mx.array_equal(written[k_ih] + written[k_hh], original[k_ih] + original[k_hh]), k
+        else:
+            assert mx.array_equal(written[k], v), k
     again = voicechat.load(out)
     a = dict(tree_flatten(tiny_model_4bit.parameters()))
     b = dict(tree_flatten(again.parameters()))

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx.utils import tree_map as nn_tree_map
 
 from voicechat.audio.conformer import (
     ConformerStream,
@@ -236,3 +237,51 @@ def test_uncached_projection_mode_matches_offline_and_flush():
         assert mx.abs(streamed - offline).max().item() <= STREAM_TOL
         held = s.state.arrays()["layers.0.k_cache"].shape[0]
         assert held == ENC.att_context_size[0][0]
+
+
+def _active_after(fn) -> int:
+    """MLX active bytes after fn() and a cache release (what the process keeps)."""
+    fn()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_pointwise_weights_replace_the_16_bit_ones(bias):
+    """`ConvModule.use_float32_pointwise` (what `load` calls) keeps one copy of each 1x1 conv
+    weight: MLX's active memory grows by the float32 minus the bf16 bytes (a copy kept beside
+    the original would grow it by the float32 bytes, 2x that), `resident_bytes` counts the
+    weight once, the parameter holds the stored values in the stored shape, and the module's
+    output is the one it gave before, bit for bit (the products read the same float32 W.T)."""
+    from voicechat.audio.conformer import ConvModule
+    from voicechat.parallel import resident_bytes
+
+    d, kernel = 256, 9
+    mx.random.seed(4)
+    conv = ConvModule(d, kernel, bias)
+    conv.update(nn_tree_map(lambda a: a.astype(mx.bfloat16), conv.parameters()))
+    mx.eval(conv.parameters())
+    stored = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(conv.parameters())}
+    x = mx.random.normal((5, d))
+    want = conv(x)
+    mx.eval(want)
+    conv.__dict__.pop("_derived", None)  # start from the stored weights alone
+    for c in (conv.pointwise_conv1, conv.pointwise_conv2):
+        c.__dict__.pop("_derived", None)
+    before = _active_after(lambda: None)
+    after = _active_after(conv.use_float32_pointwise)
+    bf16_bytes = 2 * (2 * d * d + d * d)
+    # 2 bytes more per weight element (bf16 -> float32), plus the biases' 2 bytes each; slack:
+    # one 16 KB page per array for the allocator's rounding.
+    grown = bf16_bytes + (2 * (2 * d + d) if bias else 0)
+    assert abs((after - before) - grown) <= 4 * 16384, (after - before, grown)
+    for c in (conv.pointwise_conv1, conv.pointwise_conv2):
+        assert c.weight.dtype == mx.float32 and c.weight.shape[1] == 1
+    params = dict(tree_flatten(conv.parameters()))
+    for k, v in stored.items():
+        assert np.array_equal(np.array(params[k].astype(mx.float32)), v), k
+    taps = sum(t.nbytes for t in conv.taps()[0])
+    float_params = sum(a.nbytes for a in params.values())
+    assert resident_bytes(conv) == float_params + taps
+    got = conv(x)
+    assert np.array_equal(np.array(got), np.array(want))

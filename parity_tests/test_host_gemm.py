@@ -226,10 +226,71 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
 
     with host_gemm.host_gemm_set(numpy_products):
         codec = voicechat.load(tiny_ckpt, warmup=False).tts_model.audio_codec
-        host_copies = [a for _, a in resident_arrays(codec) if isinstance(a, np.ndarray)]
+        host_copies = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
+                       if isinstance(v, np.ndarray)]
         assert bool(host_copies) == numpy_products
+        # numpy's W.T are views of the float32 parameters (one copy), so not counted again
+        params = [np.asarray(a) for _, a in nn.utils.tree_flatten(codec.parameters()) if a.dtype == mx.float32]
+        for v in host_copies:
+            assert any(np.shares_memory(v, p) for p in params)
+        assert not any(isinstance(a, np.ndarray) for _, a in resident_arrays(codec))
         at_load = resident_bytes(codec)
         state = codec.make_state()
         for codes in _codes(codec, 2, seed=5):
             mx.eval(codec.decode_step(codes, state))
         assert resident_bytes(codec) == at_load
+
+
+@pytest.mark.parametrize("numpy_products", [True, False])
+def test_decoder_weights_become_one_float32_copy(numpy_products):
+    """`CodecDecoder.use_float32_weights` (what `load` calls): each product weight of which a
+    float32 copy would be kept (all of them with the products in numpy, the ConvNeXt 1x1 convs
+    in MLX) is replaced by float32 as its only copy. MLX's active memory grows by the float32
+    minus the bf16 bytes of those weights (keeping the originals too would grow it by the
+    float32 bytes, 2x that), numpy's W.T share the parameters' memory, `resident_bytes` counts
+    each once, the parameters hold the stored values, and a decode gives the samples it gave
+    before the replacement, bit for bit (the products read the same float32 values in the same
+    layout)."""
+    from voicechat.audio.codec import ConvNeXtBlock
+    from voicechat.parallel import resident_arrays, resident_bytes
+
+    mx.random.seed(2)
+    codec = Codec(preset_config("small").codec_config)
+    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
+                                   codec.parameters()))
+    mx.eval(codec.parameters())
+    codes = _codes(codec, 2, seed=7)
+    decoder = codec.decoder
+    with host_gemm.host_gemm_set(numpy_products):
+        want = np.array(codec.decode(codes))
+        stored = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(decoder.parameters())}
+        for _, m in decoder.named_modules():
+            m.__dict__.pop("_derived", None)
+        targets = [b.pwconv1 for b in decoder.layers if isinstance(b, ConvNeXtBlock)] + \
+                  [b.pwconv2 for b in decoder.layers if isinstance(b, ConvNeXtBlock)]
+        if numpy_products:
+            targets += [layer for layer in decoder.layers if not isinstance(layer, ConvNeXtBlock)]
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        decoder.use_float32_weights(numpy_products)
+        mx.clear_cache()
+        grown = mx.get_active_memory() - before
+        want_grown = sum(2 * t.weight.size for t in targets)  # bf16 -> float32: 2 bytes more each
+        # slack: one 16 KB allocator page per replaced weight
+        assert abs(grown - want_grown) <= 16384 * len(targets), (grown, want_grown)
+        got = np.array(codec.decode(codes))
+        assert np.array_equal(got, want)
+        for t in targets:
+            assert t.weight.dtype == mx.float32
+        for k, v in nn.utils.tree_flatten(decoder.parameters()):
+            assert np.array_equal(np.array(v.astype(mx.float32)), stored[k]), k
+        host = [v for _, m in decoder.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
+                if isinstance(v, np.ndarray)]
+        assert len(host) == (len(targets) if numpy_products else 0)
+        weights = [np.asarray(t.weight) for t in targets]
+        for v in host:
+            assert any(np.shares_memory(v, w) for w in weights)
+        assert not any(isinstance(a, np.ndarray) for _, a in resident_arrays(decoder))
+        params = sum(a.nbytes for _, a in nn.utils.tree_flatten(decoder.parameters()))
+        extra = resident_bytes(decoder) - params  # the float32 norms, biases and taps only
+        assert extra < sum(t.weight.nbytes for t in targets) // 4

@@ -88,7 +88,8 @@ def widen_bf16_bits(bits: np.ndarray, order: str = "K") -> np.ndarray:
 
 
 def float32_transposed(a: mx.array) -> np.ndarray:
-    """a.T as a C-contiguous float32 numpy array, each value exactly MLX's `a.astype(float32)`.
+    """a.T as a C-contiguous float32 numpy array, each value exactly MLX's `a.astype(float32)`;
+    a view of a's own buffer when a is float32 and a.T is contiguous there, else a copy.
 
     A bf16 weight is transposed as uint16 and widened by `widen_bf16_bits`: one pass over half
     the bytes instead of MLX's conversion, a copy to numpy and a float32 transpose (~2.7x faster
@@ -96,6 +97,11 @@ def float32_transposed(a: mx.array) -> np.ndarray:
     instead of 0.67 s), and no MLX float32 temporary."""
     if a.dtype == mx.bfloat16:
         return widen_bf16_bits(np.asarray(a.view(mx.uint16)).T, order="C")
+    if a.dtype == mx.float32:
+        # np.asarray views MLX's buffer: when a.T is contiguous there (a weight replaced by
+        # its float32 W.T, voicechat.parallel.replace_weight_by_float32) nothing is copied.
+        t = np.asarray(a).T
+        return t if t.flags.c_contiguous else np.ascontiguousarray(t)
     return np.ascontiguousarray(np.array(a.astype(mx.float32)).T)
 
 

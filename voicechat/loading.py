@@ -19,7 +19,7 @@ from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, rea
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .heap import keep_heap
-from .parallel import prepare_linears
+from .parallel import prepare_linears, replaced_by_float32
 from .progress import bar
 from .tokenizer import TextTokenizer
 
@@ -156,7 +156,7 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
     for module in model.modules():  # the conformer's 1x1 conv weights as float32 W.T, once: at the
         if isinstance(module, ConvModule):  # published shapes making them took 1.8 s of the first frame
-            module.pointwise_weights()
+            module.use_float32_pointwise()
     model.tts_model.audio_codec.prepare_decoder()  # its float32 / numpy copies, taken (and counted) here
     steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
@@ -183,7 +183,7 @@ def save(model, folder, n_shards: int = 2) -> Path:
     params = dict(tree_flatten(model.parameters()))
     for path, m in model.named_modules():  # float32 copies go back to the dtype they were stored in
         dtype = m.__dict__.get("_stored_dtype")
-        if dtype is not None and getattr(m, "_replaced", lambda: False)():
+        if dtype is not None and replaced_by_float32(m):
             for name in ("weight", "bias"):
                 if f"{path}.{name}" in params:
                     params[f"{path}.{name}"] = params[f"{path}.{name}"].astype(dtype)

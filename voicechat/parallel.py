@@ -273,7 +273,7 @@ class FastLinear(nn.Linear):
 
     def _replaced(self) -> bool:
         """True while `weight` is the float32 copy `prepare_linears` put in place (not since replaced)."""
-        return self.__dict__.get("_float32_view") is self["weight"]
+        return replaced_by_float32(self)
 
     def _weights(self, x) -> dict:
         stored = {n: self[n] for n in self._names if n in self}
@@ -316,15 +316,43 @@ class FastLinear(nn.Linear):
 
 def _replace_by_float32(layer: FastLinear) -> None:
     """The layer's 16-bit weight (and bias) -> its float32 copy, as the only resident copy."""
-    w = layer["weight"]
-    w_t = mx.contiguous(w.astype(mx.float32).T)
-    layer.__dict__["_stored_dtype"] = w.dtype
-    layer["weight"] = w_t.T
+    replace_weight_by_float32(layer)
     if "bias" in layer:
         layer["bias"] = layer["bias"].astype(mx.float32)
-    layer.__dict__.pop("_derived", None)  # nothing cached may keep the 16-bit arrays alive
-    layer.__dict__["_float32_t"] = w_t
-    layer.__dict__["_float32_view"] = layer["weight"]
+
+
+def replaced_by_float32(module: nn.Module) -> bool:
+    """True while `module`'s `weight` is the float32 view `replace_weight_by_float32` put in
+    place (not since replaced by something else)."""
+    view = module.__dict__.get("_float32_view")
+    return view is not None and "weight" in module and view is module["weight"]
+
+
+def replace_weight_by_float32(module: nn.Module, to_matrix=None, from_matrix_t=None) -> mx.array:
+    """Replace `module`'s `weight` by float32 as its only resident copy; returns W.T.
+
+    The products use the weight as a matrix W = to_matrix(weight) (O', I') in x @ W.T; that
+    runs fastest, in MLX's CPU BLAS and in numpy's, on W.T stored contiguous (I', O'). So W.T
+    is made once, contiguous, in float32 (exact for 16-bit weights), kept as
+    `module._float32_t`, and the parameter `weight` becomes from_matrix_t(W.T): a view of
+    that buffer in the stored shape (MLX transposes and reshapes of it are views; no bytes of
+    its own). The stored dtype is kept in `_stored_dtype` (`voicechat.save` writes it back).
+    Lazy: the caller evaluates `_float32_t`, which releases the original. Defaults: W = weight
+    (a Linear)."""
+    to_matrix = to_matrix or (lambda w: w)
+    from_matrix_t = from_matrix_t or (lambda w_t: w_t.T)
+    w = module["weight"]
+    w_t = mx.contiguous(to_matrix(w).astype(mx.float32).T)
+    view = from_matrix_t(w_t)
+    if tuple(view.shape) != tuple(w.shape):
+        raise ValueError(f"replace_weight_by_float32: from_matrix_t gave shape {tuple(view.shape)}, "
+                         f"the weight is {tuple(w.shape)}")
+    module.__dict__["_stored_dtype"] = w.dtype
+    module["weight"] = view
+    module.__dict__.pop("_derived", None)  # nothing cached may keep the original alive
+    module.__dict__["_float32_t"] = w_t
+    module.__dict__["_float32_view"] = view
+    return w_t
 
 
 # The copies are evaluated in batches of about this many bytes: one evaluation per layer cost
@@ -419,7 +447,7 @@ def resident_arrays(module: nn.Module):
 
     seen = set()
     for _, m in module.named_modules():
-        if "_float32_view" in m.__dict__ and m._replaced():
+        if replaced_by_float32(m):
             seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
     for path, a in tree_flatten(module.parameters()):
         if id(a) not in seen:
@@ -430,9 +458,19 @@ def resident_arrays(module: nn.Module):
             if derived_views(name):
                 continue
             for _, a in tree_flatten(value):
+                if isinstance(a, np.ndarray) and _views_mlx_buffer(a):
+                    continue  # numpy's view of an MLX array counted above (host_gemm.float32_transposed)
                 if isinstance(a, (mx.array, np.ndarray)) and id(a) not in seen:
                     seen.add(id(a))
                     yield path, a
+
+
+def _views_mlx_buffer(a: np.ndarray) -> bool:
+    """Whether numpy array `a` is a view of memory it got through the buffer protocol (MLX's
+    arrays export theirs: np.asarray(mx_array) copies nothing), not memory numpy owns."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return isinstance(a, memoryview)
 
 
 def resident_bytes(module: nn.Module) -> int:

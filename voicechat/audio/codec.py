@@ -40,7 +40,7 @@ from ..compiled import piece
 from ..config import CodecConfig
 from ..constants import derived
 from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread, widen_bf16_bits
-from ..parallel import split_rows
+from ..parallel import replace_weight_by_float32, replaced_by_float32, split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
 MAX_MAGNITUDE = 100.0
@@ -216,8 +216,9 @@ class ConvNeXtBlock(nn.Module):
         (voicechat.host_gemm) these are views of the stored weights, from which matmul_t makes
         its one float32 copy; in MLX, float32 copies made once per weights (MLX would convert a
         bf16 weight at every call). Never both: at the published shapes the MLX float32 copies
-        beside numpy's were 0.3 GB of the codec's resident memory."""
-        if host_gemm_enabled():
+        beside numpy's were 0.3 GB of the codec's resident memory. Once the weights are their
+        float32 W.T's views (`CodecDecoder.use_float32_weights`) views either way."""
+        if host_gemm_enabled() or (replaced_by_float32(self.pwconv1) and replaced_by_float32(self.pwconv2)):
             return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
                            lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
         return derived(self, "pointwise_float32", (self.pwconv1.weight, self.pwconv2.weight),
@@ -232,9 +233,16 @@ class ConvNeXtBlock(nn.Module):
         return matmul_t(y, w2, self, "w2") + p["b2"]
 
 
+def _matrix_name(conv: nn.Module) -> str:
+    """The `derived` name of a conv's weight as a matrix: a view (no bytes of its own,
+    `voicechat.parallel.derived_views`) once the weight is the float32 W.T's view, else a copy
+    (MLX copies to reshape a transposed weight)."""
+    return "matrix_views" if replaced_by_float32(conv) else "matrix"
+
+
 def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
     """Bias-free 1x1 Conv1d, weight (O, 1, I), on (L, I) frames."""
-    w = derived(conv, "matrix", (conv.weight,), lambda a: a[:, 0, :])
+    w = derived(conv, _matrix_name(conv), (conv.weight,), lambda a: a[:, 0, :])
     return matmul_t(x, w, conv, "matrix")
 
 
@@ -244,7 +252,7 @@ def _upsample(conv: nn.ConvTranspose1d, x: mx.array) -> mx.array:
     out[t K + j, o] = sum_i x[t, i] W[o, j, i]  (MLX's conv_transpose1d, no kernel flip).
     """
     out_ch, kernel, in_ch = conv.weight.shape
-    w = derived(conv, "matrix", (conv.weight,),
+    w = derived(conv, _matrix_name(conv), (conv.weight,),
                 lambda a: a.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch))
     return matmul_t(x, w, conv, "matrix").reshape(x.shape[0] * kernel, out_ch)
 
@@ -253,7 +261,7 @@ def _downsample(conv: nn.Conv1d, x: mx.array) -> mx.array:
     """Conv1d with kernel == stride, no padding, no bias, weight (O, K, I); L divisible by K."""
     out_ch, kernel, in_ch = conv.weight.shape
     frames = x.shape[0] // kernel
-    w = derived(conv, "matrix", (conv.weight,), lambda a: a.reshape(out_ch, kernel * in_ch))
+    w = derived(conv, _matrix_name(conv), (conv.weight,), lambda a: a.reshape(out_ch, kernel * in_ch))
     return matmul_t(x.reshape(frames, kernel * in_ch), w, conv, "matrix")
 
 
@@ -276,6 +284,33 @@ class CodecDecoder(nn.Module):
         layers.append(nn.Conv1d(in_ch, cfg.stft_channels, 1, bias=False))
         self.layers = layers
         self._blocks_per_stage = b
+
+    def use_float32_weights(self, host_gemm: bool) -> None:
+        """Replace by float32, as the only resident copy, each product weight of which a float32
+        copy would be kept anyway (`voicechat.parallel.replace_weight_by_float32`): with the
+        products in numpy (`host_gemm`) every one (numpy's float32 W.T is then a view of the
+        same buffer, `voicechat.host_gemm.float32_transposed`); in MLX the ConvNeXt 1x1 convs
+        (their float32 matrices). Beside 16-bit originals those copies held 0.18 GB more at the
+        published shapes. Exact: the products see the same values. Evaluated here."""
+        one_by_one = (lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :])
+        made = []
+        last = len(self.layers) - 1
+        for n, layer in enumerate(self.layers):
+            if isinstance(layer, ConvNeXtBlock):
+                targets = [(layer.pwconv1, one_by_one), (layer.pwconv2, one_by_one)]
+            elif not host_gemm:
+                targets = []
+            elif n == last:
+                targets = [(layer, one_by_one)]
+            else:  # upsampler (O, K, I) as its (K O, I) matrix, `_upsample`
+                out_ch, kernel, in_ch = layer.weight.shape
+                targets = [(layer, (lambda w: w.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch),
+                                    lambda w_t: w_t.T.reshape(kernel, out_ch, in_ch).transpose(1, 0, 2)))]
+            for conv, (to_matrix, from_matrix_t) in targets:
+                if not replaced_by_float32(conv):
+                    made.append(replace_weight_by_float32(conv, to_matrix, from_matrix_t))
+            mx.eval(made)  # per layer: at most one layer's originals beside their copies
+            made.clear()
 
     def is_upsampler(self, index: int) -> bool:
         return index < len(self.layers) - 1 and index % (self._blocks_per_stage + 1) == 0
@@ -614,6 +649,7 @@ class Codec(nn.Module):
         frame does not pay for the conversion. It decodes one frame of code 0 on a scratch state
         (whatever the decoder's call path uses gets made, nothing is listed twice) and keeps
         nothing else."""
+        self.decoder.use_float32_weights(host_gemm_enabled())
         codes = np.zeros((1, self._cfg.num_quantizers), dtype=np.int32)
         mx.eval(self.decode_step(codes, self.make_state()))
 
