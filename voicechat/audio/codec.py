@@ -642,9 +642,10 @@ class Codec(nn.Module):
         return audio[geo.pad : geo.pad + real.shape[0] * geo.hop]
 
     def prepare_decoder(self) -> None:
-        """Make the decoder's derived weights now rather than at the first decode: the float32
-        norms, biases and taps, and (with the products in numpy, `voicechat.host_gemm`) numpy's
-        float32 copies of the 1x1 and upsampler weights, 367 MB at the published shapes. `load`
+        """Make the decoder's derived weights now rather than at the first decode: its product
+        weights as float32 (`CodecDecoder.use_float32_weights`; with the products in numpy,
+        `voicechat.host_gemm`, every 1x1 and upsampler weight, 367 MB at the published shapes,
+        which numpy views), the float32 norms, biases and taps. `load`
         calls it, so the memory the model keeps is taken, and counted, at load, and the first
         frame does not pay for the conversion. It decodes one frame of code 0 on a scratch state
         (whatever the decoder's call path uses gets made, nothing is listed twice) and keeps
