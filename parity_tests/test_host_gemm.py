@@ -37,6 +37,16 @@ def _codes(codec: Codec, frames: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, cfg.codebook_size, (frames, cfg.num_quantizers)).astype(np.int32)
 
 
+def _bf16_codec(seed: int) -> Codec:
+    """A `small` codec with bf16 weights, as the published checkpoints store them."""
+    mx.random.seed(seed)
+    codec = Codec(preset_config("small").codec_config)
+    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
+                                   codec.parameters()))
+    mx.eval(codec.parameters())
+    return codec
+
+
 def test_switch_validation_and_restore(monkeypatch):
     monkeypatch.setenv(host_gemm.ENV_VAR, "on")
     with pytest.raises(ValueError, match="VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
@@ -173,11 +183,7 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     from voicechat.audio.codec import ConvNeXtBlock
     from voicechat.parallel import resident_bytes
 
-    mx.random.seed(1)
-    codec = Codec(preset_config("small").codec_config)
-    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
-                                   codec.parameters()))
-    mx.eval(codec.parameters())
+    codec = _bf16_codec(seed=1)
     codes = _codes(codec, 2, seed=3)
     blocks = [m for _, m in codec.named_modules() if isinstance(m, ConvNeXtBlock)]
     assert blocks
@@ -254,11 +260,7 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
     from voicechat.audio.codec import ConvNeXtBlock
     from voicechat.parallel import resident_arrays, resident_bytes
 
-    mx.random.seed(2)
-    codec = Codec(preset_config("small").codec_config)
-    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
-                                   codec.parameters()))
-    mx.eval(codec.parameters())
+    codec = _bf16_codec(seed=2)
     codes = _codes(codec, 2, seed=7)
     decoder = codec.decoder
     with host_gemm.host_gemm_set(numpy_products):
