@@ -111,7 +111,7 @@ def _rss_bytes() -> int:
 @pytest.mark.slow
 def test_ten_minute_session(tiny_model):
     """10 minutes through a tiny session: bounded caches stay bounded, designed growth is linear,
-    RSS beyond that stays under 50 MB, frame time does not drift (last minute within 1.4x of the second)."""
+    RSS beyond that stays under 50 MB, frame time does not drift (last minute within 1.6x of the second)."""
     import time
 
     cfg = tiny_model.config
@@ -149,16 +149,17 @@ def test_ten_minute_session(tiny_model):
     # minutes are not compared across time: a second session is brought to minute 2 and the two
     # sessions then alternate frame by frame, so any change of machine speed hits both alike.
     # What may grow: attention over 5x the context. At the tiny widths that is a large part of
-    # a ~7 ms frame: MLX's attention over 7,500 positions costs ~1.8 ms more than over 1,500
-    # (LLM layer ~0.7 ms, TTS global layer ~1.1 ms, measured alone; over half of it is the
-    # softmax's exp, ~12 ns per score on this backend), so ~1.25x is expected and 1.26-1.29x
-    # was measured then. The rest of the frame has since got faster (minute-2 frames ~6.2 ms in CI,
-    # the attention part not), so ~1.8 / 6.2 -> ~1.29x is expected now and 1.308x / 1.315x were
-    # measured: the bound is 1.4x. A per-frame copy of the grown caches (8.6 MB, ~1.5 ms) would
-    # add ~0.24x and fail it.
+    # the frame, and how large depends on the host: on an AMD EPYC VM MLX's attention over 7,500
+    # positions cost ~1.8 ms more than over 1,500 (LLM layer ~0.7 ms, TTS global layer ~1.1 ms,
+    # measured alone; over half of it the softmax's exp), 1.308x / 1.315x of a ~6.2 ms frame;
+    # on an Intel Xeon VM ~3.1 ms of an 8.1 ms frame, 1.384x alone and 1.420x with another test
+    # run beside it. The bound, 1.6x, is what a frame whose work does not grow with the session
+    # but for its attention stays under on both; it catches a blow-up (a cache re-encoded or
+    # re-projected per frame, attention recomputed over the history: multiples), not one copy
+    # per frame of the grown caches (8.6 MB, ~1.5 ms, +0.2x): that is caught deterministically
+    # by test_growing_caches_are_written_in_place (each grown cache keeps its buffer).
     # 600 alternating frames per session (instead of 300) cut the sampling noise of the two means
-    # by a factor of 1.4. No copy per frame hides in that growth:
-    # test_growing_caches_are_written_in_place.
+    # by a factor of 1.4.
     young = tiny_model.create_streaming_session()
     for _ in range(2 * frames_per_min):
         young.push_audio(chunk)
@@ -176,7 +177,7 @@ def test_ten_minute_session(tiny_model):
     second, last = trimmed_mean(t_young), trimmed_mean(t_old)
     print(f"\n10-minute session: frame at minute 2 {second * 1e3:.2f} ms, at minute 10 {last * 1e3:.2f} ms "
           f"({last / second:.3f}x, side by side); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB")
-    assert last <= 1.4 * second, (second, last)
+    assert last <= 1.6 * second, (second, last)
 
 
 @pytest.mark.slow
