@@ -125,18 +125,20 @@ def test_non_finite_values_propagate_as_mlx_does(module):
                           _bits(_reference(x, w, s, biases, 64, 8)))
 
 
+@pytest.mark.parametrize("wdtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
-def test_float32_matmul_is_mx_matmul_bit_for_bit(module, isa):
+def test_float32_matmul_is_mx_matmul_bit_for_bit(module, isa, wdtype):
     """Column counts through every block (64 / 16 columns on AVX-512, 32 / 8 on AVX2, single
     columns), row counts through the 4 / 2 / 1-row blocks, batch axes, K from 1 up, inputs up
-    to ~1e4 so that the sums carry rounding."""
+    to ~1e4 so that the sums carry rounding; float32 and bf16 weights (MLX converts a bf16 one
+    to float32 before the same sgemm; the kernel widens it in its registers)."""
     if isa > module.cpu_isa():
         pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
     module.set_isa(isa)
     rng = np.random.default_rng(200 + isa)
     for k in (1, 7, 72, 257):
         for n in (1, 7, 8, 9, 16, 17, 33, 64, 65, 72, 100, 288):
-            wt = mx.array(rng.standard_normal((k, n)).astype(np.float32))
+            wt = mx.array(rng.standard_normal((k, n)).astype(np.float32)).astype(wdtype)
             for shape in ((k,), (1, k), (2, k), (3, k), (7, k), (2, 1, k)):
                 x = mx.array((rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 5)).astype(np.float32))
                 ours = module.float32_matmul(x, wt)
@@ -161,6 +163,11 @@ def test_float32_matmul_views_and_non_finite_values(module):
     wn = rng.standard_normal((32, 40)).astype(np.float32)
     wn[0, 3], wn[10, 20] = np.inf, -np.inf  # 0 * inf: NaN, as MLX (no zero skipping)
     cases.append((mx.array(xn), mx.array(wn)))
+    # bf16 weights: a transposed view (copied to rows by the kernel), the same inf / NaN, and
+    # every bf16 bit pattern once (subnormals, both zeros, inf, NaN payloads) against x of ones
+    cases += [(x, mx.array(rng.standard_normal((100, 32)).astype(np.float32)).astype(mx.bfloat16).T),
+              (mx.array(xn), mx.array(wn).astype(mx.bfloat16)),
+              (mx.ones((2, 64)), mx.array(np.arange(65536, dtype=np.uint16).reshape(64, 1024)).view(mx.bfloat16))]
     for xs, wt in cases:
         assert np.array_equal(_bits(module.float32_matmul(xs, wt)), _bits(mx.matmul(xs, wt)))
 
@@ -177,18 +184,24 @@ def test_float32_matmul_router(module, monkeypatch):
     with cpu_qmv_set(True):
         assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt)), _bits(mx.matmul(x, wt)))
         assert calls == [1]
-        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16))  # not float32
+        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16))),
+                              _bits(mx.matmul(x, wt.astype(mx.bfloat16))))  # a bf16 weight: served
+        assert calls == [1, 1]
+        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16))  # not a float32 x
+        cpu_qmv.float32_matmul(x, wt.astype(mx.float16))  # a float16 weight
         cpu_qmv.float32_matmul(x, mx.stack([wt, wt]))  # a batched weight
-        assert calls == [1]
+        assert calls == [1, 1]
     with cpu_qmv_set(False):
         cpu_qmv.float32_matmul(x, wt)
-        assert calls == [1]
+        assert calls == [1, 1]
 
 
 def test_float32_matmul_bad_arguments(module):
     x = mx.ones((2, 8))
-    with pytest.raises(ValueError, match="float32 x and wt"):
+    with pytest.raises(ValueError, match="a float32 x and a float32 or bfloat16 wt"):
         module.float32_matmul(x.astype(mx.float16), mx.ones((8, 4)))
+    with pytest.raises(ValueError, match="a float32 x and a float32 or bfloat16 wt"):
+        module.float32_matmul(x, mx.ones((8, 4), dtype=mx.float16))
     with pytest.raises(ValueError, match="wt must be 2-D"):
         module.float32_matmul(x, mx.ones((1, 8, 4)))
     with pytest.raises(ValueError, match=r"last axis must be wt.shape\[0\] = 6"):

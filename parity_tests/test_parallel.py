@@ -138,6 +138,44 @@ def test_float32_copy_replaces_the_16_bit_weight(two_streams, bias):
     _same(layer(x16), want16)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_weights_stored_transposed_in_place(two_streams, bias):
+    """Without float32 copies, on a CPU with the extension: a bf16 dense weight is stored as
+    bf16 W.T, the same bytes (`resident_bytes` unchanged, MLX's active memory back where it
+    was once the original is released), the parameter still the stored values in the stored
+    shape, and the layer's output MLX's bit for bit for float32 and bf16 inputs (the float32
+    product goes through `cpu_qmv.float32_matmul` on the bf16 W.T)."""
+    from voicechat import cpu_qmv
+
+    mx.random.seed(10)
+    layer = nn.Linear(256, 384, bias=bias)
+    layer.update({k: v.astype(mx.bfloat16) for k, v in layer.parameters().items()})
+    mx.eval(layer.parameters())
+    stored = {k: np.array(v.astype(mx.float32)) for k, v in layer.parameters().items()}
+    x32 = mx.random.normal((3, 256))
+    x16 = x32.astype(mx.bfloat16)
+    want32, want16 = layer(x32), layer(x16)
+    mx.eval(want32, want16)
+    bytes_before = parallel.resident_bytes(layer)
+    mx.clear_cache()
+    active = mx.get_active_memory()
+    report = prepare_linears(layer, min_split_macs=0, float32_copies=False, bf16_transposed=True)
+    mx.clear_cache()
+    assert report["bf16_transposed"] == [""] and report["float32"] == [] and report["split"] == []
+    assert abs(mx.get_active_memory() - active) <= 16384  # no second copy kept
+    assert parallel.resident_bytes(layer) == bytes_before
+    assert layer.weight.dtype == mx.bfloat16 and layer.weight.shape == (384, 256)
+    for k, v in layer.parameters().items():
+        assert np.array_equal(np.array(v.astype(mx.float32)), stored[k])
+    calls = []
+    real = cpu_qmv.float32_matmul
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parallel, "float32_matmul", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+        _same(layer(x32), want32)
+    assert calls == [mx.bfloat16]
+    _same(layer(x16), want16)
+
+
 def test_language_path_and_switch_keep_16_bit_weights(two_streams, monkeypatch):
     """No copy for the language path (published: quantized; a bf16 copy of it would not fit at
     the published shapes), nor anywhere with VOICECHAT_FLOAT32_COPIES=0 (the GPU default)."""
@@ -268,20 +306,29 @@ def _assert_identical(a: dict, b: dict) -> None:
         assert value.shape == b["states"][key].shape and np.array_equal(value, b["states"][key]), key
 
 
-@pytest.mark.parametrize("copies", [False, True])
+@pytest.mark.parametrize("weights", ["stored", "float32", "bf16_transposed"])
 @pytest.mark.parametrize("host_products", [False, True])
-def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_products, copies, monkeypatch):
-    """Every Linear of the tiny model split (threshold 0; with float32 copies, those outside the
-    language path run unsplit on their copy), and the codec rows split when its products run
-    in MLX (with them in numpy the codec runs unsplit): the streamed session (outputs and
-    caches) equals the one-stream run bit for bit, and so does offline."""
+def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_products, weights, monkeypatch):
+    """Every Linear of the tiny model split (threshold 0) where its weight keeps the stored
+    layout ("stored": no float32 copies and the extension off; with float32 copies or bf16
+    W.T, the tiny bf16 model's dense layers run unsplit on them), and the codec rows split when
+    its products run in MLX (with them in numpy the codec runs unsplit): the streamed session
+    (outputs and caches) equals the one-stream run bit for bit, and so does offline."""
+    from voicechat import cpu_qmv
     from voicechat.host_gemm import host_gemm_set
 
-    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1" if copies else "0")
+    monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1" if weights == "float32" else "0")
+    if weights == "stored":
+        monkeypatch.setenv(cpu_qmv.ENV_VAR, "0")
     model = voicechat.load(tiny_ckpt)
     report = prepare_linears(model, min_split_macs=0)
-    assert len(report["split"]) > (10 if copies else 50)
-    assert (len(report["float32"]) > 50) is copies
+    # only stored-layout weights split: copies and bf16 W.T run on one stream
+    assert (len(report["split"]) > 50) is (weights == "stored")
+    assert (len(report["float32"]) > 50) is (weights == "float32")
+    assert bool(report["bf16_transposed"]) is (weights != "stored")
+    assert (len(report["bf16_transposed"]) > 50) is (weights == "bf16_transposed")
+    if weights == "float32":  # the language path is never copied; its bf16 weights are transposed
+        assert all(parallel._language_path(p) for p in report["bf16_transposed"])
     audio = question_wav[: 1280 * 12]
     runs = {}
     with host_gemm_set(host_products):

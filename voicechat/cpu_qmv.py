@@ -151,7 +151,8 @@ def self_check(module) -> str | None:
     """None when `module.quantized_matvec` equals `mx.quantized_matmul` bit for bit on random
     weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
     rows: 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals `mx.matmul`
-    (three shapes covering its column blocks and single columns), with each instruction set this
+    (three shapes covering its column blocks and single columns; float32 and bfloat16 weights),
+    with each instruction set this
     CPU runs, its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights) and
     its `rvq_pass` MLX's per-codebook ops, else what differed."""
     rng = np.random.default_rng(20261202)
@@ -175,11 +176,13 @@ def self_check(module) -> str | None:
                                     f"scales {dtype}, instruction set {ISA_NAMES[isa]}")
             for m, k, n in ((1, 72, 72), (2, 40, 100), (5, 33, 17)):  # 64-, 16-, 8-lane, single columns
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32) * 4)
-                wt = mx.array(rng.standard_normal((k, n)).astype(np.float32))
-                ours = module.float32_matmul(x, wt, stream=mx.cpu)
-                theirs = mx.matmul(x, wt, stream=mx.cpu)
-                if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
-                    return f"float32_matmul differs from mx.matmul at {(m, k, n)}, instruction set {ISA_NAMES[isa]}"
+                for wdtype in (mx.float32, mx.bfloat16):
+                    wt = mx.array(rng.standard_normal((k, n)).astype(np.float32)).astype(wdtype)
+                    ours = module.float32_matmul(x, wt, stream=mx.cpu)
+                    theirs = mx.matmul(x, wt, stream=mx.cpu)
+                    if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                        return (f"float32_matmul differs from mx.matmul at {(m, k, n)}, weight {wdtype}, "
+                                f"instruction set {ISA_NAMES[isa]}")
         for rows, d, wdtype in ((3, 72, mx.float32), (2, 1000, mx.bfloat16)):  # norms (no ISA paths)
             x = mx.array(rng.standard_normal((rows, d)).astype(np.float32) * 7)
             w, b = (mx.array(rng.standard_normal(d).astype(np.float32)).astype(wdtype) for _ in range(2))
@@ -345,11 +348,13 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 
 def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
     """`mx.matmul(x, wt)` for x (..., K) and a 2-D wt (K, N), through the extension's float32
-    product when enabled and both are float32 on a CPU stream (same bits either way: MLX's CPU
-    matmul is the Netlib reference sgemm, one sequential chain per output, which the extension
-    runs 8 / 16 columns per vector). Used for the float32 weight copies of the conformer, TTS
-    and codebook products (`voicechat.parallel.linear`)."""
-    if (x.dtype == mx.float32 and wt.dtype == mx.float32 and wt.ndim == 2 and x.ndim >= 1
+    product when enabled, x is float32 and wt float32 or bfloat16, on a CPU stream (same bits
+    either way: MLX's CPU matmul converts a bf16 operand to float32, exactly, then runs the
+    Netlib reference sgemm, one sequential chain per output, which the extension runs 8 / 16
+    columns per vector, widening bf16 weights in its registers). Used for the float32 weight
+    copies of the conformer, TTS and codebook products and for bf16 weights stored transposed
+    (`voicechat.parallel.linear`)."""
+    if (x.dtype == mx.float32 and wt.dtype in (mx.float32, mx.bfloat16) and wt.ndim == 2 and x.ndim >= 1
             and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and cpu_qmv_enabled()):
         return _state["module"].float32_matmul(x, wt, stream=stream)
     return mx.matmul(x, wt, stream=stream)

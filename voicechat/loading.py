@@ -19,7 +19,7 @@ from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, rea
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
 from .heap import keep_heap
-from .parallel import prepare_linears, replaced_by_float32
+from .parallel import prepare_linears, replaced_transposed
 from .progress import bar
 from .tokenizer import TextTokenizer
 
@@ -183,7 +183,7 @@ def save(model, folder, n_shards: int = 2) -> Path:
     params = dict(tree_flatten(model.parameters()))
     for path, m in model.named_modules():  # float32 copies go back to the dtype they were stored in
         dtype = m.__dict__.get("_stored_dtype")
-        if dtype is not None and replaced_by_float32(m):
+        if dtype is not None and replaced_transposed(m):
             for name in ("weight", "bias"):
                 if f"{path}.{name}" in params:
                     params[f"{path}.{name}"] = params[f"{path}.{name}"].astype(dtype)

@@ -273,13 +273,13 @@ class FastLinear(nn.Linear):
 
     def _replaced(self) -> bool:
         """True while `weight` is the float32 copy `prepare_linears` put in place (not since replaced)."""
-        return replaced_by_float32(self)
+        return replaced_transposed(self)
 
     def _weights(self, x) -> dict:
         stored = {n: self[n] for n in self._names if n in self}
         if self._replaced():
             if x.dtype == mx.float32:
-                out = {"weight_t": self.__dict__["_float32_t"]}
+                out = {"weight_t": self.__dict__["_weight_t"]}
                 if "bias" in stored:
                     out["bias"] = stored["bias"]
                 return out
@@ -316,42 +316,45 @@ class FastLinear(nn.Linear):
 
 def _replace_by_float32(layer: FastLinear) -> None:
     """The layer's 16-bit weight (and bias) -> its float32 copy, as the only resident copy."""
-    replace_weight_by_float32(layer)
+    replace_weight_transposed(layer)
     if "bias" in layer:
         layer["bias"] = layer["bias"].astype(mx.float32)
 
 
-def replaced_by_float32(module: nn.Module) -> bool:
-    """True while `module`'s `weight` is the float32 view `replace_weight_by_float32` put in
-    place (not since replaced by something else)."""
-    view = module.__dict__.get("_float32_view")
+def replaced_transposed(module: nn.Module) -> bool:
+    """True while `module`'s `weight` is the view of a stored W.T that `replace_weight_transposed`
+    put in place (not since replaced by something else)."""
+    view = module.__dict__.get("_weight_view")
     return view is not None and "weight" in module and view is module["weight"]
 
 
-def replace_weight_by_float32(module: nn.Module, to_matrix=None, from_matrix_t=None) -> mx.array:
-    """Replace `module`'s `weight` by float32 as its only resident copy; returns W.T.
+def replace_weight_transposed(module: nn.Module, to_matrix=None, from_matrix_t=None,
+                              dtype=mx.float32) -> mx.array:
+    """Replace `module`'s `weight` by W.T stored contiguous in `dtype`, as its only resident
+    copy; returns W.T.
 
     The products use the weight as a matrix W = to_matrix(weight) (O', I') in x @ W.T; that
-    runs fastest, in MLX's CPU BLAS and in numpy's, on W.T stored contiguous (I', O'). So W.T
-    is made once, contiguous, in float32 (exact for 16-bit weights), kept as
-    `module._float32_t`, and the parameter `weight` becomes from_matrix_t(W.T): a view of
-    that buffer in the stored shape (MLX transposes and reshapes of it are views; no bytes of
-    its own). The stored dtype is kept in `_stored_dtype` (`voicechat.save` writes it back).
-    Lazy: the caller evaluates `_float32_t`, which releases the original. Defaults: W = weight
-    (a Linear)."""
+    runs fastest, in MLX's CPU BLAS, numpy's and `cpu_qmv.float32_matmul`, on W.T stored
+    contiguous (I', O'). So W.T is made once, contiguous, in `dtype` (float32: exact for 16-bit
+    weights; or the stored dtype, a transposed copy of the same bytes), kept as
+    `module._weight_t`, and the parameter `weight` becomes from_matrix_t(W.T): a view of that
+    buffer in the stored shape (MLX transposes and reshapes of it are views; no bytes of its
+    own). The stored dtype is kept in `_stored_dtype` (`voicechat.save` writes it back). Lazy:
+    the caller evaluates `_weight_t`, which releases the original. Defaults: W = weight (a
+    Linear)."""
     to_matrix = to_matrix or (lambda w: w)
     from_matrix_t = from_matrix_t or (lambda w_t: w_t.T)
     w = module["weight"]
-    w_t = mx.contiguous(to_matrix(w).astype(mx.float32).T)
+    w_t = mx.contiguous(to_matrix(w).astype(dtype).T)
     view = from_matrix_t(w_t)
     if tuple(view.shape) != tuple(w.shape):
-        raise ValueError(f"replace_weight_by_float32: from_matrix_t gave shape {tuple(view.shape)}, "
+        raise ValueError(f"replace_weight_transposed: from_matrix_t gave shape {tuple(view.shape)}, "
                          f"the weight is {tuple(w.shape)}")
     module.__dict__["_stored_dtype"] = w.dtype
     module["weight"] = view
     module.__dict__.pop("_derived", None)  # nothing cached may keep the original alive
-    module.__dict__["_float32_t"] = w_t
-    module.__dict__["_float32_view"] = view
+    module.__dict__["_weight_t"] = w_t
+    module.__dict__["_weight_view"] = view
     return w_t
 
 
@@ -364,7 +367,7 @@ COPY_EVAL_BYTES = 64 * 1024**2
 def _evaluate_copies(pending: list) -> None:
     """Evaluate the float32 copies of `pending` layers (releasing their 16-bit originals); empties it."""
     if pending:
-        mx.eval([(m.parameters(), m.__dict__["_float32_t"]) for m in pending])
+        mx.eval([(m.parameters(), m.__dict__["_weight_t"]) for m in pending])
         pending.clear()
 
 
@@ -387,22 +390,29 @@ def _split_cost(layer: nn.Module) -> int:
 
 
 def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
-                    float32_copies: bool | None = None, prefix: str = "") -> dict[str, list[str]]:
+                    float32_copies: bool | None = None, bf16_transposed: bool | None = None,
+                    prefix: str = "") -> dict[str, list[str]]:
     """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters
-    up to the exact float32 conversion, bit-identical results); returns the paths that split and
-    that got float32 copies.
+    up to the exact float32 conversion, bit-identical results); returns the paths that split,
+    that got float32 copies and that got bf16 W.T.
 
     Float32 copies (default: `default_float32_copies(bytes they would add)`): dense layers with a 16-bit weight,
     outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix + path`), get their
     weight replaced by its float32 copy (made and evaluated here, so the memory is taken at
-    load; the 16-bit original is released). Split: the other layers with >= `min_split_macs`
+    load; the 16-bit original is released). bf16 transposed (default:
+    `default_bf16_transposed()`): the other dense layers with a bf16 weight, the language path's
+    included, get it stored as bf16 W.T (the same bytes, the parameter a view of it), whose
+    products `cpu_qmv.float32_matmul` runs without a per-call float32 conversion; such layers
+    do not split either. Split: the other layers with >= `min_split_macs`
     multiply-adds per input row and >= 2 output rows; whether a call splits is decided per
     call by `cpu_streams()`. Calling it again re-decides splitting for every layer."""
     if float32_copies is None:
         extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
                     for m in _copy_candidates(module, prefix))
         float32_copies = default_float32_copies(extra)
-    split, copied, pending, pending_bytes = [], [], [], 0
+    if bf16_transposed is None:
+        bf16_transposed = default_bf16_transposed()
+    split, copied, transposed, pending, pending_bytes = [], [], [], [], 0
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
@@ -416,19 +426,32 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         layer.__dict__["_split"] = big
         copies = float32_copies and not _language_path(prefix + path)
         layer.__dict__["_float32_copies"] = copies
-        if copies and not layer._replaced() and layer["weight"].dtype in (mx.bfloat16, mx.float16):
-            _replace_by_float32(layer)
+        dtype = layer["weight"].dtype
+        if not layer._replaced() and (copies and dtype in (mx.bfloat16, mx.float16)
+                                      or bf16_transposed and dtype == mx.bfloat16):
+            if copies:
+                _replace_by_float32(layer)
+            else:  # the same bytes transposed; float32_matmul widens them in its registers
+                replace_weight_transposed(layer, dtype=dtype)
             pending.append(layer)
-            pending_bytes += layer.__dict__["_float32_t"].nbytes
+            pending_bytes += layer.__dict__["_weight_t"].nbytes
             if pending_bytes >= COPY_EVAL_BYTES:
                 _evaluate_copies(pending)
                 pending_bytes = 0
         if layer._replaced():
-            copied.append(path)
+            (copied if layer.__dict__["_weight_t"].dtype == mx.float32 else transposed).append(path)
         elif big:
             split.append(path)
     _evaluate_copies(pending)
-    return {"split": split, "float32": copied}
+    return {"split": split, "float32": copied, "bf16_transposed": transposed}
+
+
+def default_bf16_transposed() -> bool:
+    """Whether `prepare_linears` stores the bf16 dense weights it does not copy to float32 as
+    bf16 W.T (same bytes): when `cpu_qmv.float32_matmul` would run their products (a CPU
+    device, the extension on), which reads such a W.T directly, widening each value exactly in
+    its registers, instead of MLX converting the whole weight to float32 at every call."""
+    return mx.default_device().type == mx.DeviceType.cpu and cpu_qmv_enabled()
 
 
 def derived_views(name: str) -> bool:
@@ -447,8 +470,8 @@ def resident_arrays(module: nn.Module):
 
     seen = set()
     for _, m in module.named_modules():
-        if replaced_by_float32(m):
-            seen.add(id(m.__dict__["_float32_t"]))  # same buffer as the `weight` view
+        if replaced_transposed(m):
+            seen.add(id(m.__dict__["_weight_t"]))  # same buffer as the `weight` view
     for path, a in tree_flatten(module.parameters()):
         if id(a) not in seen:
             seen.add(id(a))

@@ -59,7 +59,7 @@ def cache_key(model) -> str | None:
     """Hex key of `model`'s warm-up, or None when the model has no checkpoint folder."""
     from . import __version__
     from .host_gemm import host_gemm_enabled
-    from .parallel import replaced_by_float32
+    from .parallel import replaced_transposed
 
     folder = getattr(model, "folder", None)
     if folder is None:
@@ -74,7 +74,7 @@ def cache_key(model) -> str | None:
         "numerics": model.numerics.name,
         "host_gemm": host_gemm_enabled(),
         "float32_copies": sorted(path for path, m in model.tts_model.named_modules()
-                                 if replaced_by_float32(m)),
+                                 if replaced_transposed(m)),
         # Shards and tokenizer.json by identity (re-reading them would add to every load; the
         # tokenizer is ~10 MB at the published size), config.json by its bytes.
         "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]

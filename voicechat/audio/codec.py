@@ -40,7 +40,7 @@ from ..compiled import piece
 from ..config import CodecConfig
 from ..constants import derived
 from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread, widen_bf16_bits
-from ..parallel import replace_weight_by_float32, replaced_by_float32, split_rows
+from ..parallel import replace_weight_transposed, replaced_transposed, split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
 MAX_MAGNITUDE = 100.0
@@ -218,7 +218,7 @@ class ConvNeXtBlock(nn.Module):
         bf16 weight at every call). Never both: at the published shapes the MLX float32 copies
         beside numpy's were 0.3 GB of the codec's resident memory. Once the weights are their
         float32 W.T's views (`CodecDecoder.use_float32_weights`) views either way."""
-        if host_gemm_enabled() or (replaced_by_float32(self.pwconv1) and replaced_by_float32(self.pwconv2)):
+        if host_gemm_enabled() or (replaced_transposed(self.pwconv1) and replaced_transposed(self.pwconv2)):
             return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
                            lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
         return derived(self, "pointwise_float32", (self.pwconv1.weight, self.pwconv2.weight),
@@ -237,7 +237,7 @@ def _matrix_name(conv: nn.Module) -> str:
     """The `derived` name of a conv's weight as a matrix: a view (no bytes of its own,
     `voicechat.parallel.derived_views`) once the weight is the float32 W.T's view, else a copy
     (MLX copies to reshape a transposed weight)."""
-    return "matrix_views" if replaced_by_float32(conv) else "matrix"
+    return "matrix_views" if replaced_transposed(conv) else "matrix"
 
 
 def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
@@ -287,7 +287,7 @@ class CodecDecoder(nn.Module):
 
     def use_float32_weights(self, host_gemm: bool) -> None:
         """Replace by float32, as the only resident copy, each product weight of which a float32
-        copy would be kept anyway (`voicechat.parallel.replace_weight_by_float32`): with the
+        copy would be kept anyway (`voicechat.parallel.replace_weight_transposed`): with the
         products in numpy (`host_gemm`) every one (numpy's float32 W.T is then a view of the
         same buffer, `voicechat.host_gemm.float32_transposed`); in MLX the ConvNeXt 1x1 convs
         (their float32 matrices). Beside 16-bit originals those copies held 0.18 GB more at the
@@ -307,8 +307,8 @@ class CodecDecoder(nn.Module):
                 targets = [(layer, (lambda w: w.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch),
                                     lambda w_t: w_t.T.reshape(kernel, out_ch, in_ch).transpose(1, 0, 2)))]
             for conv, (to_matrix, from_matrix_t) in targets:
-                if not replaced_by_float32(conv):
-                    made.append(replace_weight_by_float32(conv, to_matrix, from_matrix_t))
+                if not replaced_transposed(conv):
+                    made.append(replace_weight_transposed(conv, to_matrix, from_matrix_t))
             mx.eval(made)  # per layer: at most one layer's originals beside their copies
             made.clear()
 

@@ -35,7 +35,7 @@ from .. import overlap
 from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
 from ..cpu_qmv import float32_matmul
-from ..parallel import apply, replace_weight_by_float32, replaced_by_float32
+from ..parallel import apply, replace_weight_transposed, replaced_transposed
 from .mel import as_waveform, log_mel
 
 _MASK_VALUE = -1e30  # additive mask on the position term (architecture.md §5.1)
@@ -301,8 +301,8 @@ class ConvModule(nn.Module):
         After `use_float32_pointwise` (what `load` calls) W.T is the weight's only copy."""
         def weights(conv):
             def make(w, *b):
-                if replaced_by_float32(conv):
-                    out = {"weight_t": conv.__dict__["_float32_t"]}
+                if replaced_transposed(conv):
+                    out = {"weight_t": conv.__dict__["_weight_t"]}
                 else:  # weights set after load: a derived copy beside them until replaced again
                     out = {"weight_t": mx.contiguous(w[:, 0, :].astype(mx.float32).T)}
                 if b:
@@ -316,13 +316,13 @@ class ConvModule(nn.Module):
 
     def use_float32_pointwise(self) -> None:
         """Replace the two 1x1 convs' weights (and biases) by their float32 W.T as the only
-        resident copy (`voicechat.parallel.replace_weight_by_float32`; the parameter `weight`
+        resident copy (`voicechat.parallel.replace_weight_transposed`; the parameter `weight`
         becomes an (O, 1, I) view of it), and make `pointwise_weights`. Keeping the 16-bit
         originals beside the copies held 0.15 GB more at the published shapes. Exact: the
         values and every product are the same."""
         for conv in (self.pointwise_conv1, self.pointwise_conv2):
-            if not replaced_by_float32(conv):
-                replace_weight_by_float32(conv, lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :])
+            if not replaced_transposed(conv):
+                replace_weight_transposed(conv, lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :])
                 if "bias" in conv and conv.bias.dtype != mx.float32:
                     conv.bias = conv.bias.astype(mx.float32)
         self.pointwise_weights()  # evaluates W.T (releasing the originals)

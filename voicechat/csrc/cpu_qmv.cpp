@@ -214,7 +214,18 @@ class CpuQuantizedMatvec : public CpuTask {
 // the chain c = 0; for k ascending: c = c + x[m, k] * Wt[k, n], product and sum each rounded (no
 // FMA). The vector kernels run L columns' chains in L lanes (qmv_kernel.h); the columns left over
 // run the same chain one at a time.
-void matmul_f32(float* out, const float* x, const float* wt, int M, int N, int K) {
+inline float widen(float v) { return v; }
+inline float widen(uint16_t bits) {  // a bf16 value's float32: its bits as the upper half (exact)
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// T: float (a float32 Wt) or uint16_t (a bfloat16 Wt's bits, widened to its float32 value, as
+// MLX converts a bf16 operand before its float32 product).
+template <typename T>
+void matmul_f32(float* out, const float* x, const T* wt, int M, int N, int K) {
   const int isa = isa_in_use.load(std::memory_order_relaxed);
   int n = 0;
   if (isa >= 2) n = voicechat_qmv::rows_avx512_f32(out, N, x, wt, N, M, N, K);
@@ -222,7 +233,7 @@ void matmul_f32(float* out, const float* x, const float* wt, int M, int N, int K
   for (; n < N; n++) {
     for (int m = 0; m < M; m++) {
       float c = 0;
-      for (int k = 0; k < K; k++) c = c + x[static_cast<size_t>(m) * K + k] * wt[static_cast<size_t>(k) * N + n];
+      for (int k = 0; k < K; k++) c = c + x[static_cast<size_t>(m) * K + k] * widen(wt[static_cast<size_t>(k) * N + n]);
       out[static_cast<size_t>(m) * N + n] = c;
     }
   }
@@ -243,9 +254,13 @@ class CpuMatmulF32 : public CpuTask {
     return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       const auto &x = in[0], &wt = in[1];
       thread_local std::vector<float> xc, wc;
+      thread_local std::vector<uint16_t> wc16;
       const int K = wt.shape(0), N = wt.shape(1);
       const int M = static_cast<int>(x.size() / K);
-      matmul_f32(out[0].data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
+      if (wt.dtype() == mx::bfloat16)
+        matmul_f32(out[0].data<float>(), row_major<float>(x, xc), row_major<uint16_t>(wt, wc16), M, N, K);
+      else
+        matmul_f32(out[0].data<float>(), row_major<float>(x, xc), row_major<float>(wt, wc), M, N, K);
     };
   }
 };
@@ -369,7 +384,7 @@ void rvq_pass(int32_t* codes, float* residual, const float* books_t, const float
   dot.resize(C);
   for (int q = 0; q < count; q++) {
     const float* book = books_t + static_cast<size_t>(q) * latent * C;
-    matmul_f32(dot.data(), residual, book, 1, C, latent);  // C >= 1 (rvq_pass_op)
+    matmul_f32<float>(dot.data(), residual, book, 1, C, latent);  // C >= 1 (rvq_pass_op)
     const float* norm = norms + static_cast<size_t>(q) * C;
     int best = 0;
     float best_d = norm[0] - 2.0f * dot[0];
@@ -434,8 +449,8 @@ std::vector<mx::array> rvq_pass_op(const mx::array& residual, const mx::array& b
 }
 
 mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32 || wt.dtype() != mx::float32)
-    throw std::invalid_argument("cpu_qmv: float32_matmul takes float32 x and wt");
+  if (x.dtype() != mx::float32 || (wt.dtype() != mx::float32 && wt.dtype() != mx::bfloat16))
+    throw std::invalid_argument("cpu_qmv: float32_matmul takes a float32 x and a float32 or bfloat16 wt");
   if (wt.ndim() != 2) throw std::invalid_argument("cpu_qmv: wt must be 2-D (K, N)");
   if (x.ndim() < 1 || x.shape(-1) != wt.shape(0))
     throw std::invalid_argument("cpu_qmv: x's last axis must be wt.shape[0] = " + std::to_string(wt.shape(0)));

@@ -157,17 +157,28 @@ int rows(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi
 // ascending from zero: c += x[m, k] * Wt[k, n], rounding the product and the sum (no FMA). Here
 // the chains of L consecutive columns run in one vector's lanes, V vectors and R rows of x at a
 // time, so each row of Wt is read once per R rows instead of once per row.
+// Wt is float32, or bfloat16 (as its uint16 bits): MLX multiplies a float32 x by a bf16 weight
+// after converting the weight to float32 (exact: a bf16 value is the upper half of its float32),
+// so widening each bf16 row in the registers (a 16-bit shift) gives the same chain on the same
+// values, reading half the bytes and without the converted copy.
 typedef float vf_unaligned __attribute__((vector_size(4 * L), aligned(4)));
+typedef uint16_t vh_unaligned __attribute__((vector_size(2 * L), aligned(2)));
 
-template <int V, int R>
-inline void f32_block(float* out, int ldo, const float* x, const float* wt, int ldw, int K) {
+inline vf load_row(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline vf load_row(const uint16_t* p) {
+  vu wide = __builtin_convertvector(*reinterpret_cast<const vh_unaligned*>(p), vu);
+  return (vf)(wide << 16);
+}
+
+template <int V, int R, typename T>
+inline void f32_block(float* out, int ldo, const float* x, const T* wt, int ldw, int K) {
   vf acc[R][V];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) acc[r][v] = vf{};
   for (int k = 0; k < K; k++) {
-    const float* row = wt + static_cast<size_t>(k) * ldw;
+    const T* row = wt + static_cast<size_t>(k) * ldw;
     vf wv[V];
-    for (int v = 0; v < V; v++) wv[v] = *reinterpret_cast<const vf_unaligned*>(row + v * L);
+    for (int v = 0; v < V; v++) wv[v] = load_row(row + v * L);
     for (int r = 0; r < R; r++) {
       const float xr = x[static_cast<size_t>(r) * K + k];
       for (int v = 0; v < V; v++) acc[r][v] = acc[r][v] + xr * wv[v];
@@ -178,8 +189,8 @@ inline void f32_block(float* out, int ldo, const float* x, const float* wt, int 
       *reinterpret_cast<vf_unaligned*>(out + static_cast<size_t>(r) * ldo + v * L) = acc[r][v];
 }
 
-template <int V>
-inline void f32_columns(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int K) {
+template <int V, typename T>
+inline void f32_columns(float* out, int ldo, const float* x, const T* wt, int ldw, int M, int K) {
   int m = 0;
   for (; m + 4 <= M; m += 4) f32_block<V, 4>(out + static_cast<size_t>(m) * ldo, ldo, x + static_cast<size_t>(m) * K, wt, ldw, K);
   for (; m + 2 <= M; m += 2) f32_block<V, 2>(out + static_cast<size_t>(m) * ldo, ldo, x + static_cast<size_t>(m) * K, wt, ldw, K);
@@ -187,7 +198,8 @@ inline void f32_columns(float* out, int ldo, const float* x, const float* wt, in
 }
 
 // Columns [0, n) of out for every row, n (a multiple of L, at most N) returned.
-inline int f32_cols(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int N, int K) {
+template <typename T>
+inline int f32_cols(float* out, int ldo, const float* x, const T* wt, int ldw, int M, int N, int K) {
   int n = 0;
   for (; n + 4 * L <= N; n += 4 * L) f32_columns<4>(out + n, ldo, x, wt + n, ldw, M, K);
   for (; n + L <= N; n += L) f32_columns<1>(out + n, ldo, x, wt + n, ldw, M, K);
@@ -206,10 +218,13 @@ inline int f32_cols(float* out, int ldo, const float* x, const float* wt, int ld
   if (bits == 8 && G == 128) return QMV_NS::rows<8, 128, S>(out, x, w, sc, bi, N, K); \
   return 0;
 
-// The entry points of this instruction set: the float32 product's, and the quantized product's for
-// float32 / bfloat16 / float16 scales.
+// The entry points of this instruction set: the float32 product's (float32 or bf16-bits Wt), and the
+// quantized product's for float32 / bfloat16 / float16 scales.
 #define QMV_DEFINE_ENTRIES(NAME)                                                                        \
   int NAME##_f32(float* out, int ldo, const float* x, const float* wt, int ldw, int M, int N, int K) {   \
+    return QMV_NS::f32_cols(out, ldo, x, wt, ldw, M, N, K);                                             \
+  }                                                                                                     \
+  int NAME##_f32(float* out, int ldo, const float* x, const uint16_t* wt, int ldw, int M, int N, int K) {\
     return QMV_NS::f32_cols(out, ldo, x, wt, ldw, M, N, K);                                             \
   }                                                                                                     \
   int NAME(int bits, int G, float* out, const float* x, const uint32_t* w, const float* sc,             \
