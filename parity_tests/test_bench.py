@@ -389,27 +389,36 @@ def test_isolated_runs_and_frame_limit(tiny_ckpt_4bit, wav_path, tmp_path):
 
 
 def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
-    """Resident MB per stage: with float32 copies each copied layer costs 2 more bytes per
-    element than its bf16 original (one copy, not two), counted from the layers' shapes."""
+    """Resident MB per stage: with float32 copies (`VOICECHAT_FLOAT32_COPIES=1`) each layer
+    whose W.T is float32 there but 16-bit without them costs 2 more bytes per weight element
+    than without (one copy, not two), and 2 per bias element its copy widened; counted from the
+    layers' shapes and dtypes, not from what `resident_bytes` counts."""
     import voicechat
     from bench.floor import resident_bytes_by_stage
     from bench.floor import _stage_of
 
-    resident = {}
+    resident, layers = {}, {}
     for copies in ("0", "1"):
         monkeypatch.setenv("VOICECHAT_FLOAT32_COPIES", copies)
         model = voicechat.load(tiny_ckpt, warmup=False)
         resident[copies] = resident_bytes_by_stage(model)
-        if copies == "1":
-            from voicechat.parallel import FastLinear
-
-            grown = {}
-            for path, m in model.named_modules():
-                if isinstance(m, FastLinear) and m._replaced():
-                    n = m.weight.size + (m.bias.size if "bias" in m else 0)
-                    stage = _stage_of(path + ".")
-                    grown[stage] = grown.get(stage, 0) + 2 * n
+        layers[copies] = {path: (m.weight.size, m.weight.dtype, m.bias.size if "bias" in m else 0,
+                                 m.bias.dtype if "bias" in m else None)
+                          for path, m in model.named_modules()
+                          if "weight" in m and isinstance(m.weight, mx.array) and "_weight_view" in m.__dict__}
         del model
+    grown = {}
+    for path, (n, dtype, nb, bias_dtype) in layers["1"].items():
+        n0, dtype0, _, bias_dtype0 = layers["0"].get(path, (n, None, nb, None))
+        if dtype != mx.float32:
+            continue
+        extra = 0
+        if dtype0 != mx.float32:  # 16-bit W.T or the stored weight without the copies
+            extra += 2 * n
+        if nb and bias_dtype == mx.float32 and bias_dtype0 != mx.float32:
+            extra += 2 * nb
+        stage = _stage_of(path + ".")
+        grown[stage] = grown.get(stage, 0) + extra
     assert grown.get("language", 0) == 0 and grown["perception"] > 0 and grown["tts"] > 0
     for stage in ("perception", "rnnt", "language", "tts", "codec"):
         assert resident["1"][stage] - resident["0"][stage] == grown.get(stage, 0), stage

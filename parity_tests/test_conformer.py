@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -246,16 +247,27 @@ def _active_after(fn) -> int:
     return mx.get_active_memory()
 
 
+@pytest.mark.parametrize("transposed", ["bf16", "float32"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_float32_pointwise_weights_replace_the_16_bit_ones(bias):
-    """`ConvModule.use_float32_pointwise` (what `load` calls) keeps one copy of each 1x1 conv
-    weight: MLX's active memory grows by the float32 minus the bf16 bytes (a copy kept beside
-    the original would grow it by the float32 bytes, 2x that), `resident_bytes` counts the
-    weight once, the parameter holds the stored values in the stored shape, and the module's
-    output is the one it gave before, bit for bit (the products read the same float32 W.T)."""
+def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed, monkeypatch):
+    """`ConvModule.use_transposed_pointwise` (what `load` calls) keeps one copy of each 1x1 conv
+    weight, as W.T: bf16 (the CPU default with the extension on) or float32
+    (`VOICECHAT_FLOAT32_COPIES=1`). MLX's active memory grows by the W.T minus the bf16 bytes
+    (0 for bf16, the bf16 bytes for float32; a copy kept beside the original would grow it by
+    all of W.T's bytes), plus the biases' widening; `resident_bytes` counts the weight once, the
+    parameter holds the stored values in the stored shape, and the module's output is the one
+    it gave before, bit for bit (the products read the same values)."""
+    from voicechat import cpu_qmv
     from voicechat.audio.conformer import ConvModule
-    from voicechat.parallel import resident_bytes
+    from voicechat.parallel import FLOAT32_COPIES_ENV, default_bf16_transposed, resident_bytes
 
+    monkeypatch.setenv(FLOAT32_COPIES_ENV, "1" if transposed == "float32" else "0")
+    if transposed == "bf16" and not default_bf16_transposed():
+        # bf16 W.T is the default only where the extension's product reads it (a CPU device)
+        if os.environ.get("VOICECHAT_REQUIRE_CPU_QMV") == "1":
+            pytest.fail(f"cpu_qmv cannot be used here: {cpu_qmv.unavailable_reason()}")
+        pytest.skip(f"bf16 W.T is not the default here (device {mx.default_device()}, "
+                    f"cpu_qmv: {cpu_qmv.unavailable_reason() or 'on'})")
     d, kernel = 256, 9
     mx.random.seed(4)
     conv = ConvModule(d, kernel, bias)
@@ -269,14 +281,16 @@ def test_float32_pointwise_weights_replace_the_16_bit_ones(bias):
     for c in (conv.pointwise_conv1, conv.pointwise_conv2):
         c.__dict__.pop("_derived", None)
     before = _active_after(lambda: None)
-    after = _active_after(conv.use_float32_pointwise)
+    after = _active_after(conv.use_transposed_pointwise)
     bf16_bytes = 2 * (2 * d * d + d * d)
-    # 2 bytes more per weight element (bf16 -> float32), plus the biases' 2 bytes each; slack:
-    # one 16 KB page per array for the allocator's rounding.
-    grown = bf16_bytes + (2 * (2 * d + d) if bias else 0)
+    # float32: 2 bytes more per weight element (bf16 -> float32); bf16: none; plus the biases'
+    # 2 bytes each; slack: one 16 KB page per array for the allocator's rounding.
+    grown = (bf16_bytes if transposed == "float32" else 0) + (2 * (2 * d + d) if bias else 0)
     assert abs((after - before) - grown) <= 4 * 16384, (after - before, grown)
+    dtype = mx.float32 if transposed == "float32" else mx.bfloat16
     for c in (conv.pointwise_conv1, conv.pointwise_conv2):
-        assert c.weight.dtype == mx.float32 and c.weight.shape[1] == 1
+        assert c.weight.dtype == dtype and c.weight.shape[1] == 1
+        assert c.__dict__["_weight_t"].dtype == dtype
     params = dict(tree_flatten(conv.parameters()))
     for k, v in stored.items():
         assert np.array_equal(np.array(params[k].astype(mx.float32)), v), k

@@ -472,14 +472,16 @@ def test_float32_copies_change_no_output(tiny_ckpt, question_wav, monkeypatch):
 
 
 def test_cpu_default_copies_only_within_the_budget(monkeypatch):
-    """On a CPU the default makes the copies only while they add at most
-    FLOAT32_COPY_BUDGET_BYTES (2 bytes per copied element); the switch overrides the budget."""
+    """On a CPU the default makes float32 copies of the 16-bit weights bf16 W.T does not serve
+    (float16 here) only while they add at most FLOAT32_COPY_BUDGET_BYTES (2 bytes per copied
+    element); the switch overrides the budget. A bf16 weight is stored as bf16 W.T where the
+    extension serves it, whatever the budget, and copied to float32 when the switch asks."""
     monkeypatch.delenv(parallel.FLOAT32_COPIES_ENV, raising=False)
     mx.random.seed(11)
 
-    def layer():
+    def layer(dtype=mx.float16):
         m = nn.Linear(64, 32, bias=True)
-        m.update({k: v.astype(mx.bfloat16) for k, v in m.parameters().items()})
+        m.update({k: v.astype(dtype) for k, v in m.parameters().items()})
         return m
 
     extra = 2 * (64 * 32 + 32)
@@ -487,8 +489,13 @@ def test_cpu_default_copies_only_within_the_budget(monkeypatch):
     assert prepare_linears(layer())["float32"] == [""]
     monkeypatch.setattr(parallel, "FLOAT32_COPY_BUDGET_BYTES", extra - 1)
     assert prepare_linears(layer())["float32"] == []
+    if parallel.default_bf16_transposed():
+        report = prepare_linears(layer(mx.bfloat16))
+        assert report["bf16_transposed"] == [""] and report["float32"] == []
     monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1")
     assert prepare_linears(layer())["float32"] == [""]
+    report = prepare_linears(layer(mx.bfloat16))
+    assert report["float32"] == [""] and report["bf16_transposed"] == []
 
 
 def test_split_point_follows_the_product_size():

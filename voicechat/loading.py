@@ -151,12 +151,12 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     del weights  # the model holds the arrays now; a float32 copy below may release its original
     mx.eval(model.parameters())
     steps.update()  # in memory
-    # Float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
+    # bf16 W.T / float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
     prepare_linears(model)
     model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
-    for module in model.modules():  # the conformer's 1x1 conv weights as float32 W.T, once: at the
-        if isinstance(module, ConvModule):  # published shapes making them took 1.8 s of the first frame
-            module.use_float32_pointwise()
+    for module in model.modules():  # the conformer's 1x1 conv weights as W.T, once: at the published
+        if isinstance(module, ConvModule):  # shapes making them took 1.8 s of the first frame
+            module.use_transposed_pointwise()
     model.tts_model.audio_codec.prepare_decoder()  # its float32 / numpy copies, taken (and counted) here
     steps.update()  # float32 copies
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")

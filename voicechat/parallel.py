@@ -228,7 +228,8 @@ def _language_path(path: str) -> bool:
     return any(path == p or path.startswith(p + ".") for p in NO_COPY_PREFIXES)
 
 
-# The CPU default makes float32 copies only while they add at most this many bytes (2 per copied
+# The CPU default makes float32 copies (of the 16-bit weights bf16 W.T does not serve: float16,
+# or bf16 with the extension off) only while they add at most this many bytes (2 per copied
 # element). Measured on this machine: at `small` (+0.04 GB) they pay; at the published shapes
 # (+2.57 GB) a 4-bit run without them had a frame of 11.0 s against mlx-vlm's 12.9 s and the same
 # MLX peak as mlx-vlm (10.7 GB), while the copies would put the peak 2.6 GB above it.
@@ -236,8 +237,9 @@ FLOAT32_COPY_BUDGET_BYTES = 1 << 30
 
 
 def default_float32_copies(extra_bytes: int = 0) -> bool:
-    """Whether `prepare_linears` replaces 16-bit dense weights by float32 copies by default, given
-    the bytes the copies would add: on a CPU device yes while that is at most
+    """Whether `prepare_linears` replaces 16-bit dense weights that `default_bf16_transposed`
+    does not serve by float32 copies by default, given the bytes the copies would add: on a CPU
+    device yes while that is at most
     `FLOAT32_COPY_BUDGET_BYTES` (MLX's CPU backend converts a bf16 weight fed float32 inputs on
     every call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read
     per frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides both."""
@@ -265,6 +267,9 @@ class FastLinear(nn.Linear):
       16-bit input gets the weight converted back to its stored dtype (exact), so its
       product and result dtype are what the stored weight gives. Such a layer does not split
       across streams (its two halves would need a second copy in two contiguous pieces).
+    * bf16 W.T (`prepare_linears(..., bf16_transposed=True)`, the CPU default with the
+      extension on): the same, but W.T keeps the stored bf16 bytes and
+      `cpu_qmv.float32_matmul` widens them in its registers; half a float32 copy's bytes.
     * Large products of the other layers are split across two CPU streams like
       `ParallelQuantizedLinear`.
     """
@@ -396,22 +401,26 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
     up to the exact float32 conversion, bit-identical results); returns the paths that split,
     that got float32 copies and that got bf16 W.T.
 
-    Float32 copies (default: `default_float32_copies(bytes they would add)`): dense layers with a 16-bit weight,
-    outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix + path`), get their
-    weight replaced by its float32 copy (made and evaluated here, so the memory is taken at
-    load; the 16-bit original is released). bf16 transposed (default:
-    `default_bf16_transposed()`): the other dense layers with a bf16 weight, the language path's
-    included, get it stored as bf16 W.T (the same bytes, the parameter a view of it), whose
-    products `cpu_qmv.float32_matmul` runs without a per-call float32 conversion; such layers
-    do not split either. Split: the other layers with >= `min_split_macs`
-    multiply-adds per input row and >= 2 output rows; whether a call splits is decided per
-    call by `cpu_streams()`. Calling it again re-decides splitting for every layer."""
-    if float32_copies is None:
-        extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
-                    for m in _copy_candidates(module, prefix))
-        float32_copies = default_float32_copies(extra)
+    bf16 transposed (default: `default_bf16_transposed()`): dense layers with a bf16 weight,
+    the language path's included, except where float32 copies are asked for explicitly (by
+    argument or `VOICECHAT_FLOAT32_COPIES=1`), get it stored as bf16 W.T (the same bytes, the
+    parameter a view of it), whose products `cpu_qmv.float32_matmul` runs without a per-call
+    float32 conversion, as fast as on a float32 copy at half its bytes. Float32 copies
+    (default: `default_float32_copies(bytes they would add)`): the other dense layers with a
+    16-bit weight, outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix +
+    path`), get their weight replaced by its float32 copy (made and evaluated here, so the
+    memory is taken at load; the 16-bit original is released). Neither kind splits. Split: the
+    other layers with >= `min_split_macs` multiply-adds per input row and >= 2 output rows;
+    whether a call splits is decided per call by `cpu_streams()`. Calling it again re-decides
+    splitting for every layer."""
     if bf16_transposed is None:
         bf16_transposed = default_bf16_transposed()
+    asked = float32_copies if float32_copies is not None else env_flag(FLOAT32_COPIES_ENV)
+    if float32_copies is None:
+        extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
+                    for m in _copy_candidates(module, prefix)
+                    if asked or not (bf16_transposed and m["weight"].dtype == mx.bfloat16))
+        float32_copies = default_float32_copies(extra)
     split, copied, transposed, pending, pending_bytes = [], [], [], [], 0
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
@@ -429,10 +438,11 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
         dtype = layer["weight"].dtype
         if not layer._replaced() and (copies and dtype in (mx.bfloat16, mx.float16)
                                       or bf16_transposed and dtype == mx.bfloat16):
-            if copies:
-                _replace_by_float32(layer)
-            else:  # the same bytes transposed; float32_matmul widens them in its registers
+            if bf16_transposed and dtype == mx.bfloat16 and not (copies and asked):
+                # the same bytes transposed; float32_matmul widens them in its registers
                 replace_weight_transposed(layer, dtype=dtype)
+            else:
+                _replace_by_float32(layer)
             pending.append(layer)
             pending_bytes += layer.__dict__["_weight_t"].nbytes
             if pending_bytes >= COPY_EVAL_BYTES:
@@ -447,11 +457,23 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
 
 
 def default_bf16_transposed() -> bool:
-    """Whether `prepare_linears` stores the bf16 dense weights it does not copy to float32 as
-    bf16 W.T (same bytes): when `cpu_qmv.float32_matmul` would run their products (a CPU
-    device, the extension on), which reads such a W.T directly, widening each value exactly in
-    its registers, instead of MLX converting the whole weight to float32 at every call."""
+    """Whether bf16 dense weights are stored as bf16 W.T (same bytes) rather than copied to
+    float32 (`prepare_linears`, the conformer's 1x1 convs): when `cpu_qmv.float32_matmul` would
+    run their products (a CPU device, the extension on), which reads such a W.T directly,
+    widening each value exactly in its registers, instead of MLX converting the whole weight to
+    float32 at every call (`prepare_linears` and `transposed_dtype` still copy to float32 where
+    float32 copies are asked for: `VOICECHAT_FLOAT32_COPIES=1` or the argument). Measured on this project's 2-core CPU host, one run each way (`docs/voicechat.md`): as fast
+    as float32 copies or faster, at half their bytes."""
     return mx.default_device().type == mx.DeviceType.cpu and cpu_qmv_enabled()
+
+
+def transposed_dtype(stored_dtype) -> mx.Dtype:
+    """The dtype in which a 16-bit weight's W.T is stored when it is made the only copy:
+    bf16 itself where `default_bf16_transposed()` and float32 copies are not asked for
+    (`VOICECHAT_FLOAT32_COPIES=1`), else float32 (exact)."""
+    bf16 = (stored_dtype == mx.bfloat16 and env_flag(FLOAT32_COPIES_ENV) is not True
+            and default_bf16_transposed())
+    return mx.bfloat16 if bf16 else mx.float32
 
 
 def derived_views(name: str) -> bool:

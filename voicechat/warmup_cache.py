@@ -73,8 +73,8 @@ def cache_key(model) -> str | None:
         "device": str(mx.default_device().type),
         "numerics": model.numerics.name,
         "host_gemm": host_gemm_enabled(),
-        "float32_copies": sorted(path for path, m in model.tts_model.named_modules()
-                                 if replaced_transposed(m)),
+        "transposed_weights": sorted(f"{path}:{m.__dict__['_weight_t'].dtype}"
+                                     for path, m in model.tts_model.named_modules() if replaced_transposed(m)),
         # Shards and tokenizer.json by identity (re-reading them would add to every load; the
         # tokenizer is ~10 MB at the published size), config.json by its bytes.
         "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]

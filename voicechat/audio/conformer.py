@@ -35,7 +35,7 @@ from .. import overlap
 from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
 from ..constants import derived
 from ..cpu_qmv import float32_matmul
-from ..parallel import apply, replace_weight_transposed, replaced_transposed
+from ..parallel import apply, replace_weight_transposed, replaced_transposed, transposed_dtype
 from .mel import as_waveform, log_mel
 
 _MASK_VALUE = -1e30  # additive mask on the position term (architecture.md §5.1)
@@ -295,10 +295,12 @@ class ConvModule(nn.Module):
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=bias)
 
     def pointwise_weights(self) -> tuple[dict, dict]:
-        """{"weight_t": (I, O) matrix, "bias"?} of the two 1x1 convs, float32, made once per weights:
-        the stored (O, 1, I) weight is 16-bit in the checkpoints (MLX would convert it at every
-        call) and x @ W.T runs twice as fast on a contiguous W.T (voicechat.parallel.linear).
-        After `use_float32_pointwise` (what `load` calls) W.T is the weight's only copy."""
+        """{"weight_t": (I, O) matrix, "bias"?} of the two 1x1 convs, made once per weights:
+        x @ W.T runs twice as fast on a contiguous W.T (voicechat.parallel.linear), and the
+        stored (O, 1, I) weight is 16-bit in the checkpoints, which MLX would convert at every
+        call: W.T is float32, or bf16 where `cpu_qmv.float32_matmul` widens it in its registers
+        (`voicechat.parallel.transposed_dtype`). After `use_transposed_pointwise` (what `load`
+        calls) W.T is the weight's only copy."""
         def weights(conv):
             def make(w, *b):
                 if replaced_transposed(conv):
@@ -314,15 +316,17 @@ class ConvModule(nn.Module):
 
         return weights(self.pointwise_conv1), weights(self.pointwise_conv2)
 
-    def use_float32_pointwise(self) -> None:
-        """Replace the two 1x1 convs' weights (and biases) by their float32 W.T as the only
-        resident copy (`voicechat.parallel.replace_weight_transposed`; the parameter `weight`
-        becomes an (O, 1, I) view of it), and make `pointwise_weights`. Keeping the 16-bit
-        originals beside the copies held 0.15 GB more at the published shapes. Exact: the
-        values and every product are the same."""
+    def use_transposed_pointwise(self) -> None:
+        """Replace the two 1x1 convs' weights by their W.T (float32, or bf16 where the product
+        widens it: `voicechat.parallel.transposed_dtype`) as the only resident copy
+        (`voicechat.parallel.replace_weight_transposed`; the parameter `weight` becomes an
+        (O, 1, I) view of it), biases by float32, and make `pointwise_weights`. Keeping the
+        16-bit originals beside float32 copies held 0.15 GB more at the published shapes; bf16
+        W.T holds half a float32 copy's bytes. Exact: the values and every product are the same."""
         for conv in (self.pointwise_conv1, self.pointwise_conv2):
             if not replaced_transposed(conv):
-                replace_weight_transposed(conv, lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :])
+                replace_weight_transposed(conv, lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :],
+                                          dtype=transposed_dtype(conv.weight.dtype))
                 if "bias" in conv and conv.bias.dtype != mx.float32:
                     conv.bias = conv.bias.astype(mx.float32)
         self.pointwise_weights()  # evaluates W.T (releasing the originals)
