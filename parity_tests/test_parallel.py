@@ -165,6 +165,8 @@ def test_bf16_weights_stored_transposed_in_place(two_streams, bias):
     assert abs(mx.get_active_memory() - active) <= 16384  # no second copy kept
     assert parallel.resident_bytes(layer) == bytes_before
     assert layer.weight.dtype == mx.bfloat16 and layer.weight.shape == (384, 256)
+    w_t = np.asarray(layer.__dict__["_weight_t"].view(mx.uint16))
+    assert w_t.shape == (256, 384) and w_t.flags["C_CONTIGUOUS"]  # row-major: no per-call copy
     for k, v in layer.parameters().items():
         assert np.array_equal(np.array(v.astype(mx.float32)), stored[k])
     calls = []
@@ -541,3 +543,29 @@ def test_switch_decisions_are_held_for_a_frame(monkeypatch):
         for _ in range(2):  # raises each time: a failed decision is not held
             with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1"):
                 cpu_qmv.cpu_qmv_enabled()
+
+
+@pytest.mark.parametrize("rows", [1, parallel.TRANSPOSE_BLOCK_ROWS, parallel.TRANSPOSE_BLOCK_ROWS * 2 + 37])
+def test_contiguous_transpose_is_a_row_major_copy_bit_for_bit(rows):
+    """`contiguous_transpose` (how load stores W.T) gives a.T stored row-major (what the
+    products read without a per-call copy; an elementwise op over a.T would keep the column-major
+    layout), bit for bit for every 16-bit pattern (NaN payloads included) and for float32, from
+    a strided view too."""
+    from voicechat.parallel import contiguous_transpose
+
+    cols = 65536 // rows + 1
+    bits = (np.arange(rows * cols, dtype=np.uint32) * 40503 % 65536).astype(np.uint16).reshape(rows, cols)
+    assert len(np.unique(bits)) == 65536  # every 16-bit pattern
+    for a in (mx.array(bits).view(mx.bfloat16), mx.array(bits).view(mx.float16),
+              mx.array(np.random.default_rng(rows).standard_normal((rows, cols), dtype=np.float32))):
+        got = contiguous_transpose(a)
+        mx.eval(got)
+        uint = mx.uint16 if a.dtype.size == 2 else mx.uint32
+        host = np.asarray(got.view(uint))  # numpy reads MLX's strides: C order = row-major
+        assert got.dtype == a.dtype and host.shape == (cols, rows) and host.flags["C_CONTIGUOUS"]
+        assert np.array_equal(host, np.asarray(a.view(uint)).T)
+    w = mx.random.normal((rows, 3, 7))
+    view = w[:, 1, :]  # strided, as the conformer's (O, 1, I) weights become (O, I)
+    got = contiguous_transpose(view)
+    mx.eval(got)
+    assert np.asarray(got).flags["C_CONTIGUOUS"] and np.array_equal(np.asarray(got), np.asarray(w)[:, 1, :].T)
