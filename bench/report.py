@@ -445,9 +445,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         out.append("measured / floor: how many times faster the stage could get if it did nothing but read its "
                    "weights (and states) once at the measured rate. Near 1× the stage is bound by that rate; far "
                    "above it, by per-operation overhead, host synchronisation or recomputation. resident MB: "
-                   "what this project's loaded model keeps for the stage (parameters, float32 copies in place "
-                   "of their bf16 originals on a CPU, cached derived arrays; `total` includes speaker latents "
-                   "and control codes).")
+                   "what this project's loaded model keeps for the stage (parameters as `load` stores them: on a "
+                   "CPU bf16 W.T or float32 copies in place of their originals; cached derived arrays; `total` "
+                   "includes speaker latents and control codes).")
         out.append("")
     dispatch = d.get("dispatch")
     if dispatch is not None and len(dispatch):
