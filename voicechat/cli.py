@@ -9,9 +9,20 @@ import sys
 def _cmd_synth(args) -> int:
     from .synthetic import write_checkpoint
 
-    path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed,
-                            progress=False if args.quiet else None)
-    print(f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed})")
+    if args.preset == "toolcall" and args.tool is None:
+        print("voicechat synth: --preset toolcall needs --tool NAME (and --arguments JSON)", file=sys.stderr)
+        return 2
+    if args.preset != "toolcall" and (args.tool is not None or args.arguments is not None):
+        print("voicechat synth: --tool / --arguments are for --preset toolcall", file=sys.stderr)
+        return 2
+    try:
+        path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed,
+                                progress=False if args.quiet else None, tool=args.tool, arguments=args.arguments)
+    except ValueError as e:
+        print(f"voicechat synth: {e}", file=sys.stderr)
+        return 2
+    extra = f", calls {args.tool}" if args.tool else ""
+    print(f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed}{extra})")
     return 0
 
 
@@ -21,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a synthetic random-weight checkpoint in the published layout")
     s.add_argument("out", help="output folder")
-    s.add_argument("--preset", choices=["tiny", "small", "small16", "full"], default="tiny")
+    s.add_argument("--preset", choices=["tiny", "small", "small16", "full", "toolcall"], default="tiny",
+                   help="toolcall: tiny, with a language path that calls --tool with --arguments (docs/tools.md)")
+    s.add_argument("--tool", default=None, help="toolcall preset: the tool the model calls")
+    s.add_argument("--arguments", default=None, help="toolcall preset: the call's arguments, a JSON object")
     s.add_argument("--bits", type=int, choices=[4, 8], default=None,
                    help="quantize the language path as the published 4-/8-bit checkpoints do")
     s.add_argument("--seed", type=int, default=0)

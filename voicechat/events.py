@@ -64,6 +64,37 @@ class AudioTail:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """The model called a tool: emitted at the frame whose function token is EOTC, one per call in its list."""
+
+    frame_index: int
+    call_id: str  # call_{frame_index}_{position}
+    name: str
+    arguments: dict
+    raw: str  # the decoded call text between SOTC and EOTC
+    kind: str = field(default="tool_call", init=False)
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A malformed call or marker sequence on the function channel; the session goes on."""
+
+    frame_index: int
+    message: str
+    raw: str
+    kind: str = field(default="tool_call_error", init=False)
+
+
+@dataclass(frozen=True)
+class ToolResultDone:
+    """The model closed an injected tool response with its own EOTR."""
+
+    frame_index: int
+    call_id: str
+    kind: str = field(default="tool_result_done", init=False)
+
+
+@dataclass(frozen=True)
 class Done:
     frame_index: int
     kind: str = field(default="done", init=False)
@@ -75,4 +106,5 @@ class Cancelled:
     kind: str = field(default="cancelled", init=False)
 
 
-Event = AssistantTextDelta | FunctionDelta | UserTranscriptDelta | Audio | AudioTail | Done | Cancelled
+Event = (AssistantTextDelta | FunctionDelta | UserTranscriptDelta | Audio | AudioTail | ToolCall | ToolCallError
+         | ToolResultDone | Done | Cancelled)

@@ -48,6 +48,8 @@ class OfflineResult:
     encoder_frames: np.ndarray | None = None  # (T, d), kept for the parity harness
     mel: np.ndarray | None = None
     raw_audio_codes: np.ndarray | None = None  # int32 (T, Q): the codes EAR-TTS generated (fed back)
+    tool_events: list = field(default_factory=list)  # ToolCall / ToolCallError / ToolResultDone, in order
+    forced: np.ndarray | None = None  # bool (T,): a tool response token was forced at that frame
 
 
 @dataclass
@@ -94,29 +96,82 @@ def _decode_text(model, ids) -> str:
     return model.tokenizer.decode([int(i) for i in ids if int(i) not in skip])
 
 
-def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None):
+class ToolSchedule:
+    """The offline form of `submit_tool_result`: `(after_frame, call_id, output)` entries, each
+    submitted after that frame (the streamed session's results submitted between the same frames)."""
+
+    def __init__(self, model, tools, tool_results, tool_timeout_seconds):
+        from .tools import FunctionChannel, normalize_tools, timeout_frames
+
+        cfg = model.config
+        self.tools = normalize_tools(tools)
+        entries = list(tool_results or ())
+        if entries and not self.tools:
+            raise ValueError("tool_results need tools")
+        if tool_timeout_seconds is not None and not self.tools:
+            raise ValueError("tool_timeout_seconds needs tools")
+        for i, e in enumerate(entries):
+            if not isinstance(e, (tuple, list)) or len(e) != 3 or isinstance(e[0], bool) \
+                    or not isinstance(e[0], int) or e[0] < 0 or not isinstance(e[1], str):
+                raise ValueError(f"tool_results[{i}] must be (after_frame: int >= 0, call_id: str, output), got {e!r}")
+        self.entries = sorted(entries, key=lambda e: e[0])  # stable: equal frames keep their order
+        self.channel = FunctionChannel(model.tokenizer, self.tools, pad_id=cfg.pad_token_id,
+                                       timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration)) \
+            if self.tools else None
+        self.events: list = []
+
+    def forced_token(self, t: int):
+        return self.channel.forced_token(t) if self.channel is not None else None
+
+    def after_frame(self, t: int, function_id: int, forced: bool) -> None:
+        if self.channel is None:
+            return
+        self.events.extend(self.channel.observe(t, function_id, forced))
+        while self.entries and self.entries[0][0] == t:
+            _, call_id, output = self.entries.pop(0)
+            self.channel.submit(call_id, output)
+
+    def finish(self, frames: int) -> None:
+        if self.entries:
+            left = ", ".join(f"({f}, {c!r})" for f, c, _ in self.entries)
+            raise ValueError(f"tool_results {left} come after the last frame ({frames - 1})")
+
+
+def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None,
+                  schedule: ToolSchedule | None = None):
+    from .session import session_prompt
+
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
-    prompt_positions = timeline.start(system_prompt)
-    text_ids, function_ids, codes = [], [], []
+    prompt_positions = timeline.start(session_prompt(model.config, system_prompt, schedule.tools if schedule else ()))
+    text_ids, function_ids, codes, forced_frames = [], [], [], []
     for t in progress(range(inputs.audio_emb.shape[0]), desc="generating", unit="frame"):
-        out = timeline.step(inputs.audio_emb[t])
+        forced = schedule.forced_token(t) if schedule is not None else None
+        out = timeline.step(inputs.audio_emb[t], forced)
         mx.eval(out.text_id, out.function_id, out.codes)
         text_ids.append(out.text_id.item())
         function_ids.append(out.function_id.item())
+        forced_frames.append(out.forced)
         codes.append(out.codes)
+        if schedule is not None:
+            schedule.after_frame(t, function_ids[-1], out.forced)
         if on_frame is not None:
             on_frame(t, out)
+    if schedule is not None:
+        schedule.finish(len(text_ids))
     codes = mx.stack(codes) if codes else mx.zeros((0, model.config.tts_config.num_quantizers), mx.int32)
-    return timeline, prompt_positions, text_ids, function_ids, codes
+    return timeline, prompt_positions, text_ids, function_ids, codes, forced_frames
 
 
 def generate(model, audio, *, system_prompt: str | None = None, seed: int = 0,
              extra_decoding_seconds: float = 0.0, max_frames: int | None = None,
-             use_language_cache: bool = True) -> OfflineResult:
+             use_language_cache: bool = True, tools=None, tool_results=None,
+             tool_timeout_seconds=None) -> OfflineResult:
+    schedule = ToolSchedule(model, tools, tool_results, tool_timeout_seconds)
     inputs = offline_perception(model, audio, extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames)
     tr_tokens, transcript = offline_transcript(model, inputs.encoder)
-    _, prompt_positions, text_ids, function_ids, codes = _run_timeline(
-        model, inputs, system_prompt=system_prompt, seed=seed, use_language_cache=use_language_cache)
+    _, prompt_positions, text_ids, function_ids, codes, forced = _run_timeline(
+        model, inputs, system_prompt=system_prompt, seed=seed, use_language_cache=use_language_cache,
+        schedule=schedule)
     tts = model.tts_model
     clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
     audio_out = tts.audio_codec.decode(clean) if codes.shape[0] else mx.zeros((0,), mx.float32)
@@ -134,6 +189,8 @@ def generate(model, audio, *, system_prompt: str | None = None, seed: int = 0,
         encoder_frames=np.array(inputs.encoder),
         mel=np.array(inputs.mel),
         raw_audio_codes=np.array(codes, dtype=np.int32),
+        tool_events=schedule.events,
+        forced=np.array(forced, dtype=bool),
     )
 
 

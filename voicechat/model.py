@@ -183,13 +183,19 @@ class VoiceChatModel(nn.Module):
     # -- runtime entry points (api.md)
 
     def generate(self, audio, *, system_prompt=None, seed: int = 0, extra_decoding_seconds: float = 0.0,
-                 max_frames=None, use_language_cache: bool = True):
-        """Offline generation over the whole input -> `OfflineResult` (see voicechat.generate)."""
+                 max_frames=None, use_language_cache: bool = True, tools=None, tool_results=None,
+                 tool_timeout_seconds=None):
+        """Offline generation over the whole input -> `OfflineResult` (see voicechat.generate).
+
+        `tools`: OpenAI-style function tools (voicechat.tools); `tool_results`: a schedule of
+        `(after_frame, call_id, output)`, each submitted after that frame as a streaming session's
+        `submit_tool_result` would be."""
         from .generate import generate
 
         return generate(self, audio, system_prompt=system_prompt, seed=seed,
                         extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
-                        use_language_cache=use_language_cache)
+                        use_language_cache=use_language_cache, tools=tools, tool_results=tool_results,
+                        tool_timeout_seconds=tool_timeout_seconds)
 
     def generate_stream(self, audio, *, chunk_frames: int = 25, system_prompt=None, seed: int = 0,
                         extra_decoding_seconds: float = 0.0, max_frames=None, use_language_cache: bool = True):
@@ -202,15 +208,18 @@ class VoiceChatModel(nn.Module):
 
     def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
                                  use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False, on_frame=None):
+                                 profile: bool = False, on_frame=None, tools=None, tool_timeout_seconds=None):
         """`on_frame`: optional callable handed a `voicechat.session.FrameRecord` (the frame's mel,
-        encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame."""
+        encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame.
+        `tools`: OpenAI-style function tools the model may call (docs/tools.md); results go back
+        with `session.submit_tool_result`; `tool_timeout_seconds` injects `{"error": "timeout"}`
+        for a call whose result has not come within that much audio."""
         from .session import VoiceChatStreamingSession
 
         return VoiceChatStreamingSession(
             self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
             use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
-            on_frame=on_frame)
+            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds)
 
     def create_asr_session(self):
         from .asr import AsrStreamSession

@@ -27,6 +27,7 @@ from .audio.mel import StreamingLogMel
 from .audio_input import as_mono_float32, check_sample_rate
 from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
+from .tools import FunctionChannel, normalize_tools, render_system_prompt, timeout_frames
 from .profiler import FrameTiming, Profile
 from .switch import decisions_held
 from .timeline import Timeline
@@ -40,8 +41,11 @@ class FrameRecord:
 
     mel: (n, n_mels) log-mel frames the conformer consumed (None with the uncached perception
     fallback); encoder: (d,) encoder frame; rnnt_tokens: transcript tokens this frame emitted;
-    text_logits / function_logits: (V,) float32; raw_codes: (Q,) codes the TTS generated;
-    codes: (Q,) the decoded codes (control codes replaced); samples: the frame's audio."""
+    text_logits / function_logits: (V,) float32; text_id / function_id: the heads' argmax;
+    text_fed / function_fed: the ids the frame carried on (to the TTS and the next frame's input),
+    which differ from the argmax only while a tool response is forced (`forced`: PAD text, the
+    response's token); raw_codes: (Q,) codes the TTS generated; codes: (Q,) the decoded codes
+    (control codes replaced); samples: the frame's audio."""
 
     frame_index: int
     mel: np.ndarray | None
@@ -54,6 +58,9 @@ class FrameRecord:
     raw_codes: np.ndarray
     codes: np.ndarray
     samples: np.ndarray
+    text_fed: int = -1
+    function_fed: int = -1
+    forced: bool = False
 
 
 class StreamingPerception:
@@ -98,7 +105,8 @@ class VoiceChatStreamingSession:
     def __init__(self, model, *, system_prompt: str | None = None, seed: int = 0,
                  max_streaming_seconds: float | None = None, use_language_cache: bool = True,
                  use_perception_cache: bool = True, profile: bool = False,
-                 on_frame: Callable[[FrameRecord], None] | None = None):
+                 on_frame: Callable[[FrameRecord], None] | None = None, tools=None,
+                 tool_timeout_seconds: float | None = None):
         cfg = model.config
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
@@ -116,8 +124,16 @@ class VoiceChatStreamingSession:
             self.max_frames = None
         self.perception = StreamingPerception(model, use_cache=use_perception_cache)
         self.rnnt, self.transcript = model.rnnt_transcriber()
+        self.tools = normalize_tools(tools)
+        # Tools are checked (markers in the tokenizer, the timeout) before any work starts.
+        self.tool_channel = FunctionChannel(model.tokenizer, self.tools, pad_id=cfg.pad_token_id,
+                                            timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration)) \
+            if self.tools else None
+        if tool_timeout_seconds is not None and not self.tools:
+            raise ValueError("tool_timeout_seconds needs tools")
         self.timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
-        self.prompt_positions = self.timeline.start(system_prompt)
+        self.system_prompt = session_prompt(cfg, system_prompt, self.tools)
+        self.prompt_positions = self.timeline.start(self.system_prompt)
         codec = model.tts_model.audio_codec
         self.codec = codec
         self.codec_state = codec.make_state()
@@ -178,11 +194,14 @@ class VoiceChatStreamingSession:
                 events.append(UserTranscriptDelta(self.frame_index, delta, text))
         t2 = time.perf_counter()
         tl = self.timeline
+        tc = self.tool_channel
+        forced = tc.forced_token(self.frame_index) if tc is not None else None
         text_id, function_id, text_logits, function_logits = tl.language_step(emb)
+        text_fed, function_fed = tl.feed(text_id, function_id, forced)
         if prof:
             mx.eval(text_id, function_id)
         t3 = time.perf_counter()
-        codes = tl.tts_step(text_id, function_id)
+        codes = tl.tts_step(text_fed, function_fed)
         if prof:
             mx.eval(codes)
         t4 = time.perf_counter()
@@ -193,20 +212,24 @@ class VoiceChatStreamingSession:
         # products in numpy, voicechat.host_gemm, the codec evaluated its inputs on the way).
         mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays())
         t5 = time.perf_counter()
-        tid, fid = text_id.item(), function_id.item()
+        tid, fid = int(text_fed.item()), int(function_fed.item())
         self.text_ids.append(tid)
         self.function_ids.append(fid)
         self.raw_audio_codes.append(np.array(codes, dtype=np.int32))
         r = self.text.push(tid)
         if r is not None:
             events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
-        r = self.function_text.push(fid)
-        if r is not None:
-            events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
+        if forced is None:  # the model's own function tokens; forced response tokens are not its output
+            r = self.function_text.push(fid)
+            if r is not None:
+                events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
+        if tc is not None:
+            events.extend(tc.observe(self.frame_index, fid, forced is not None))
         events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(clean, dtype=np.int32)))
         record = None  # after the timed frame; the arrays are already evaluated
         if self._on_frame is not None:
-            record = self._record(enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio)
+            record = self._record(enc, tokens, text_logits, function_logits, text_id.item(), function_id.item(),
+                                  codes, clean, audio, tid, fid, forced is not None)
         if prof:
             ms = lambda a, b: (b - a) * 1000.0  # noqa: E731
             self.profile.add(FrameTiming(self.frame_index, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
@@ -216,14 +239,33 @@ class VoiceChatStreamingSession:
             self._on_frame(record)
         return events
 
-    def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio) -> FrameRecord:
+    def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio, text_fed,
+                function_fed, forced) -> FrameRecord:
         mel = self.perception.last_mel if self.perception.use_cache else None
         f32 = lambda a: np.array(a, dtype=np.float32)  # noqa: E731
         return FrameRecord(self.frame_index, None if mel is None else f32(mel), f32(enc), tuple(int(t) for t in tokens),
                            f32(text_logits), f32(function_logits), tid, fid, np.array(codes, dtype=np.int32),
-                           np.array(clean, dtype=np.int32), f32(audio))
+                           np.array(clean, dtype=np.int32), f32(audio), text_fed, function_fed, forced)
 
     # -- public API
+
+    def submit_tool_result(self, call_id: str, output) -> None:
+        """The result of a `ToolCall` (a str of JSON text, or a JSON-serialisable value). From the next
+        frame the session computes, `<TOOL_RESPONSE>[output]</TOOL_RESPONSE>` is forced onto the
+        function channel one token a frame (results of one call list go together, in call order,
+        once all have come). An unknown or already answered `call_id` raises ValueError and changes
+        nothing."""
+        self._check_thread()
+        if self.closed:
+            raise SessionClosedError("the session is closed (flush() or cancel() was called); create a new one")
+        if self.tool_channel is None:
+            raise ValueError(f"call_id {call_id!r} is not a pending tool call: this session has no tools")
+        self.tool_channel.submit(call_id, output)
+
+    @property
+    def pending_tool_calls(self) -> list[str]:
+        """Call ids whose results the session waits for."""
+        return self.tool_channel.pending_call_ids if self.tool_channel is not None else []
 
     def push_audio(self, samples, sample_rate: int = 16000) -> list:
         """Append audio; run one step per complete frame; return the events of those frames.
@@ -283,3 +325,11 @@ class VoiceChatStreamingSession:
         self._pending = np.zeros(0, dtype=np.float32)
         self.closed = True
         return [Cancelled(self.frame_index)]
+
+
+def session_prompt(cfg, system_prompt, tools) -> str | None:
+    """The prompt the timeline prefills: the given one (None: the config's default), with the
+    trained tools block when there are tools (voicechat.tools.render_system_prompt)."""
+    if not tools:
+        return system_prompt
+    return render_system_prompt(cfg.default_system_prompt if system_prompt is None else system_prompt, tools)

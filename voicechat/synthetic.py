@@ -315,7 +315,7 @@ def _stored(value: np.ndarray, dt: str) -> np.ndarray:
 
 def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, seed: int = 0,
                      dtype: str = "bfloat16", n_shards: int | None = None, progress: bool | None = False,
-                     overrides: dict | None = None) -> Path:
+                     overrides: dict | None = None, tool: str | None = None, arguments=None) -> Path:
     """Write a synthetic checkpoint folder; returns its path.
 
     Memory is bounded whatever the preset: the shard files are laid out from the shapes
@@ -329,9 +329,23 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         raise ValueError(f"bits must be None, 4 or 8, got {bits!r}")
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be 'bfloat16' (published) or 'float32', got {dtype!r}")
+    script = None
+    n_special = 20
+    if preset == "toolcall":  # tiny, with a language path that spells one call (voicechat/synthetic_toolcall.py)
+        from .synthetic_toolcall import SPECIAL_COUNT, ToolcallScript, toolcall_overrides
+        from .tokenizer import build_synthetic_tokenizer
+
+        if tool is None:
+            raise ValueError("the toolcall preset needs tool=NAME (and arguments=JSON object)")
+        n_special = SPECIAL_COUNT
+        script = ToolcallScript(build_synthetic_tokenizer(preset_dict("tiny")["text_config"]["vocab_size"], n_special),
+                                tool, {} if arguments is None else arguments)
+        overrides = _deep_update(toolcall_overrides(script), overrides or {})
+    elif tool is not None or arguments is not None:
+        raise ValueError("tool / arguments are for the toolcall preset")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg_dict = _deep_update(preset_dict(preset), overrides or {})
+    cfg_dict = _deep_update(preset_dict("tiny" if preset == "toolcall" else preset), overrides or {})
     if bits:
         cfg_dict["quantization"] = {"group_size": GROUP_SIZE, "bits": bits}
         cfg_dict["quantization_config"] = dict(cfg_dict["quantization"])
@@ -345,6 +359,11 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
     mx.random.seed(0x5EED + seed)
     model = VoiceChatModel(cfg)
     plan = _tensor_plan(model, cfg, bits)
+    designed = {}
+    if script is not None:
+        from .synthetic_toolcall import toolcall_tensors
+
+        designed = toolcall_tensors(cfg, None, script, [(n, s) for n, s, _, _ in plan])
     # The init arrays are lazy (nothing is allocated until one is evaluated for its
     # statistics); the plan keeps them, the model is not needed any more.
     modules = dict(model.named_modules())
@@ -375,7 +394,8 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         for idx in range(len(plan)):
             name, shape, init, quant = plan[idx]
             plan[idx] = None  # drop the init (evaluated below for its statistics) with the tensor
-            _write_tensor(files, name, shape, init, quant, bits, cfg, seed, float_dt, proxy.get(name))
+            _write_tensor(files, name, shape, init, quant, bits, cfg, seed, float_dt, proxy.get(name),
+                          designed.get(name))
             del init
             if bar is not None:
                 bar.update(1)
@@ -393,12 +413,13 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         f.replace(final)
         names[i] = final.name
     index = {
-        "metadata": {"total_size": total, "synthetic": True, "preset": preset, "seed": seed, "bits": bits},
+        "metadata": {"total_size": total, "synthetic": True, "preset": preset, "seed": seed, "bits": bits,
+                     **({"tool": script.name, "arguments": script.arguments} if script is not None else {})},
         "weight_map": {k: names[files.where[k][0]] for k in sorted(files.where)},
     }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, allow_nan=True, ensure_ascii=False))
-    write_synthetic_tokenizer(path, cfg.text_config.vocab_size)
+    write_synthetic_tokenizer(path, cfg.text_config.vocab_size, n_special)
     (path / "README.md").write_text(
         f"# Synthetic VoiceChat checkpoint\n\nRandom weights (preset `{preset}`, seed {seed}, "
         f"bits {bits or 'none (bf16)'}), written by `voicechat.synthetic` in the published on-disk layout. "
@@ -413,9 +434,11 @@ def _progress_bar(total: int, desc: str):
     return bar(total=total, desc=desc, unit="tensor")
 
 
-def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed, float_dt, proxy_stats):
-    """Draw one MLX-layout tensor and write what it is stored as (row chunks when it is large)."""
-    chunked = len(shape) == 2 and not _is_integer(name, init) and \
+def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed, float_dt, proxy_stats,
+                  designed: np.ndarray | None = None):
+    """Draw one MLX-layout tensor and write what it is stored as (row chunks when it is large).
+    `designed`: the tensor's values instead of a random draw (the toolcall preset)."""
+    chunked = designed is None and len(shape) == 2 and not _is_integer(name, init) and \
         [k for k, _, _ in _pieces(name, shape, init, False, bits, cfg, float_dt)] == [name] and \
         name not in _RNNT_SCALE and not name.startswith("tts_model.audio_prompt_latents.")
     if chunked:
@@ -423,7 +446,7 @@ def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed,
         if not std <= 1e-6 * max(1.0, abs(mean)):
             _write_rows(files, name, shape, mean, std, quant, bits, seed)
             return
-    value = _draw(name, shape, init, cfg, seed)
+    value = _draw(name, shape, init, cfg, seed) if designed is None else designed
     if quant:
         wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
         module = name[: -len(".weight")]

@@ -33,6 +33,7 @@ class StepOutput:
     codes: mx.array  # int32 (Q,), raw (before control-code replacement)
     text_logits: mx.array  # float32 (V,)
     function_logits: mx.array  # float32 (V,)
+    forced: bool = False  # a tool response token was forced (text_id is then PAD, function_id that token)
 
 
 class TimelineState:
@@ -148,12 +149,20 @@ class Timeline:
         self.prompt_positions = len(ids)
         return len(ids)
 
-    def step(self, audio_emb: mx.array) -> StepOutput:
-        """One audio position (lazy)."""
+    def step(self, audio_emb: mx.array, forced: int | None = None) -> StepOutput:
+        """One audio position (lazy); `forced`: a function token forced onto this position (tools)."""
         position = self.state.position
         text_id, function_id, text_logits, function_logits = self.language_step(audio_emb)
+        text_id, function_id = self.feed(text_id, function_id, forced)
         codes = self.tts_step(text_id, function_id)
-        return StepOutput(position, text_id, function_id, codes, text_logits, function_logits)
+        return StepOutput(position, text_id, function_id, codes, text_logits, function_logits, forced is not None)
+
+    def feed(self, text_id: mx.array, function_id: mx.array, forced: int | None):
+        """The ids this position carries on (to the TTS and the next input): the model's argmax, or,
+        while a tool response is injected, PAD on the text channel and the forced function token."""
+        if forced is None:
+            return text_id, function_id
+        return mx.array(self.cfg.pad_token_id, dtype=mx.int32), mx.array(int(forced), dtype=mx.int32)
 
     def language_step(self, audio_emb: mx.array):
         """The LLM half of `step` (the profiler times the halves separately)."""

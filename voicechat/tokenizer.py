@@ -138,21 +138,27 @@ def _complete_utf8_prefix(data: bytes) -> int:
 # --------------------------------------------------------------------------- synthetic tokenizer
 
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 20)]
+def special_tokens(count: int = 20) -> list[str]:
+    return ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, count)]
+
+
+SPECIAL_TOKENS = special_tokens()
 _MERGE_LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 
 
-def build_synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+def build_synthetic_tokenizer(vocab_size: int, n_special: int = 20) -> Tokenizer:
     """A byte-level BPE tokenizer with `vocab_size` entries and the published special ids.
 
-    Ids 0..19 are special tokens (bos 1, eos 2, silence 11 = <SPECIAL_11>, pad 12 =
-    <SPECIAL_12>), then the 256 byte-level characters (so the TTS character table has
-    exactly 256 entries), then merged tokens built deterministically from letters.
+    Ids 0..n_special-1 are special tokens (bos 1, eos 2, silence 11 = <SPECIAL_11>, pad 12 =
+    <SPECIAL_12>; with n_special > 22 also the tool markers <SPECIAL_20..22>), then the 256
+    byte-level characters (so the TTS character table has exactly 256 entries), then merged
+    tokens built deterministically from letters.
     """
-    n_base = len(SPECIAL_TOKENS) + 256
+    specials = special_tokens(n_special)
+    n_base = len(specials) + 256
     if vocab_size < n_base:
         raise ValueError(f"vocab_size must be at least {n_base}, got {vocab_size}")
-    vocab: dict[str, int] = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab: dict[str, int] = {t: i for i, t in enumerate(specials)}
     for b in range(256):
         vocab[BYTE_TO_CHAR[b]] = len(vocab)
     merges: list[tuple[str, str]] = []
@@ -178,12 +184,12 @@ def build_synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
 
 
-def write_synthetic_tokenizer(folder: Path, vocab_size: int) -> None:
-    tok = build_synthetic_tokenizer(vocab_size)
+def write_synthetic_tokenizer(folder: Path, vocab_size: int, n_special: int = 20) -> None:
+    tok = build_synthetic_tokenizer(vocab_size, n_special)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>",
