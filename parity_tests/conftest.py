@@ -63,3 +63,21 @@ def tiny_model_4bit(tiny_ckpt_4bit):
     import voicechat
 
     return voicechat.load(tiny_ckpt_4bit)
+
+
+TOOLCALL_TOOL = "get_current_time"
+TOOLCALL_ARGUMENTS = {"timezone": "UTC"}
+TIME_TOOL = {"type": "function", "name": "get_current_time", "description": "Get the current time in a timezone",
+             "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                            "required": ["timezone"]}}
+
+
+@pytest.fixture(scope="session", params=[4, 8])
+def toolcall_model(request, tmp_path_factory):
+    """The toolcall preset (voicechat/synthetic_toolcall.py) at 4 and 8 bits: it calls get_current_time."""
+    import voicechat
+    from voicechat.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp(f"toolcall_{request.param}bit"), "toolcall", bits=request.param,
+                            tool=TOOLCALL_TOOL, arguments=TOOLCALL_ARGUMENTS)
+    return voicechat.load(path)
