@@ -37,6 +37,11 @@ def add_parity_parser(sub) -> None:
     p.add_argument("--dump-reference", default=None, metavar="FILE.npz",
                    help="also write the backend's runs as a reference dump for --against on another machine")
     p.add_argument("--chunk-samples", type=int, default=1280, help="streamed push size in samples")
+    p.add_argument("--tools", default=None, metavar="tools.json",
+                   help="add the tool-schedule row: these tools, results submitted after --tool-result-after")
+    p.add_argument("--tool-result-after", type=int, default=None, metavar="F",
+                   help="with --tools: submit each pending call's result after frame F (default: the call's frame)")
+    p.add_argument("--tool-output", default='{"ok": true}', help="with --tools: the result submitted (JSON text)")
     p.add_argument("--no-components", action="store_true",
                    help="skip the Nemotron-H / EAR-TTS component checks (cached vs recompute)")
     p.add_argument("--component-max-frames", type=int, default=None,
@@ -129,6 +134,21 @@ def run_parity_cli(args) -> int:
     report = run_parity(backend, wave, against=against, system_prompt=args.prompt, seed=args.seed,
                         checkpoint=args.model, input_name=Path(name).name, chunk_samples=args.chunk_samples,
                         components=not args.no_components)
+    if args.tools:
+        from voicechat.tool_runners import tools_from_file
+
+        from .tool_rows import tool_schedule_rows
+
+        model = backend.model
+        tools = tools_from_file(args.tools)
+        after = args.tool_result_after
+        if after is None:  # the first call's frame, from a streamed run
+            probe = model.generate(wave, system_prompt=args.prompt, seed=args.seed, tools=tools)
+            calls = [e.frame_index for e in probe.tool_events if e.kind == "tool_call"]
+            after = calls[0] if calls else 0
+        report.rows += tool_schedule_rows(model, wave, tools, result_after=after, output=args.tool_output,
+                                          system_prompt=args.prompt, seed=args.seed,
+                                          chunk_samples=min(args.chunk_samples, 1280))
     if args.dump_reference:
         path = dump_reference(args.dump_reference, backend, report.runs, wave, system_prompt=args.prompt,
                               seed=args.seed, checkpoint=args.model, chunk_samples=args.chunk_samples)

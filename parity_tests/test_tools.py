@@ -273,3 +273,18 @@ def test_prompt_with_tools_is_prefilled(toolcall_model):
     assert s.system_prompt == text
     assert s.prompt_positions == len(toolcall_model.tokenizer.encode(text)) + 2
     assert json.loads(text.split("<AVAILABLE_TOOLS>")[1].split("</AVAILABLE_TOOLS>")[0])[0]["name"] == TOOLCALL_TOOL
+
+
+def test_harness_tool_schedule_row(toolcall_model):
+    from harness.families import PASS
+    from harness.tool_rows import tool_schedule_rows
+
+    n = _script_len(toolcall_model)
+    wave = np.zeros(1280 * (n + 80), np.float32)
+    rows = tool_schedule_rows(toolcall_model, wave, [TIME_TOOL], result_after=n + 3, output='{"t": 1}')
+    assert [r.status for r in rows] == [PASS] * 5, [(r.metric, r.observed) for r in rows]
+    assert "tool_call" in rows[-1].observed and "tool_result_done" in rows[-1].observed
+    # A schedule frame the streamed run never reaches with a pending call: nothing is submitted,
+    # no response is forced, and the row still compares the two runs (they agree without results).
+    rows = tool_schedule_rows(toolcall_model, wave, [TIME_TOOL], result_after=1, output="{}")
+    assert rows[-1].status == PASS and "tool_result_done" not in rows[-1].observed

@@ -6,6 +6,7 @@ float32` for the exact samples."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -40,22 +41,55 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--max-streaming-seconds", type=float, default=None)
     g.add_argument("--extra-decoding-seconds", type=float, default=0.0,
                    help="zeros appended to the input so the model can finish its answer")
+    g.add_argument("--tools", default=None, metavar="tools.json",
+                   help="a JSON list of OpenAI function tools the model may call (implies --stream; docs/tools.md); "
+                        "without --mcp each call is answered with --tool-output")
+    g.add_argument("--mcp", default=None, metavar="CMD",
+                   help="run the tools of this MCP server (started over stdio, e.g. "
+                        "'python -m mcp_server_time'); implies --stream")
+    g.add_argument("--tool-output", default='{"error": "no tool runner"}',
+                   help="with --tools and no --mcp: the result each call gets (JSON text)")
+    g.add_argument("--tool-timeout-seconds", type=float, default=None,
+                   help="inject {\"error\": \"timeout\"} when a call's result has not come within this much audio")
     g.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
     g.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> int:
-    import voicechat
-    from voicechat.audio_input import read_audio_file, resolve_input_path
-    from voicechat.errors import ContextLimitError
+    from voicechat.audio_input import resolve_input_path
     from voicechat.progress import set_quiet
-    from voicechat.synthetic import resolve_model_arg
 
     if args.quiet:
         set_quiet(True)
     audio_path = resolve_input_path(args.audio)
     if not audio_path.exists():  # before minutes of loading
         raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
+    runner, tools = None, None
+    if args.mcp:
+        from voicechat.tool_runners import McpToolRunner
+
+        runner = McpToolRunner(args.mcp)
+        tools = runner.tools()
+        print(f"MCP server {args.mcp!r}: tools {', '.join(t['name'] for t in tools)}", file=sys.stderr)
+    if args.tools:
+        from voicechat.tool_runners import tools_from_file
+
+        tools = tools_from_file(args.tools)
+    if tools is not None:
+        args.stream = True
+    try:
+        return _generate(args, audio_path, tools, runner)
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def _generate(args, audio_path, tools, runner) -> int:
+    import voicechat
+    from voicechat.audio_input import read_audio_file
+    from voicechat.errors import ContextLimitError
+    from voicechat.synthetic import resolve_model_arg
+
     t0 = time.perf_counter()
     model = voicechat.load(resolve_model_arg(args.model), numerics=args.numerics)
     cfg = model.config
@@ -75,7 +109,7 @@ def run_generate(args) -> int:
     else:
         session = model.create_streaming_session(
             system_prompt=args.prompt, seed=args.seed, max_streaming_seconds=args.max_streaming_seconds,
-            profile=args.profile)
+            profile=args.profile, tools=tools, tool_timeout_seconds=args.tool_timeout_seconds)
         if args.extra_decoding_seconds:
             audio = np.concatenate([audio, np.zeros(int(round(args.extra_decoding_seconds * cfg.input_sample_rate)),
                                                     np.float32)])
@@ -86,6 +120,7 @@ def run_generate(args) -> int:
             for i in range(0, audio.size, n):  # no bar: the live text is the progress
                 events = session.push_audio(audio[i:i + n])
                 _show(events, pieces)
+                _run_tools(events, session, runner, args.tool_output)
             events = session.flush()
         except ContextLimitError as e:
             _show(getattr(e, "events", []), pieces)
@@ -104,9 +139,26 @@ def run_generate(args) -> int:
     return 0
 
 
+def _run_tools(events, session, runner, default_output) -> None:
+    """Execute each call (here, between frames: the result is injected from the next frame on)."""
+    for e in events:
+        if e.kind != "tool_call":
+            continue
+        out = runner.call(e.name, e.arguments) if runner is not None else default_output
+        print(f"\n[result {e.call_id}: {out}]", file=sys.stderr, flush=True)
+        session.submit_tool_result(e.call_id, out)
+
+
 def _show(events, pieces) -> None:
     for e in events:
-        if e.kind == "assistant_text_delta":
+        if e.kind == "tool_call":
+            print(f"\n[tool call {e.call_id} at frame {e.frame_index}: {e.name}({json.dumps(e.arguments)})]",
+                  file=sys.stderr, flush=True)
+        elif e.kind == "tool_call_error":
+            print(f"\n[tool call error at frame {e.frame_index}: {e.message}]", file=sys.stderr, flush=True)
+        elif e.kind == "tool_result_done":
+            print(f"\n[tool response {e.call_id} done at frame {e.frame_index} (EOTR)]", file=sys.stderr, flush=True)
+        elif e.kind == "assistant_text_delta":
             print(e.delta, end="", flush=True)
         elif e.kind == "user_transcript_delta":
             print(f"[user: {e.delta}]", end="", flush=True)
