@@ -55,7 +55,7 @@ SPEAKER_FRAMES = 37
 class Spec:
     depth: str = "tiny"  # "tiny" | "real"
     num_quantizers: int = 31
-    codebook_size: int = 64
+    codebook_size: int = 1024  # the published size (near-ties need many entries)
     control_inside: bool = True
     dtype: str = "bfloat16"  # "float32" | "bfloat16"
     bits: int | None = None
@@ -444,6 +444,19 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
+# Trained RVQ codebooks: each stage quantizes what the stages before it left, so the spread of
+# codebook q shrinks with q. With 1024 entries the two nearest entries of a residual are often
+# closer than bf16's rounding of the squared norms ‖m_j‖², so late codebooks have near-ties that
+# rounding decides (architecture.md §9.3): the class of the published bf16 codebooks.
+RVQ_SCALE0, RVQ_DECAY = 0.5, 0.93
+
+
+def _rvq_codebook(seed: int, q: int, shape: tuple) -> np.ndarray:
+    """Codebook q of the greedy RVQ; EAR-TTS's `rvq_embs[q]` holds the same values (the TTS
+    quantizes in the codec's latent space; whether the published files share them is open)."""
+    return _rng(seed, f"rvq.codebook.{q}").standard_normal(shape) * (RVQ_SCALE0 * RVQ_DECAY ** q)
+
+
 def _value(name: str, shape: tuple, kind: str, spec: Spec, cfg: dict, tok_vocab: dict) -> np.ndarray:
     r = _rng(spec.seed, name)
     fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
@@ -475,8 +488,10 @@ def _value(name: str, shape: tuple, kind: str, spec: Spec, cfg: dict, tok_vocab:
         return r.standard_normal(shape)
     if kind == "lowmat":
         return r.standard_normal(shape) / math.sqrt(shape[-1])
-    if kind in ("codebook", "codebook1"):
-        return r.standard_normal(shape) * 0.5
+    if kind == "codebook1":  # codec `prvq.mus_list.{q}` (C, L)
+        return _rvq_codebook(spec.seed, int(name.rsplit(".", 1)[1]), shape)
+    if kind == "codebook":  # EAR-TTS `rvq_embs` (Q, C, L): the codec's codebooks (see _rvq_codebook)
+        return np.stack([_rvq_codebook(spec.seed, q, shape[1:]) for q in range(shape[0])])
     if kind == "one":
         return np.ones(shape)
     if kind == "fixed":
@@ -612,7 +627,7 @@ def main(argv=None) -> int:
     p.add_argument("--predicate", choices=["published", "mlx-vlm-default", "mlx-vlm-runnable"], default="published")
     p.add_argument("--sampling", choices=["greedy", "shipped"], default="greedy")
     p.add_argument("--control-outside", action="store_true", help="control codes outside the generated range")
-    p.add_argument("--codebook-size", type=int, default=64)
+    p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     spec = Spec(depth=a.depth, dtype=a.dtype, bits=a.bits, predicate=a.predicate, sampling=a.sampling,

@@ -47,8 +47,9 @@ class SpeechDecoder(nn.Module):
     def __init__(self, cfg: VoiceChatConfig, numerics: Numerics | str = DEFAULT_NUMERICS):
         super().__init__()
         s = cfg.tts_config
+        numerics = numerics_from(numerics)
         self.tts_model = EarTts(s, numerics=numerics)
-        self.audio_codec = Codec(cfg.codec_config)
+        self.audio_codec = Codec(cfg.codec_config, rvq_norms_in_weight_dtype=numerics.rvq_norms_in_weight_dtype)
         # Integer buffers (int64 in the published files; the stored dtype is kept on load).
         self.control_codes = mx.full((3,), s.codebook_size, dtype=mx.int32)
         self.codec_silence_tokens = mx.zeros((s.num_quantizers,), dtype=mx.int32)

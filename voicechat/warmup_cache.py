@@ -35,7 +35,8 @@ from .constants import cache_home
 from .switch import env_flag
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
-FORMAT = "voicechat-tts-warmup-1"
+# 2: the prompt codes use the codec RVQ norms of the numerics setting (stored dtype under "reference").
+FORMAT = "voicechat-tts-warmup-2"
 # Entries kept (the most recently used): every new or touched checkpoint adds one, each a few MB
 # at the published shapes.
 MAX_ENTRIES = 8

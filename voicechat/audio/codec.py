@@ -397,10 +397,15 @@ def _rows_f32(book: tuple[str, np.ndarray], index: np.ndarray) -> np.ndarray:
 
 
 class ResidualVectorQuantizer(nn.Module):
-    """`prvq`: `mus_list.{q}` (codebook_size, latent_dim) codebooks and their unused variances."""
+    """`prvq`: `mus_list.{q}` (codebook_size, latent_dim) codebooks and their unused variances.
 
-    def __init__(self, cfg: CodecConfig):
+    `norms_in_weight_dtype`: the squared norms ‖m_j‖² of the greedy search formed in the
+    codebooks' stored dtype (the reference's rounding: bf16 in the published checkpoints, which
+    decides near-ties in late codebooks), else in float32 (`Numerics.rvq_norms_in_weight_dtype`)."""
+
+    def __init__(self, cfg: CodecConfig, norms_in_weight_dtype: bool = True):
         super().__init__()
+        self._norms_in_weight_dtype = bool(norms_in_weight_dtype)
         # Scaled so the sum over Q codebooks has about unit variance per channel.
         scale = 1.0 / math.sqrt(cfg.num_quantizers)
         self.mus_list = [
@@ -431,10 +436,12 @@ class ResidualVectorQuantizer(nn.Module):
         codes = []
         for mus in self.mus_list:
             m = _f32(mus)
+            src = mus if self._norms_in_weight_dtype else m
+            norms = _f32(mx.sum(src * src, axis=1))
             dist = (
                 mx.sum(residual * residual, axis=1, keepdims=True)
                 - 2.0 * (residual @ m.T)
-                + mx.sum(m * m, axis=1)[None, :]
+                + norms[None, :]
             )
             idx = mx.argmin(dist, axis=1).astype(mx.int32)
             codes.append(idx)
@@ -513,7 +520,7 @@ class CodecState:
 class Codec(nn.Module):
     """The codec subtree `tts_model.audio_codec.` (encoder, decoder, prvq)."""
 
-    def __init__(self, codec_cfg: CodecConfig):
+    def __init__(self, codec_cfg: CodecConfig, *, rvq_norms_in_weight_dtype: bool = True):
         super().__init__()
         if not isinstance(codec_cfg, CodecConfig):
             raise TypeError(f"Codec: expected a CodecConfig, got {type(codec_cfg).__name__}")
@@ -521,7 +528,7 @@ class Codec(nn.Module):
         self._geometry = StreamingGeometry.from_config(codec_cfg)
         self.encoder = CodecEncoder(codec_cfg)
         self.decoder = CodecDecoder(codec_cfg)
-        self.prvq = ResidualVectorQuantizer(codec_cfg)
+        self.prvq = ResidualVectorQuantizer(codec_cfg, rvq_norms_in_weight_dtype)
         self._window = periodic_hann(codec_cfg.n_fft)
 
     # -- geometry

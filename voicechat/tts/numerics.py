@@ -12,7 +12,11 @@ model, which of them this project reproduces:
   σ(residual_scale) computed in the char embedding's dtype (~1e-2 on the fused
   input with bf16 weights);
 * `rvq_norms_in_weight_dtype`: the squared codebook norms ‖e_j‖² of the greedy
-  RVQ distances computed from the stored codebooks in their dtype;
+  RVQ distances computed from the stored codebooks in their dtype, in both greedy
+  RVQs: EAR-TTS's over `rvq_embs` and the codec encoder's over `mus_list` (the
+  speaker prompt codes of the warm-up, `Codec.encode`). With bf16 codebooks of
+  1024 entries, late codebooks have top-2 distance gaps below bf16's rounding of
+  ‖e_j‖², so this rounding decides codes there;
 * `mog_log_probs_as_log_of_softmax`: the MoG component log-probabilities as
   log(softmax(filtered logits)) instead of logits − logsumexp (~1 ulp apart;
   matters only at a Gumbel near-tie);
