@@ -71,7 +71,15 @@ ROWS = [
     Row(Spec(dtype="bfloat16", bits=4, predicate="published", sampling="shipped"), None, "long_question"),
     Row(Spec(depth="real", dtype="bfloat16", bits=4, predicate="published"), None, "long_question"),
     Row(Spec(depth="real", dtype="bfloat16", bits=8, predicate="mlx-vlm-runnable", sampling="shipped"), SENTENCE),
+    # Near-ties at the real depth both ways round: a prompt at 4 bits, none at 8 bits.
+    Row(Spec(depth="real", dtype="bfloat16", bits=4, predicate="published"), SENTENCE),
+    Row(Spec(depth="real", dtype="bfloat16", bits=8, predicate="published"), None),
 ]
+# 64 entries, so the three control codes inside the range (61-63) are drawn often enough to be seen
+# (of 1024 entries, 1021-1023 are rarely drawn): the audio comparison then exercises their
+# replacement by the silence codes.
+CONTROL_ROW = Row(Spec(dtype="bfloat16", bits=4, predicate="published", codebook_size=64), SENTENCE)
+ROWS.append(CONTROL_ROW)
 
 _runs: dict = {}
 
@@ -157,10 +165,10 @@ def test_audio_is_the_float32_decode_of_the_codes(row_runs, row):
 
 
 def test_control_codes_inside_the_range_are_emitted(row_runs):
-    """With the control codes inside the generated range, the first row does emit some, so the
+    """With the control codes inside the generated range, the control row does emit some, so the
     audio comparison exercises their replacement by the silence codes."""
-    runs = row_runs(ROWS[0])
-    assert ROWS[0].spec.control_inside
+    runs = row_runs(CONTROL_ROW)
+    assert CONTROL_ROW.spec.control_inside
     assert runs["control"] & set(runs["offline"][0].codes.ravel().tolist())
 
 

@@ -101,11 +101,28 @@ def _draw(name: str, shape, init: mx.array, cfg: VoiceChatConfig, seed: int) -> 
         return np.zeros(shape, dtype=np.int64)
     if name.startswith("tts_model.audio_prompt_latents."):
         return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+    if name.startswith(_CODEC_BOOKS):
+        return _rvq_codebook(rng, int(name.rsplit(".", 1)[1]), shape)
+    if name == "tts_model.tts_model.rvq_embs":
+        return np.stack([_rvq_codebook(rng, k, shape[1:]) for k in range(shape[0])])
     mean, std = _init_stats(init)
     if std <= 1e-6 * max(1.0, abs(mean)):  # constant init (norm weights, scalars): jitter it
         return np.asarray(mean + 0.05 * rng.standard_normal(shape), dtype=np.float32)
     value = (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     return _rnnt_shaping(name, value, cfg)
+
+
+# Trained RVQ codebooks: stage q quantizes what stages 0..q-1 left, so the spread of codebook q
+# shrinks with q (here geometrically, from RVQ_SCALE0 to about a tenth of it at q = 30). With 1024
+# entries the top-2 distances of a residual are then often closer than bf16's rounding of the
+# squared norms, so late codebooks have near-ties that rounding decides, as the published bf16
+# codebooks do; parity_tests/test_near_ties.py counts them.
+RVQ_SCALE0, RVQ_DECAY = 0.2, 0.93
+_CODEC_BOOKS = "tts_model.audio_codec.prvq.mus_list."
+
+
+def _rvq_codebook(rng: np.random.Generator, q: int, shape) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(RVQ_SCALE0 * RVQ_DECAY ** q)).astype(np.float32)
 
 
 # A random RNNT at init scale is degenerate (every frame emits max_symbols of one
@@ -440,7 +457,7 @@ def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed,
     `designed`: the tensor's values instead of a random draw (the toolcall preset)."""
     chunked = designed is None and len(shape) == 2 and not _is_integer(name, init) and \
         [k for k, _, _ in _pieces(name, shape, init, False, bits, cfg, float_dt)] == [name] and \
-        name not in _RNNT_SCALE and not name.startswith("tts_model.audio_prompt_latents.")
+        name not in _RNNT_SCALE and not name.startswith(("tts_model.audio_prompt_latents.", _CODEC_BOOKS))
     if chunked:
         mean, std = proxy_stats or _init_stats(init)
         if not std <= 1e-6 * max(1.0, abs(mean)):
