@@ -102,3 +102,17 @@ def test_codec_search_rounds_the_norms_as_its_setting_says(in_weight_dtype, want
     r[0, 1] = r[0, 2] = 2.0 ** -7
     codes = np.array(_tie_quantizer(in_weight_dtype).quantize(mx.array(r)))
     assert codes[0, 0] == want
+
+
+def test_speaker_prompt_codes_hinge_on_the_norm_rounding_at_the_real_depth(tmp_path):
+    """On the independent writer's real-depth bf16 checkpoint, the codec encoder's latents of
+    silence come near ties: the speaker prompt codes of the two numerics settings differ (measured:
+    1020 of 37 x 31, from the first flipped codebook on). Were the test codebooks benign again,
+    this count would drop to 0 and the peers matrix's prompt rows would lose their power."""
+    import voicechat
+
+    folder = independent_writer.write(tmp_path / "real", independent_writer.Spec(depth="real", dtype="bfloat16"))
+    codes = {n: np.array(voicechat.load(folder, numerics=n, warmup=False).speaker_prompt_codes())
+             for n in ("reference", "float32")}
+    assert codes["reference"].shape == codes["float32"].shape
+    assert (codes["reference"] != codes["float32"]).sum() >= 100
