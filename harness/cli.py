@@ -158,6 +158,9 @@ def run_parity_cli(args) -> int:
     print(f"parity {'PASS' if report.ok else 'FAIL'}: {c['pass']} pass, {c['fail']} fail, "
           f"{c['documented difference']} documented difference, {c['not available']} not available")
     print(f"wrote {mp} and {jp}")
+    for r in report.rows:
+        if r.status == "not available" and r.metric == "all":
+            print(f"  NOT AVAILABLE {r.comparison}: {r.note}")
     for r in report.failed():
         print(f"  FAIL {r.family} / {r.comparison} / {r.metric}: observed {r.observed}, tolerance {r.tolerance}, "
               f"first failing {r.frame_unit} {r.first_failing_frame}" + (f" ({r.note})" if r.note else ""))

@@ -88,6 +88,16 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
                    "parity_tests/test_harness.py::test_xscaling_difference_needs_xscaling"),
     ),
     DocumentedDifference(
+        id="reference_stream_logits",
+        spec="measured (docs/peers.md); not in architecture.md §12",
+        summary="With a system prompt on bf16 language weights, the reference's streamed logits differ from "
+                "its own offline logits (up to ~6e-3 on the tiny preset) while its ids agree; this project's "
+                "streamed logits equal its offline ones, which equal the reference's offline logits.",
+        verified_by="our streamed logits are within the row's tolerance of the reference's offline logits "
+                    "on every common frame, while the reference's streamed logits are not",
+        pinned_by=("parity_tests/test_harness.py::test_reference_stream_logits_needs_the_reference_to_disagree_with_itself",),
+    ),
+    DocumentedDifference(
         id="reference_codec_bf16",
         spec="measured (harness/backends/mlx_vlm_backend.py, docs/peers.md); not in architecture.md §12",
         summary="The reference sums the stored bf16 codebook vectors in bf16, so its codec latent and every "

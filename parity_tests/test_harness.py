@@ -526,3 +526,97 @@ def test_logits_drift_fails_nemotron_at_that_frame(model, question_wav):
     assert row.status == FAIL and row.first_failing_frame == 5
     assert report.row(NEMOTRON, "text logits per frame (max abs)", c).status == PASS
     assert report.row(NEMOTRON, "text logits per frame (max abs)", "offline: voicechat vs drift-ref").observed == 0
+
+
+class PromptDriftedStream(MemoBackend):
+    """A reference whose streamed logits part from its own offline ones from frame `start` on (its
+    ids unchanged), as the reference's streamed prompt prefill does on bf16 weights from frame 0."""
+
+    name = "prompt-drift-ref"
+    start = 0
+
+    def stream(self, audio, **kw):
+        run = super().stream(audio, **kw)
+        run.text_logits[self.start:] += 3e-3
+        return run
+
+
+class LateDriftedStream(PromptDriftedStream):
+    start = 4
+
+
+def test_reference_stream_logits_needs_the_reference_to_disagree_with_itself(model, question_wav):
+    """Documented only with a prompt, when our stream equals the reference's offline and the
+    reference's stream parts from its own offline pass at frame 0; otherwise a failure."""
+    c = "streamed: voicechat vs prompt-drift-ref"
+    with_prompt = run_parity(MemoBackend(model), question_wav, against=PromptDriftedStream(model),
+                             system_prompt="hello", components=False)
+    row = with_prompt.row(NEMOTRON, "text logits per frame (max abs)", c)
+    assert row.status == DOCUMENTED and row.difference_id == "reference_stream_logits", row
+    assert with_prompt.ok, with_prompt.to_markdown()
+    no_prompt = run_parity(MemoBackend(model), question_wav, against=PromptDriftedStream(model), components=False)
+    assert no_prompt.row(NEMOTRON, "text logits per frame (max abs)", c).status == FAIL
+    late = run_parity(MemoBackend(model), question_wav, against=LateDriftedStream(model), system_prompt="hello",
+                      components=False)
+    assert late.row(NEMOTRON, "text logits per frame (max abs)", c).status == FAIL
+
+
+class ScaledAudioReference(MemoBackend):
+    """A reference whose streamed audio is off by `factor` times the derived cross tolerance."""
+
+    name = "audio-ref"
+    factor = 0.5
+
+    def stream(self, audio, **kw):
+        from harness.families import codec_cross_tolerance
+
+        run = super().stream(audio, **kw)
+        tol = codec_cross_tolerance(self.model.config.codec_config, float(np.abs(run.audio).max())).value
+        run.audio = run.audio + np.float32(self.factor * tol)
+        return run
+
+
+class OverAudioReference(ScaledAudioReference):
+    factor = 2.0
+
+
+def test_cross_audio_tolerance_is_derived_from_the_codec(model, question_wav):
+    """Cross audio rows use the codec-derived bound (`cross_audio_abs`), not the API's 1e-5: half
+    of it passes, twice of it fails."""
+    c = "streamed: voicechat vs audio-ref"
+    ok = run_parity(MemoBackend(model), question_wav, against=ScaledAudioReference(model), components=False)
+    row = ok.row(E2E, "audio samples", c)
+    assert row.status == PASS and row.tolerance_name == "cross_audio_abs" and row.tolerance != 1e-5, row
+    bad = run_parity(MemoBackend(model), question_wav, against=OverAudioReference(model), components=False)
+    assert bad.row(E2E, "audio samples", c).status == FAIL
+
+
+def test_layouts_the_reference_cannot_run_are_named(tmp_path):
+    """mlx-vlm's default predicate quantizes proj_mus and the char embedding, which mlx-vlm cannot
+    run; the runnable predicate leaves them dense."""
+    from harness.backends.mlx_vlm_backend import UNRUNNABLE_QUANTIZED, unrunnable_quantized_modules
+
+    from .independent_writer import Spec, write
+
+    default = write(tmp_path / "default", Spec(bits=4, predicate="mlx-vlm-default"))
+    runnable = write(tmp_path / "runnable", Spec(bits=4, predicate="mlx-vlm-runnable"))
+    assert unrunnable_quantized_modules(default) == list(UNRUNNABLE_QUANTIZED)
+    assert unrunnable_quantized_modules(runnable) == []
+
+
+class CannotRun(MemoBackend):
+    name = "cannot-run-ref"
+
+    def unrunnable_modules(self):
+        return ["tts_model.tts_model.mog_head.proj_mus"]
+
+    def offline(self, audio, **kw):
+        raise AssertionError("a reference that cannot run this layout is never run")
+
+
+def test_reference_that_cannot_run_the_layout_gives_not_available_rows(model, question_wav):
+    report = run_parity(MemoBackend(model), question_wav, against=CannotRun(model), components=False)
+    rows = [r for r in report.rows if r.comparison == "voicechat vs cannot-run-ref"]
+    assert len(rows) == 1 and rows[0].status == NOT_AVAILABLE and "proj_mus" in rows[0].note
+    assert not any(r.status == PASS and "cannot-run-ref" in r.comparison for r in report.rows)
+    assert report.ok  # this project's own rows pass

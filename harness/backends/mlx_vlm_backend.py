@@ -125,6 +125,32 @@ def _event_dict(e) -> dict:
     return d
 
 
+# Modules mlx-vlm 0.7.10 cannot run quantized (docs/voicechat.md, "Quantization layouts"): its MoG
+# head reshapes a packed `proj_mus` as the dense matrix (a matmul shape error at the first TTS step),
+# and it builds the text-side input in a quantized char embedding's dtype, uint32 (wrong codes).
+UNRUNNABLE_QUANTIZED = ("tts_model.tts_model.mog_head.proj_mus", "tts_model.tts_model.embed_subword.embed_tokens")
+
+
+def unrunnable_quantized_modules(checkpoint) -> list[str]:
+    """The modules of a local checkpoint that mlx-vlm cannot run because they are stored quantized
+    (a `.scales` tensor in the shard index or headers); [] when there are none or the folder has no
+    index to read."""
+    import json
+    from pathlib import Path
+
+    folder = Path(str(checkpoint))
+    names: set[str] = set()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text()).get("weight_map", {}))
+    else:
+        for shard in folder.glob("*.safetensors"):
+            with open(shard, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                names |= set(json.loads(f.read(n)))
+    return [m for m in UNRUNNABLE_QUANTIZED if f"{m}.scales" in names]
+
+
 class MlxVlmBackend(Backend):
     """Drives mlx-vlm's nemotron_voicechat (offline `generate` and the streaming session)."""
 
@@ -138,6 +164,10 @@ class MlxVlmBackend(Backend):
         self.load_s: float = 0.0
 
     # -- loading
+
+    def unrunnable_modules(self) -> list[str]:
+        """Modules of the loaded checkpoint this mlx-vlm cannot run (stored quantized), or []."""
+        return unrunnable_quantized_modules(self.checkpoint) if self.checkpoint else []
 
     def load(self, checkpoint: str) -> Any:
         """Load a checkpoint folder (or HF repo id) with `mlx_vlm.utils.load`; returns the mlx-vlm model."""
