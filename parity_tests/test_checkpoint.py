@@ -123,6 +123,24 @@ def test_small_geometry_reduced_depth(tmp_path, bits):
     assert n_quant == (3 + 4 + 2 + 4 if bits else 0)
 
 
+def test_widths_the_group_size_does_not_divide_stay_bf16(tmp_path, question_wav):
+    """The converter's rule (docs/voicechat.md, "Quantization layouts"): a language-path weight is
+    quantized only where the group size (64) divides its last dim. With hidden 96 and MLP width 160,
+    the modules reading the hidden state (Mamba in_proj, MLP up, attention q/k/v, both heads) and
+    the MLP down_proj stay bf16; the embedding (last dim 96) too; Mamba out_proj (64) and o_proj
+    (4 x 16) are quantized. Such a bf16-heavy checkpoint loads and streams as offline."""
+    folder = write_checkpoint(tmp_path / "heavy", "tiny", bits=4, overrides={
+        "text_config": {"hidden_size": 96, "intermediate_size": 160}, "audio_config": {"output_dim": 96}})
+    model = voicechat.load(folder)
+    quantized = {p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert quantized == {"stt_model.llm.layers.0.mixer.out_proj", "stt_model.llm.layers.3.mixer.out_proj",
+                         "stt_model.llm.layers.1.mixer.o_proj"}, sorted(quantized)
+    off = model.generate(question_wav[:12800])
+    s = model.create_streaming_session()
+    s.push_audio(question_wav[:12800])
+    np.testing.assert_array_equal(np.stack(s.raw_audio_codes), off.raw_audio_codes[:len(s.raw_audio_codes)])
+
+
 def test_full_preset_sizes_match_published():
     # Computed from shapes only. Published (architecture.md §1.1, §2.1): the 4-bit index lists
     # 1243 stt + 635 tts = 1878 tensors; 997 + 635 = 1632 raw tensors unquantized.

@@ -8,7 +8,9 @@ preprocessor buffers the loader drops), sharded safetensors with an index, a
 `tokenizer.json` with the published special ids, and the inline RNNT
 vocabulary. Unquantized float tensors are bf16; with `bits` the 123-module
 language path (the same module set at any preset) is affine-quantized with
-group size 64 and float32 scales/biases; integer buffers are int64.
+group size 64 and float32 scales/biases, each module only where 64 divides its
+weight's last dim (the converter's rule: with other widths, passed as
+`overrides`, most of the language path stays bf16); integer buffers are int64.
 
 Values: every tensor is drawn from its own numpy generator seeded by (seed,
 crc32(name)), with the mean and standard deviation of the module's own
@@ -185,7 +187,8 @@ def _tensor_plan(model, cfg: VoiceChatConfig, bits: int | None):
     plan = []
     for name, arr in tree_flatten(model.parameters()):
         module = name.rsplit(".", 1)[0]
-        quant = module in qmods and name.endswith(".weight")
+        # The converter's rule: a language-path 2-D weight whose last dim the group size divides.
+        quant = module in qmods and name.endswith(".weight") and arr.shape[-1] % GROUP_SIZE == 0
         plan.append((name, tuple(arr.shape), arr, quant))
     return sorted(plan, key=lambda t: t[0])
 
