@@ -116,3 +116,21 @@ def test_speaker_prompt_codes_hinge_on_the_norm_rounding_at_the_real_depth(tmp_p
              for n in ("reference", "float32")}
     assert codes["reference"].shape == codes["float32"].shape
     assert (codes["reference"] != codes["float32"]).sum() >= 100
+
+
+def test_writer_checkpoints_have_head_argmax_near_ties(tmp_path, question_wav):
+    """The text and function heads of the writer's checkpoint (the peers matrix's first layout)
+    come near ties: some frame's top-2 logit gap is below 2^-7 = 7.8e-3, one bf16 ulp for |logit|
+    in [2, 4) and half of one in [4, 8); measured 1.8e-3 (text) and 2.3e-3 (function). So a
+    rounding difference in the language path would flip an id there, and the matrix's "ids equal
+    on every frame" has power."""
+    from harness.backends import get_backend
+
+    folder = independent_writer.write(tmp_path / "w", independent_writer.Spec(dtype="bfloat16", bits=4))
+    backend = get_backend("voicechat")
+    backend.load(str(folder))
+    run = backend.offline(question_wav, system_prompt="hello", seed=0, with_logits=True)
+    for logits in (run.text_logits, run.function_logits):
+        top = np.sort(np.asarray(logits, np.float32).reshape(-1, np.shape(logits)[-1]), axis=-1)[:, -2:]
+        assert np.abs(top).max() < 8.0  # the bound below is at most one bf16 ulp for |logit| < 8
+        assert (top[:, 1] - top[:, 0]).min() < 2.0 ** -7
