@@ -1,6 +1,6 @@
 """The physical floor of one streaming frame: weight bytes it must read, over this machine's bandwidth.
 
-Weight bytes per stage come from the loaded model's parameters (architecture.md
+Weight bytes per stage come from the loaded model's parameters (docs/model.md
 §11.3 says which weights each stage touches per steady-state frame):
 
 * perception: the whole conformer (subsampling + layers) and the projection;
@@ -118,7 +118,7 @@ def _per_frame_fraction(name: str, shape: tuple, cfg, passes: int) -> float | No
     if name.startswith("tts_model.audio_codec.prvq.mus_list."):
         return 1.0 / shape[0]  # one codebook row per frame
     if name.startswith("tts_model.audio_codec.prvq.variance_list."):
-        return None  # unused (architecture.md §9.1)
+        return None  # unused (docs/model.md §9.1)
     if name.startswith(tts):
         local = name[len(tts):]
         if local == "audio_prompt_projection_W":

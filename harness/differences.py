@@ -32,7 +32,7 @@ class DocumentedDifference:
 DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     DocumentedDifference(
         id="frame0_codes_no_prompt",
-        spec="architecture.md §12.2 item 7",
+        spec="docs/model.md §12.2 item 7",
         summary="Without a system prompt the reference's offline generate leaves an all-zero code row "
                 "(codebook index 0, not silence) at frame 0 and decodes it, so its offline frame 0 differs "
                 "from its own stream; this project puts the codec silence codes there, as both streaming "
@@ -58,7 +58,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="codec_tail",
-        spec="architecture.md §12.2 item 13, §9.4; api.md (flush emits AudioTail)",
+        spec="docs/model.md §12.2 item 13, §9.4; api.md (flush emits AudioTail)",
         summary="flush() emits the codec's held-back tail (lead_in samples, 8 at the real geometry) as an "
                 "AudioTail event so no sample is lost; the reference never emits it.",
         verified_by="the reference's tail is empty, ours has exactly lead_in samples, and the streamed "
@@ -68,7 +68,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="extra_offline_frame",
-        spec="architecture.md §12.2 item 13, §5.2",
+        spec="docs/model.md §12.2 item 13, §5.2",
         summary="For 1280·K samples the offline path yields K+1 frames (the centred last mel frame completes "
                 "one more encoder frame); the stream yields K. Text / transcript of the extra frame exist "
                 "only offline.",
@@ -78,7 +78,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="xscaling_streaming",
-        spec="architecture.md §12.2 item 3",
+        spec="docs/model.md §12.2 item 3",
         summary="The reference's cached conformer never applies the sqrt(d_model) input scale; this project "
                 "applies it in both paths. Only matters when encoder.xscaling is true (false in every "
                 "published checkpoint).",
@@ -89,7 +89,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="reference_stream_logits",
-        spec="measured (docs/peers.md); not in architecture.md §12",
+        spec="measured (docs/peers.md); not in docs/model.md §12",
         summary="With a system prompt on bf16 language weights, the reference's streamed logits differ from "
                 "its own offline logits (up to ~6e-3 on the tiny preset) while its ids agree; this project's "
                 "streamed logits equal its offline ones, which equal the reference's offline logits.",
@@ -99,7 +99,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="reference_codec_bf16",
-        spec="measured (harness/backends/mlx_vlm_backend.py, docs/peers.md); not in architecture.md §12",
+        spec="measured (harness/backends/mlx_vlm_backend.py, docs/peers.md); not in docs/model.md §12",
         summary="The reference sums the stored bf16 codebook vectors in bf16, so its codec latent and every "
                 "decoder activation are bf16 (audio off by ~1e-2 on the same codes); this project decodes in "
                 "float32.",
@@ -109,7 +109,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="float32_numerics",
-        spec="architecture.md §12.2 item 6; voicechat/tts/numerics.py",
+        spec="docs/model.md §12.2 item 6; voicechat/tts/numerics.py",
         summary="The reference rounds parts of EAR-TTS to the weight dtype (bf16): the backbone norms' "
                 "'1 + w' (§12.2 item 6), the text side, the RVQ codebook norms, the MoG log-probabilities. "
                 "A model loaded with numerics='float32' computes them in float32, so its codes may differ "

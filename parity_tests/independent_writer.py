@@ -1,4 +1,4 @@
-"""A second, independent checkpoint writer, written from architecture.md §1-3 only.
+"""A second, independent checkpoint writer, written from docs/model.md §1-3 only.
 
 It does not import `voicechat` (neither `voicechat.synthetic` nor
 `voicechat.checkpoint` nor the config classes): the tensor inventory below is
@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 GROUP_SIZE = 64
-# Published pattern (architecture.md §1.3): 27 Mamba, 4 attention, 25 MLP.
+# Published pattern (docs/model.md §1.3): 27 Mamba, 4 attention, 25 MLP.
 REAL_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 TINY_PATTERN = "MM-*M"
 FLAG_TABLE = 131072  # the subword flag tables are hard-wired to this size (§2.3, §13.1)
@@ -223,7 +223,7 @@ def module_settings(spec: Spec, module: str) -> dict:
 
 
 def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
-    """(raw name, raw shape, kind) for every stored tensor (architecture.md §2.3 in raw layout).
+    """(raw name, raw shape, kind) for every stored tensor (docs/model.md §2.3 in raw layout).
 
     kinds: linear, embed, head (language heads), out (residual output projections), norm1 (w ~ 1),
     norm0 ("1 + w" norms, w ~ 0), bias, conv, lstm, a_log, dt_bias, d, vec (plain vectors),
@@ -447,7 +447,7 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 # Trained RVQ codebooks: each stage quantizes what the stages before it left, so the spread of
 # codebook q shrinks with q. With 1024 entries the two nearest entries of a residual are often
 # closer than bf16's rounding of the squared norms ‖m_j‖², so late codebooks have near-ties that
-# rounding decides (architecture.md §9.3): the class of the published bf16 codebooks.
+# rounding decides (docs/model.md §9.3): the class of the published bf16 codebooks.
 RVQ_SCALE0, RVQ_DECAY = 0.5, 0.93
 
 

@@ -39,7 +39,7 @@ def test_published_layout_on_disk(tiny_ckpt, tiny_ckpt_4bit):
     index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(raw)
     assert len(set(index["weight_map"].values())) == 2  # two shards
-    # Raw (NeMo) names and layouts, as architecture.md §2.1-2.2 describe
+    # Raw (NeMo) names and layouts, as docs/model.md §2.1-2.2 describe
     assert "stt_model.perception.preprocessor.featurizer.fb" in raw
     assert "stt_model.rnnt_decoder.prediction.dec_rnn.lstm.weight_ih_l0" in raw
     assert "stt_model.rnnt_decoder.prediction.dec_rnn.lstm.bias_hh_l1" in raw
@@ -142,7 +142,7 @@ def test_widths_the_group_size_does_not_divide_stay_bf16(tmp_path, question_wav)
 
 
 def test_full_preset_sizes_match_published():
-    # Computed from shapes only. Published (architecture.md §1.1, §2.1): the 4-bit index lists
+    # Computed from shapes only. Published (docs/model.md §1.1, §2.1): the 4-bit index lists
     # 1243 stt + 635 tts = 1878 tensors; 997 + 635 = 1632 raw tensors unquantized.
     four, eight, bf16 = checkpoint_size("full", 4), checkpoint_size("full", 8), checkpoint_size("full")
     assert four["tensors"] == 1878 and eight["tensors"] == 1878
@@ -160,7 +160,7 @@ def test_save_and_reload_round_trip(tmp_path, tiny_ckpt_4bit, tiny_model_4bit):
     out = voicechat.loading.save(tiny_model_4bit, tmp_path / "saved")
     original, written = _raw(tiny_ckpt_4bit), _raw(out)
     # the mel front end's window and filterbank (stored in the published layout) are not
-    # written back: sanitize drops them (architecture.md), the front end computes its own
+    # written back: sanitize drops them (docs/model.md), the front end computes its own
     assert set(original) - set(written) <= {"stt_model.perception.preprocessor.featurizer.window",
                                             "stt_model.perception.preprocessor.featurizer.fb"}
     assert set(written) <= set(original)

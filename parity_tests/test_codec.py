@@ -1,4 +1,4 @@
-"""Codec (architecture.md §9): streamed decode vs offline decode, iSTFT recipe, encoder, validation.
+"""Codec (docs/model.md §9): streamed decode vs offline decode, iSTFT recipe, encoder, validation.
 
 Tolerances: the streamed and offline paths run the same float32 operations on
 the same frames (only the row counts of the matmuls differ), so away from the

@@ -1,4 +1,4 @@
-"""EAR-TTS (architecture.md §8): cached steps vs recompute-from-history, the
+"""EAR-TTS (docs/model.md §8): cached steps vs recompute-from-history, the
 sliding window and its ring layout, seeded sampling, the top-p rule, the EOS
 rule, control-code replacement, the MoG pass schedule, the char table, the
 per-model numerics ("reference" / "float32") (exact comparison against mlx-vlm: test_peers_codes.py)

@@ -6,7 +6,7 @@ frame, one mel frame); the test checks that the RIGHT family fails with the
 RIGHT first failing frame and that every other row still passes. A healthy
 backend passes everything; a backend that cannot provide a family gets
 "not available", never "pass". The cross-implementation tests pin the table of
-documented differences: a fake reference that behaves as architecture.md §12.2
+documented differences: a fake reference that behaves as docs/model.md §12.2
 says is reported "documented difference" (verified), one with an extra
 corruption still fails.
 
@@ -273,7 +273,7 @@ def test_primitives_fail_where_expected():
 
 
 class ReferenceLike(MemoBackend):
-    """Behaves as architecture.md §12.2 says the reference does: no-prompt offline frame 0 is an all-zero
+    """Behaves as docs/model.md §12.2 says the reference does: no-prompt offline frame 0 is an all-zero
     code row (decoded as such), no codec tail at flush, the reference's roundings (numerics "reference",
     or whatever numerics the given model has)."""
 

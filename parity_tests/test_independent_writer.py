@@ -1,7 +1,7 @@
 """Checkpoints from the independent writer (parity_tests/independent_writer.py) load and stream.
 
 The writer shares no code with `voicechat.synthetic` / `voicechat.checkpoint`:
-its own tensor inventory from architecture.md, its own trained byte-level BPE
+its own tensor inventory from docs/model.md, its own trained byte-level BPE
 tokenizer, MLX's `mx.quantize` for packing. Every layout it can write must
 load with `voicechat.load`, stream, and give in the streamed path exactly the
 offline path's text ids, function ids and codes on every common frame (the
@@ -88,7 +88,7 @@ def clip(question_wav):
 def test_layout_loads_and_streams_like_offline(tmp_path, spec, clip):
     folder = write(tmp_path / "ckpt", spec)
     model = voicechat.load(folder)
-    # Exactly the modules whose scales are stored are quantized (architecture.md §3.3).
+    # Exactly the modules whose scales are stored are quantized (docs/model.md §3.3).
     assert _quantized_in_model(model) == quantized_modules_written(folder)
     if spec.bits is not None:  # with the settings the files were packed with
         for path, m in model.named_modules():

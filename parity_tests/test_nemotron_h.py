@@ -1,4 +1,4 @@
-"""Nemotron-H language model (architecture.md §7): single steps vs sequence pass,
+"""Nemotron-H language model (docs/model.md §7): single steps vs sequence pass,
 continued sequence passes, cached vs recomputed greedy ids, state growth, an
 independent float64 numpy reference of the spec, and input validation.
 
@@ -366,7 +366,7 @@ def _bf16_round(a: np.ndarray) -> np.ndarray:
 
 
 def test_decay_rate_rounded_in_stored_dtype(cfg):
-    """With bf16 parameters the reference computes A = -exp(A_log) in bf16 (architecture.md §2.4:
+    """With bf16 parameters the reference computes A = -exp(A_log) in bf16 (docs/model.md §2.4:
     A_log is stored bf16 and used as stored), so A carries a bf16 rounding (up to 2^-9 relative)
     that the recurrent state compounds. The steps must follow the float64 spec evaluated with that
     rounded A (float32 noise over 2 layers x 64 steps: ~1e-6; bound 1e-5) and not the one with

@@ -5,7 +5,7 @@ streamed path pads the partial last frame) and deterministic noise, each with
 and without a system prompt. Each report must pass every family (log-mel,
 FastConformer, RNNT, Nemotron-H, EAR-TTS, codec, end to end); the only
 documented difference allowed in self mode is the extra offline frame
-(architecture.md §12.2 item 13), and only after the engine verified it.
+(docs/model.md §12.2 item 13), and only after the engine verified it.
 
 The tolerances are the harness's own (harness/families.py, docs/parity.md);
 this file adds no numeric tolerance of its own.

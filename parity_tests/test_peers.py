@@ -6,7 +6,7 @@ and self-consistent (captured logits vs the reference's own argmax, streamed
 codes vs the audio the reference streamed, chunk-size independence, seeds);
 and mlx-vlm's own streamed first frame equals its offline first frame with a
 system prompt, while without one its offline frame 0 carries the all-zero code
-row (architecture.md §12.2 item 7).
+row (docs/model.md §12.2 item 7).
 """
 
 from __future__ import annotations

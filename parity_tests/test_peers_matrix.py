@@ -1,7 +1,7 @@
 """The peers matrix (`-m peers`): this project vs mlx-vlm 0.7.10 on checkpoints neither wrote.
 
 Each row writes a checkpoint with the independent writer (parity_tests/independent_writer.py:
-own tensor inventory from architecture.md, own trained byte-level BPE tokenizer, `mx.quantize`
+own tensor inventory from docs/model.md, own trained byte-level BPE tokenizer, `mx.quantize`
 packing), loads it in both backends (`get_backend("voicechat")` with default arguments, and
 `get_backend("mlx-vlm")`), runs the same input, prompt and seed offline and streamed, and
 asserts, on the **default path**:
@@ -15,7 +15,7 @@ asserts, on the **default path**:
   lead-in, skipping the 2·lead_in warm-up samples, as test_peers.py does.
 
 One frame is checked apart: offline without a system prompt, the reference decodes an all-zero
-code row at frame 0 (architecture.md §12.2 item 7, a bug: its offline frame 0 then differs from
+code row at frame 0 (docs/model.md §12.2 item 7, a bug: its offline frame 0 then differs from
 its own stream); this project has the codec silence codes there, as both streams do
 (docs/voicechat.md row 1). That frame is asserted to be exactly that; every other frame is
 compared. Both raw codes (the input of control-code replacement)

@@ -26,7 +26,7 @@ def test_special_ids_and_byte_alphabet(tok):
 
 
 def _reference_deltas(tok, ids):
-    """The reference rule (architecture.md §10.3): re-decode the whole list each time."""
+    """The reference rule (docs/model.md §10.3): re-decode the whole list each time."""
     out, prev, acc = [], "", []
     for i in ids:
         if i in SKIP:

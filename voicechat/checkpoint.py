@@ -1,6 +1,6 @@
 """The published on-disk format: raw (PyTorch/NeMo) names and layouts <-> MLX layout.
 
-architecture.md §2.2 lists the transforms. They are applied exactly once: the
+docs/model.md §2.2 lists the transforms. They are applied exactly once: the
 files always hold the raw layout (this module's `save_weights` writes it back),
 so a loaded model saved and reloaded loads again (the reference saves MLX
 layout and re-transforms it on reload). A folder that already holds MLX-layout
@@ -61,7 +61,7 @@ def is_raw_layout(weights: dict) -> bool:
 
 
 def sanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
-    """Raw layout -> MLX layout (architecture.md §2.2). Input dict is not modified."""
+    """Raw layout -> MLX layout (docs/model.md §2.2). Input dict is not modified."""
     out: dict = {}
     lstm_bias: dict[int, dict[str, mx.array]] = {}
     for key, w in weights.items():
@@ -143,7 +143,7 @@ def unsanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
 
 
 def quantized_module_paths(weights: dict) -> set[str]:
-    """Modules whose `.scales` are stored: exactly those are quantized (architecture.md §3.3)."""
+    """Modules whose `.scales` are stored: exactly those are quantized (docs/model.md §3.3)."""
     return {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
 
 

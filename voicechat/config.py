@@ -1,6 +1,6 @@
 """Runtime configuration (`config.json`) of a VoiceChat checkpoint.
 
-One dataclass per section, defaults as architecture.md §1 lists them. Unknown
+One dataclass per section, defaults as docs/model.md §1 lists them. Unknown
 keys are ignored (the published config carries NeMo keys MLX never reads);
 a config that cannot describe a working model raises `ConfigError` naming
 the offending key.
@@ -49,7 +49,7 @@ def _to_dict(obj) -> dict:
 
 @dataclass
 class TextConfig:
-    """Nemotron-H (architecture.md §1.3, §7)."""
+    """Nemotron-H (docs/model.md §1.3, §7)."""
 
     model_type: str = "nemotron_h"
     vocab_size: int = 131072
@@ -129,7 +129,7 @@ class TextConfig:
 
 @dataclass
 class PreprocessorConfig:
-    """Log-mel frontend (architecture.md §1.4, §4)."""
+    """Log-mel frontend (docs/model.md §1.4, §4)."""
 
     sample_rate: int = 16000
     features: int = 128
@@ -175,7 +175,7 @@ class PreprocessorConfig:
 
 @dataclass
 class EncoderConfig:
-    """FastConformer (architecture.md §1.4, §5)."""
+    """FastConformer (docs/model.md §1.4, §5)."""
 
     feat_in: int = 128
     n_layers: int = 24
@@ -316,7 +316,7 @@ class MogHeadConfig:
 
 @dataclass
 class TtsConfig:
-    """EAR-TTS (architecture.md §1.5, §8)."""
+    """EAR-TTS (docs/model.md §1.5, §8)."""
 
     hidden_size: int = 1152
     intermediate_size: int = 4608
@@ -373,7 +373,7 @@ class TtsConfig:
 
 @dataclass
 class CodecConfig:
-    """Audio codec (architecture.md §1.6, §9)."""
+    """Audio codec (docs/model.md §1.6, §9)."""
 
     sample_rate: int = 22050
     base_channels: int = 384

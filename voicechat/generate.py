@@ -1,6 +1,6 @@
 """Offline generation over a whole input: `model.generate(...)` and `model.generate_stream(...)`.
 
-The reference timeline (architecture.md §10.2) with the offline perception:
+The reference timeline (docs/model.md §10.2) with the offline perception:
 log-mel of the whole waveform (plus `extra_decoding_seconds` of zeros), the
 chunked-limited FastConformer over all frames, one timeline position per
 encoder frame after the system prompt. Deliberate differences from the

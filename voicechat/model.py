@@ -1,6 +1,6 @@
 """`VoiceChatModel`: the module tree in the published naming, plus the per-frame glue.
 
-The tree mirrors the checkpoint names (architecture.md §2.3) so loading is a
+The tree mirrors the checkpoint names (docs/model.md §2.3) so loading is a
 strict one-to-one update:
 
     stt_model.{embed_tokens, lm_head, function_head}   language embedding and heads
@@ -88,7 +88,7 @@ class VoiceChatModel(nn.Module):
         return self.stt_model.embed_tokens(ids).astype(mx.float32)
 
     def fused_input(self, prev_text: mx.array, audio_emb: mx.array, prev_function: mx.array) -> mx.array:
-        """LLM input E(prev_text) + audio_emb + w_f * E(prev_function) (architecture.md §7.5)."""
+        """LLM input E(prev_text) + audio_emb + w_f * E(prev_function) (docs/model.md §7.5)."""
         w = self.config.function_channel_weight
         return self.embed(prev_text) + audio_emb.astype(mx.float32) + w * self.embed(prev_function)
 
@@ -102,7 +102,7 @@ class VoiceChatModel(nn.Module):
 
     def speaker_prompt_codes(self) -> mx.array:
         """(F, Q) prompt codes: the codec encoder applied to F+1 frames of silence, frames 0 and
-        F-1 set to the mask code, the last frame dropped (architecture.md §8.5 step 1)."""
+        F-1 set to the mask code, the last frame dropped (docs/model.md §8.5 step 1)."""
         if getattr(self, "_prompt_codes", None) is None:
             codec = self.tts_model.audio_codec
             frames = self.speaker_latent.shape[1]

@@ -14,7 +14,7 @@
   Linear inputs), so the 4/8-bit checkpoints have the published layout: the
   language path quantized, bf16 elsewhere. Per-operation overhead weighs more
   here than at `small`.
-* ``full``  - the published shapes (architecture.md §1).
+* ``full``  - the published shapes (docs/model.md §1).
 """
 
 from __future__ import annotations

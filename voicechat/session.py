@@ -1,4 +1,4 @@
-"""The cache-aware streaming session: one 1280-sample frame per step (api.md, architecture.md §10.3).
+"""The cache-aware streaming session: one 1280-sample frame per step (api.md, docs/model.md §10.3).
 
 Per frame: (1) perception (streaming log-mel + cache-aware FastConformer, or
 the uncached fallback) and projection, (2) one RNNT transcript step, (3) one

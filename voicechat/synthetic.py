@@ -46,10 +46,10 @@ from .tokenizer import write_synthetic_tokenizer
 
 GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
-SUBWORD_TABLE_SIZE = 131072  # hard-wired in the reference (architecture.md §13.1)
+SUBWORD_TABLE_SIZE = 131072  # hard-wired in the reference (docs/model.md §13.1)
 
 def language_path_modules(model) -> list[str]:
-    """The modules the published 4/8-bit checkpoints quantize (architecture.md §3.1)."""
+    """The modules the published 4/8-bit checkpoints quantize (docs/model.md §3.1)."""
     out = []
     for path, m in model.named_modules():
         if not isinstance(m, (nn.Linear, nn.Embedding)):

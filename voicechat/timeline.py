@@ -1,7 +1,7 @@
 """The generation timeline shared by `generate`, `generate_stream` and the streaming session.
 
 One timeline position per system-prompt token, then one per audio frame
-(architecture.md §7.5, §10.2-10.3). At each position:
+(docs/model.md §7.5, §10.2-10.3). At each position:
 
     in_t   = E(text_{t-1}) + a_t + w_f * E(function_{t-1})     (PAD before t = 0)
     hidden = Nemotron-H step (cached state, or the whole history recomputed)

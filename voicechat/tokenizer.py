@@ -80,7 +80,7 @@ class TextTokenizer:
 
 
 class IncrementalDecoder:
-    """Cumulative decode of one token channel with the reference's delta rule (architecture.md §10.3).
+    """Cumulative decode of one token channel with the reference's delta rule (docs/model.md §10.3).
 
     The reference re-decodes the whole id list on every token; here the text is
     kept as (committed prefix, undecided trailing bytes) so each token costs

@@ -1,4 +1,4 @@
-"""On-disk cache of the EAR-TTS speaker warm-up (architecture.md §8.5).
+"""On-disk cache of the EAR-TTS speaker warm-up (docs/model.md §8.5).
 
 The warm-up (the codec encoder over 38 frames of silence, then the TTS backbone
 over the 37 prompt positions of the guidance pair) depends only on the weights

@@ -19,7 +19,7 @@ Conventions of the returned runs (shared with this project's backend):
   the harness compares them (base.py's comment says (n_mel, F) for `mel`).
 * Offline runs use `use_language_cache=True` (the reference default `False`
   re-runs the whole history every frame; same results to float rounding,
-  architecture.md §12.2 item 8).
+  docs/model.md §12.2 item 8).
 * mlx-vlm reseeds MLX's global random generator (`mx.random.seed(seed)`) at the
   start of `generate` and at streaming-session creation; this backend does not
   save or restore it.
@@ -199,7 +199,7 @@ class MlxVlmBackend(Backend):
 
     @property
     def lead_in(self) -> int:
-        """Samples by which the streamed codec output lags the offline decode (architecture.md §9.4).
+        """Samples by which the streamed codec output lags the offline decode (docs/model.md §9.4).
 
         The streaming iSTFT keeps ceil(((n_fft - hop) // 2) / hop) spectral frames of
         context on each side, i.e. that many hops of samples: 8 at n_fft 16, hop 4.

@@ -1,4 +1,4 @@
-"""Audio codec (`tts_model.audio_codec`, architecture.md §9 + clarifications "Codec").
+"""Audio codec (`tts_model.audio_codec`, docs/model.md §9 + clarifications "Codec").
 
 Codes (T, Q) int -> RVQ dequantisation (sum of one codebook row per quantizer)
 -> causal ConvNeXt decoder with transposed-conv upsamplers -> magnitude/phase

@@ -1,5 +1,5 @@
 """Cache-aware causal FastConformer encoder and the perception projection
-(architecture.md §5, §6.1). Owns the subtree `perception.`.
+(docs/model.md §5, §6.1). Owns the subtree `perception.`.
 
 Paths:
 
@@ -38,7 +38,7 @@ from ..cpu_qmv import float32_matmul
 from ..parallel import apply, replace_weight_transposed, replaced_transposed, transposed_dtype
 from .mel import as_waveform, log_mel
 
-_MASK_VALUE = -1e30  # additive mask on the position term (architecture.md §5.1)
+_MASK_VALUE = -1e30  # additive mask on the position term (docs/model.md §5.1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -261,7 +261,7 @@ class RelPositionAttention(nn.Module):
         if pos_proj is None:
             # Reference-style (uncached) mode: k_cache holds the LayerNorm-ed inputs; K, V and the
             # positional table are re-projected for the whole window every frame. Same values,
-            # ~13x the FLOPs (architecture.md §11.2); kept to measure what the caching saves.
+            # ~13x the FLOPs (docs/model.md §11.2); kept to measure what the caching saves.
             rows = mx.concatenate([k_cache, x])
             keys, values = self.linear_k(rows), self.linear_v(rows)
             pe = relative_positional_encoding(mx.arange(left + 1, dtype=mx.float32), x.shape[-1])
@@ -642,7 +642,7 @@ class Perception(nn.Module):
 
 
 class PerceptionFallback:
-    """Non-cached perception (`use_perception_cache=False`, architecture.md §5.2 end).
+    """Non-cached perception (`use_perception_cache=False`, docs/model.md §5.2 end).
 
     Keeps the last max(2, left+1) input frames of audio; each `push_frame`
     recomputes the offline log-mel and encoder over that window and returns the

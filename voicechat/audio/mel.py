@@ -1,4 +1,4 @@
-"""Log-mel frontend (architecture.md §4): offline function and a streaming twin.
+"""Log-mel frontend (docs/model.md §4): offline function and a streaming twin.
 
 Both paths run the same framing code (`_log_mel_frames`) on the same
 pre-emphasised samples, so a streamed frame is the offline frame computed from
@@ -174,7 +174,7 @@ def _check_reflect_length(cfg: PreprocessorConfig, n: int, what: str) -> None:
 
 
 def log_mel(waveform, cfg: PreprocessorConfig) -> mx.array:
-    """Offline log-mel (T, n_mels), float32, T = 1 + N // hop (architecture.md §4.2).
+    """Offline log-mel (T, n_mels), float32, T = 1 + N // hop (docs/model.md §4.2).
 
     Dither is never applied; normalisation must be "NA" (the config enforces it).
     """
@@ -186,7 +186,7 @@ def log_mel(waveform, cfg: PreprocessorConfig) -> mx.array:
 
 
 class StreamingLogMel:
-    """Incremental log-mel with the offline frame grid (architecture.md §4.3).
+    """Incremental log-mel with the offline frame grid (docs/model.md §4.3).
 
     Frame i (centred at sample i*hop) is emitted once samples up to
     i*hop + lookahead_samples have arrived: with lookahead 1280 and 1280-sample

@@ -1,4 +1,4 @@
-"""RNNT transcript branch (architecture.md §6.2-§6.5). Owns `rnnt_decoder.` and `rnnt_joint.`.
+"""RNNT transcript branch (docs/model.md §6.2-§6.5). Owns `rnnt_decoder.` and `rnnt_joint.`.
 
 * `RnntDecoder`: prediction network (embedding + stacked LSTM cells, gates i, f, g, o).
 * `RnntJoint`: logits = joint_net.2(ReLU(enc(enc) + pred(pred))).
@@ -275,7 +275,7 @@ def is_special_piece(piece: str) -> bool:
 
 
 class RnntText:
-    """RNNT vocabulary (list of SentencePiece pieces) -> text (architecture.md §6.5)."""
+    """RNNT vocabulary (list of SentencePiece pieces) -> text (docs/model.md §6.5)."""
 
     def __init__(self, vocabulary: Sequence[str]):
         if isinstance(vocabulary, str) or not all(isinstance(p, str) for p in vocabulary):

@@ -1,4 +1,4 @@
-"""Nemotron-H hybrid language model backbone (architecture.md §7).
+"""Nemotron-H hybrid language model backbone (docs/model.md §7).
 
 A stack of pre-norm residual blocks, h = x + mixer(RMSNorm(x)), whose mixer
 is a Mamba-2 SSM ("M"), a squared-ReLU MLP ("-") or a GQA attention layer

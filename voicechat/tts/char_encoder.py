@@ -1,5 +1,5 @@
 """Text side of EAR-TTS: the character table and the char-aware subword encoder
-(architecture.md §8.3).
+(docs/model.md §8.3).
 
 Each LLM token is spelled out as characters, the characters go through a
 bidirectional T5Gemma encoder, the rows are mean-pooled and projected; then

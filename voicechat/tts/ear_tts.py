@@ -1,4 +1,4 @@
-"""EAR-TTS speech-token generator, `tts_model.tts_model` (architecture.md §8).
+"""EAR-TTS speech-token generator, `tts_model.tts_model` (docs/model.md §8).
 
 Per timeline step: previous frame's codes + this frame's text token ->
 gated fusion -> Gemma-3 style backbone (batch 2: conditional / unconditional
@@ -381,7 +381,7 @@ def _mog_trunk_core(eps, x, scales, mlps):
 def _mus_rows(mus, k, num_predictions: int, low_rank: int, hidden: int, quant) -> mx.array:
     """The low_rank rows of component k of `proj_mus` (R, hidden). `mus` = (weight,) dense, or
     (weight, scales, biases) packed with `quant` = (group_size, bits, mode): only the chosen rows
-    are dequantized (a checkpoint may store proj_mus quantized; architecture.md §3.3). The
+    are dequantized (a checkpoint may store proj_mus quantized; docs/model.md §3.3). The
     floating-point modes (mxfp4, ...) have no biases (None)."""
     if quant is None:
         return mx.take(mus[0].reshape(num_predictions, low_rank, hidden), k, axis=0)
@@ -647,7 +647,7 @@ class MogHead(nn.Module):
 
 
 class EarTts(nn.Module):
-    """`tts_model.tts_model`: parameter names as architecture.md §2.3 (relative to that prefix)."""
+    """`tts_model.tts_model`: parameter names as docs/model.md §2.3 (relative to that prefix)."""
 
     def __init__(self, tts_cfg: TtsConfig, char_table: CharTable | None = None, *,
                  numerics: Numerics | str = DEFAULT_NUMERICS):

@@ -1,4 +1,4 @@
-"""Building blocks shared by the EAR-TTS modules (architecture.md §8)."""
+"""Building blocks shared by the EAR-TTS modules (docs/model.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-model numerics of EAR-TTS: where it rounds to the weight dtype (architecture.md §8, §12).
+"""Per-model numerics of EAR-TTS: where it rounds to the weight dtype (docs/model.md §8, §12).
 
 The reference (mlx-vlm) keeps most of EAR-TTS in float32 but rounds to the
 stored weight dtype (bf16 in the published checkpoints) in a few places that

@@ -1,4 +1,4 @@
-"""Session-owned random stream for the MoG sampler (architecture.md §8.6).
+"""Session-owned random stream for the MoG sampler (docs/model.md §8.6).
 
 The reference seeds MLX's *global* generator at session start and draws from
 it. That reseeds every other MLX user in the process (§12.2 item 12), so a
