@@ -79,7 +79,7 @@ TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (
               "codec decoder's longest reduction, L its layers, peak the signals' max |sample| "
               "(harness.families.codec_cross_tolerance; each row states its value)"),
     Tolerance("cross_mel_abs", 2e-4,
-              "two implementations of the same float32 filterbank recipe (clarifications.md: ~2e-4 "
+              "two implementations of the same float32 filterbank recipe (docs/model.md §4.1: ~2e-4 "
               "without the exact float32 mel-point recipe)"),
     Tolerance("cross_encoder_abs", 1e-3,
               "two implementations, same math; reduction order and mel rounding propagate through the "

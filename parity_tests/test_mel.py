@@ -91,7 +91,7 @@ def test_offline_matches_numpy_float64_pipeline():
 
 
 def test_frame_count_rule():
-    # clarifications.md: 32,500 samples give 204 mel frames
+    # docs/model.md §4.2: 32,500 samples give 204 mel frames
     assert log_mel(_noise(32500 / 16000), FULL).shape == (204, 128)
 
 
@@ -144,7 +144,7 @@ def test_filterbank_shape_and_normalisation():
         assert fb.shape == (cfg.features, cfg.n_fft // 2 + 1) and fb.dtype == np.float32
         assert (fb >= 0).all() and (fb.max(axis=1) > 0).all()
         ref = _librosa_style_fb64(cfg)
-        # float32 construction moves the edges by ~1e-5 relative (clarifications.md)
+        # float32 construction moves the edges by ~1e-5 relative (docs/model.md §4.1)
         assert np.abs(fb - ref).max() <= 1e-4 * ref.max()
     # Slaney area normalisation: sum_k w_k * bin_width ~ 1 for filters several bins wide
     fb = np.array(mel_filterbank(TINY))

@@ -167,7 +167,7 @@ def test_streamed_audio_is_offline_decode_of_streamed_codes_after_lead_in(runs, 
 
     Decoding the streamed codes offline with the reference's codec must give the
     streamed audio delayed by `lead_in`, apart from the first 2 * lead_in samples
-    of warm-up (clarifications.md, Codec); a wrong lead-in or wrong codes would not.
+    of warm-up (docs/model.md §9.4); a wrong lead-in or wrong codes would not.
     """
     _, st = runs["prompt"]
     ref = vlm4.decode_codes(st.codes)

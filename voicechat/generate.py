@@ -11,7 +11,8 @@ reference (docs/voicechat.md):
   (§12.2 item 7, a bug: its offline frame 0 then differs from its stream);
 * the language cache is on by default (`use_language_cache=False` recomputes
   the whole history each step, the reference's quadratic default);
-* the system prompt's LLM positions run as one sequence pass.
+* with `numerics="float32"` the system prompt's LLM positions run as one sequence pass (the
+  default steps them one at a time, as the reference does).
 
 The offline path yields one frame more than a stream of the same 1280·K
 samples (K+1: the centred last mel frame completes one more encoder frame).

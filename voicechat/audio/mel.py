@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import PreprocessorConfig
 
-# Slaney mel scale constants (clarifications.md "Mel frontend").
+# Slaney mel scale constants (docs/model.md §4.1).
 _F_SP = 200.0 / 3.0  # Hz per mel below the break
 _MIN_LOG_HZ = 1000.0
 _MIN_LOG_MEL = 15.0  # = _MIN_LOG_HZ / _F_SP
@@ -36,7 +36,7 @@ def _hz_to_mel(f: float) -> float:
 def mel_filterbank(cfg: PreprocessorConfig) -> mx.array:
     """Slaney-scale, area-normalised triangular filters (n_mels, n_fft//2 + 1), float32.
 
-    Built in float32 with MLX exactly as clarifications.md prescribes (the
+    Built in float32 with MLX exactly as docs/model.md §4.1 prescribes (the
     rounding moves the triangle edges by ~1e-4 relative to a float64 build,
     which shows in the log-mel at ~2e-4); f_max is sample_rate / 2.
     """

@@ -11,7 +11,7 @@
 * `RnntText` / `RnntTranscript`: SentencePiece pieces -> text, incrementally.
 
 The blank id is the prediction vocabulary size (`rnnt_blank_id`,
-clarifications.md "RNNT"); the joint has vocab_size + 1 outputs.
+docs/model.md §6.3); the joint has vocab_size + 1 outputs.
 """
 
 from __future__ import annotations
