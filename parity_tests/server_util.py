@@ -13,7 +13,8 @@ def start_server(checkpoint, **limits):
     from voicechat.server.app import ServerLimits, ServerSecurity
     from voicechat.server.runner import ServerThread, make_state
 
-    security = ServerSecurity(api_key=limits.pop("api_key", None), allowed_origins=tuple(limits.pop("origins", ())))
+    security = ServerSecurity(api_key=limits.pop("api_key", None), allowed_origins=tuple(limits.pop("origins", ())),
+                              allowed_hosts=tuple(limits.pop("hosts", ())))
     state = make_state(str(checkpoint), limits=ServerLimits(**limits), security=security, warmup_seconds=0.0)
     return ServerThread(state).start()
 
