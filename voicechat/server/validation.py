@@ -110,10 +110,21 @@ def parse_json_object(text) -> dict:
                                              "JSON object per text message") from None
     if not isinstance(msg, dict):
         raise MessageRefused("invalid_json", f"message must be a JSON object, got a JSON {_kind(msg)}")
-    if any(isinstance(k, str) and _has_surrogate(k) for k in msg):
+    # Only a \uD8xx-\uDFxx escape can make a lone surrogate; walk the values only when one is present.
+    if ("\\ud" in text or "\\uD" in text) and _any_surrogate(msg):
         raise MessageRefused("invalid_json", "message holds a lone UTF-16 surrogate escape; text must be valid "
                                              "Unicode")
     return msg
+
+
+def _any_surrogate(v) -> bool:
+    if isinstance(v, str):
+        return _has_surrogate(v)
+    if isinstance(v, dict):
+        return any(_has_surrogate(k) or _any_surrogate(x) for k, x in v.items())
+    if isinstance(v, list):
+        return any(_any_surrogate(x) for x in v)
+    return False
 
 
 def _has_surrogate(s: str) -> bool:
