@@ -642,8 +642,8 @@ def test_healthz_says_busy_during_a_session(server):
 # -- SIGTERM during a session (the real command)
 
 
-@pytest.mark.slow
-def test_sigterm_during_a_session_closes_1001_and_exits_0(tiny_ckpt, long_question_wav, tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_during_a_session_closes_1001_and_exits_0(signame, tiny_ckpt, long_question_wav, tmp_path):
     import signal
     import sys
 
@@ -664,7 +664,7 @@ def test_sigterm_during_a_session_closes_1001_and_exits_0(tiny_ckpt, long_questi
                     await asyncio.sleep(0.08)
                 await c.until("response.audio.delta")
                 t0 = time.monotonic()
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(getattr(signal, signame))
                 code, events = await c.closed(10)
                 return code, events, t0
 
@@ -678,4 +678,104 @@ def test_sigterm_during_a_session_closes_1001_and_exits_0(tiny_ckpt, long_questi
     assert code == 1001 and events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutdown"
     assert rc == 0, log.read_text()[-2000:]
     assert exit_after < 8.0, exit_after
+    print(f"{signame}: close {code}, exit {rc} after {exit_after:.2f} s")
     assert '"end": "shutdown"' in log.read_text()
+
+
+# -- input_overflow: only what truly cannot be held, and it says how much
+
+
+class _SlowSession:
+    def __init__(self, session, delay):
+        object.__setattr__(self, "_s", session)
+        object.__setattr__(self, "_delay", delay)
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._s, name, value)
+
+    def push_audio(self, samples, sample_rate=16000):
+        events = self._s.push_audio(samples, sample_rate)
+        if any(e.kind == "audio" for e in events):
+            time.sleep(self._delay)
+        return events
+
+
+def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
+    """A model at ~1/4 real time and a 0.3 s backpressure wait: appends that found no room are dropped, each
+    error says how many samples; every other sample is computed (in = computed + dropped)."""
+    import voicechat
+    from voicechat.server.app import ServerState
+    from voicechat.server.limits import ServerLimits
+    from voicechat.server.metrics import ServerMetrics
+    from voicechat.server.runner import ServerThread
+    from voicechat.server.worker import ModelWorker
+
+    class Model:
+        def __init__(self, model):
+            self._m = model
+
+        def __getattr__(self, name):
+            return getattr(self._m, name)
+
+        def create_streaming_session(self, **kw):
+            return _SlowSession(self._m.create_streaming_session(**kw), 0.3)
+
+    metrics = ServerMetrics()
+    worker = ModelWorker(lambda: Model(voicechat.load(tiny_ckpt)), metrics=metrics).start()
+    worker.wait_ready(60)
+    limits = ServerLimits(max_queued_audio_seconds=0.16, backpressure_timeout=0.3)
+    srv = ServerThread(ServerState(worker=worker, metrics=metrics, limits=limits)).start()
+    try:
+        async def go():
+            async with Raw(srv.url) as c:
+                await c.configure()
+                for _ in range(8):
+                    await c.send(append_msg(np.zeros(1280, np.int16)))
+                await c.send({"type": "input_audio_buffer.commit", "pad_partial": False})
+                return await c.closed(30)
+
+        code, events = run(go())
+    finally:
+        srv.stop()
+        worker.stop()
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert errors and {e["code"] for e in errors} == {"input_overflow"}
+    dropped = 0
+    for e in errors:
+        dropped += 1280
+        assert "1280 samples (0.080 s) was dropped" in e["message"] and f"{dropped} samples dropped" in e["message"]
+    frames = [e for e in events if e["type"] == "response.audio.delta"]
+    assert code == 1000 and events[-1]["type"] == "response.done"
+    assert len(frames) * 1280 + dropped == 8 * 1280
+    print(f"input_overflow: {len(errors)} appends dropped ({dropped} samples), {len(frames)} frames computed")
+
+
+def test_tls(tiny_ckpt, tmp_path):
+    import ssl
+    import subprocess
+
+    from voicechat.server.runner import ServerThread, make_state
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    state = make_state(str(tiny_ckpt), warmup_seconds=0.0)
+    srv = ServerThread(state, tls_cert=str(cert), tls_key=str(key)).start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))
+        assert srv.url.startswith("wss://")
+
+        async def go():
+            async with Raw(srv.url, ssl=ctx) as c:
+                await c.configure()
+                return await c.ping_ok()
+
+        assert run(go())
+        assert json.loads(urllib.request.urlopen(srv.http + "/healthz", context=ctx).read()) == {"status": "ok"}
+    finally:
+        srv.stop()
+        state.worker.stop()

@@ -65,25 +65,27 @@ def make_server(config, state: ServerState):
 class ServerThread:
     """uvicorn serving `state` on a background thread (tests, `voicechat talk` in-process)."""
 
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        self.tls = tls_cert is not None
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.app = create_app(state)
-        self.server = make_server(uvicorn_config(self.app, state, host=host, port=self.port, log_level=log_level),
-                                  state)
+        self.server = make_server(uvicorn_config(self.app, state, host=host, port=self.port, log_level=log_level,
+                                                 tls_cert=tls_cert, tls_key=tls_key), state)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="voicechat-server", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/realtime"
+        return f"ws{'s' if self.tls else ''}://{self.host}:{self.port}/v1/realtime"
 
     @property
     def http(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http{'s' if self.tls else ''}://{self.host}:{self.port}"
 
     def start(self) -> "ServerThread":
         self.thread.start()
