@@ -221,10 +221,16 @@ class ModelWorker:
                              f"session.system_prompt is {n} tokens; at most {limit} are accepted "
                              "(--max-prompt-tokens). Send a shorter prompt"))
                     return None
+            from voicechat.errors import PrefillStoppedError
+
             try:
                 session = self.model.create_streaming_session(
                     system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
-                    profile=self.stage_metrics_every > 0)
+                    profile=self.stage_metrics_every > 0, should_stop=ch.gone.is_set)
+            except PrefillStoppedError:
+                # The client left during the prefill: nothing to answer; its `close` command follows.
+                log.info("session %s: prefill stopped, the client left", ch.session_id)
+                return None
             except (VoiceChatError, ValueError, TypeError) as e:
                 # e.g. a system prompt longer than the context: the client may send another session.update.
                 ch.emit(("open_failed", "session_initialization_failed", str(e)))
