@@ -456,6 +456,15 @@ def test_voicechat_client_with_a_large_chunk_gets_everything(server, long_questi
     assert len([e for e in events if e["type"] == "response.audio.delta"]) == -(-audio.size // 1280)
 
 
+def test_voicechat_client_splits_a_chunk_larger_than_the_message_limit(make_server, long_question_wav):
+    from voicechat.server.client import run_stream_audio
+
+    srv = make_server(max_message_bytes=20_000)  # ~7 500 samples an append
+    pcm = to_pcm16(long_question_wav[:3 * 16000])
+    r = run_stream_audio(srv.url, pcm, fast=True, chunk_samples=pcm.size)  # one 3 s chunk asked
+    assert r.end == "response.done" and not r.errors and r.frames == -(-pcm.size // 1280)
+
+
 def test_voicechat_client_exits_nonzero_on_an_error_event(make_server, question_wav, tmp_path, capsys):
     from voicechat.cli import main
     from voicechat.samples import sample_path

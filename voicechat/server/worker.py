@@ -352,6 +352,7 @@ class ModelWorker:
             "frames": frames, "compute_ms_mean": stats["mean"], "compute_ms_p95": stats["p95"],
             "compute_ms_max": stats["max"], "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
             "discarded_samples": a.discarded_samples, "errors": ch.errors, "input_overflows": ch.overflows,
+            "dropped_samples": ch.dropped_samples,
         }
         if a.profile is not None and a.profile.frames:
             summ = a.profile.summary()
