@@ -385,6 +385,7 @@ def test_huge_prompt_is_refused_at_once_and_the_next_client_works(server, tiny_m
 
     refused_after = run(go())
     assert refused_after < 1.0, refused_after  # no prefill ran
+    print(f"prompt of {n} tokens refused in {refused_after * 1000:.0f} ms")
 
 
 def test_disconnect_mid_prefill_frees_the_slot_in_bounded_time(make_server, tiny_model):
@@ -437,6 +438,7 @@ def test_append_larger_than_the_queue_bound_is_accepted(make_server, long_questi
     assert code == 1000 and not [e for e in events if e["type"] == "error"]
     frames = [e for e in events if e["type"] == "response.audio.delta"]
     assert events[-1]["type"] == "response.done" and len(frames) == -(-(pcm.size + 1000) // 1280) == 39
+    print(f"append of {pcm.size} samples (12x the bound) + 1000: {len(frames)} frames, no error")
 
 
 def test_voicechat_client_with_a_large_chunk_gets_everything(server, long_question_wav, tmp_path):
@@ -512,6 +514,7 @@ def test_client_that_stops_reading_is_disconnected_by_the_send_deadline(make_ser
     assert freed_after < 15.0, freed_after
     assert _metric(srv, 'voicechat_sessions_errored_total{reason="slow_consumer"}') == 1
     assert code in (1008, None)  # 1008 when the close frame got through the full buffers; else a dropped socket
+    print(f"stopped reading: slot freed {freed_after:.2f} s after the client stopped sending; close {code}")
 
     async def again():
         async with Raw(srv.url) as c:
@@ -529,6 +532,7 @@ def test_outbound_queue_is_bounded(make_server):
     finally:
         ws.close()
     assert freed_after < 15.0, freed_after  # long before the 60 s send deadline
+    print(f"outbox bound 40: slot freed {freed_after:.2f} s after the client stopped sending")
     assert _metric(srv, 'voicechat_sessions_errored_total{reason="slow_consumer"}') == 1
 
 
@@ -598,6 +602,7 @@ def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, questi
         _assert_short_error(err, "internal_error")
         assert "secret" not in err["error"]["message"] and "RuntimeError" not in err["error"]["message"]
         assert code == 1011 and freed_after < 5.0
+        print(f"worker fault at frame 3: frames {frames}, close {code}, slot freed {freed_after:.2f} s after start")
         assert any(r.exc_info and "injected fault" in str(r.exc_info[1]) for r in caplog.records)
         # The next session works.
         failing["on"] = False
@@ -637,6 +642,8 @@ def test_wall_clock_cap_per_session(make_server):
     code, events, took = run(go())
     assert code == 1008 and events[-1]["error"]["code"] == "session_time_limit"
     assert "--max-session-seconds" in events[-1]["error"]["message"]
+    assert 1.0 <= took < 3.0, took
+    print(f"wall-clock cap 1 s: session_time_limit, close {code} after {took:.2f} s")
     assert wait_released(srv, 5)
 
 
