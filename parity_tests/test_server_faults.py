@@ -642,7 +642,7 @@ def test_wall_clock_cap_per_session(make_server):
     code, events, took = run(go())
     assert code == 1008 and events[-1]["error"]["code"] == "session_time_limit"
     assert "--max-session-seconds" in events[-1]["error"]["message"]
-    assert 1.0 <= took < 3.0, took
+    assert 0.8 <= took < 3.0, took  # the cap counts from connecting; t0 is after session.updated
     print(f"wall-clock cap 1 s: session_time_limit, close {code} after {took:.2f} s")
     assert wait_released(srv, 5)
 
