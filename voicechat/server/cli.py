@@ -24,7 +24,7 @@ def add_server_parsers(sub) -> None:
                    help="browser Origin allowed to connect besides the page's own (repeatable; '*' allows any)")
     s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="Host header name accepted besides the loopback names and the bound address (repeatable; "
-                        "other Hosts get 421, against DNS rebinding)")
+                        "'*' accepts any; other Hosts get 421, against DNS rebinding)")
     s.add_argument("--insecure", action="store_true",
                    help="allow binding beyond loopback without --api-key (anyone who reaches the port may use it)")
     s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS / WSS with this certificate")
