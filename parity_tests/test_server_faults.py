@@ -78,6 +78,27 @@ def test_foreign_host_refused_on_every_route_and_upgrade(server):
     assert _metric(server, 'voicechat_sessions_refused_total{reason="host"}') >= 8
 
 
+def test_every_route_of_the_app_is_guarded(make_server):
+    """Whatever routes (and protocol dialects) the app has, the middleware guards each one the same way."""
+    from starlette.routing import Route, WebSocketRoute
+
+    srv = make_server(api_key="s3cret")
+    port = srv.port
+    ws_paths = [r.path for r in srv.app.routes if isinstance(r, WebSocketRoute)]
+    http_paths = [r.path for r in srv.app.routes if isinstance(r, Route)]
+    assert "/v1/realtime" in ws_paths and "/healthz" in http_paths
+    key = {"Authorization": "Bearer s3cret"}
+    for path in ws_paths:
+        up = lambda **h: http_raw(port, path, h, upgrade=True)[0]  # noqa: E731
+        assert up(Host="evil.example", **key) == 421, path
+        assert up(Host=f"127.0.0.1:{port}", Origin="https://evil.example", **key) == 403, path
+        assert up(Host=f"127.0.0.1:{port}", Origin="null", **key) == 403, path
+        assert up(Host=f"127.0.0.1:{port}") == 401, path
+        assert up(Host=f"127.0.0.1:{port}", **key) == 101, path
+    for path in http_paths:
+        assert http_raw(port, path, {"Host": "evil.example"})[0] == 421, path
+
+
 def test_allow_host_adds_a_name(make_server):
     srv = make_server(hosts=("voice.lan",))
     assert http_raw(srv.port, "/healthz", {"Host": f"voice.lan:{srv.port}"})[0] == 200

@@ -233,7 +233,7 @@ class ModelWorker:
                 return None
             except (VoiceChatError, ValueError, TypeError) as e:
                 # e.g. a system prompt longer than the context: the client may send another session.update.
-                ch.emit(("open_failed", "session_initialization_failed", str(e)))
+                ch.emit(("open_failed", "session_initialization_failed", str(e)[:300]))
                 return None
             ch.emit(("opened", dict(self.info)))
             return _Active(ch, session, profile=session.profile)
