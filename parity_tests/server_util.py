@@ -13,7 +13,8 @@ def start_server(checkpoint, **limits):
     from voicechat.server.app import ServerLimits, ServerSecurity
     from voicechat.server.runner import ServerThread, make_state
 
-    security = ServerSecurity(api_key=limits.pop("api_key", None), allowed_origins=tuple(limits.pop("origins", ())))
+    security = ServerSecurity(api_key=limits.pop("api_key", None), allowed_origins=tuple(limits.pop("origins", ())),
+                              allowed_hosts=tuple(limits.pop("hosts", ())))
     state = make_state(str(checkpoint), limits=ServerLimits(**limits), security=security, warmup_seconds=0.0)
     return ServerThread(state).start()
 
@@ -96,3 +97,131 @@ def wait_released(srv, timeout=10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# -- raw sockets: forged headers, crafted frames, a client that does not read (127.0.0.1 only)
+
+
+def http_raw(port: int, path: str = "/healthz", headers: dict | None = None, *, upgrade: bool = False,
+             timeout: float = 10.0) -> tuple[int, bytes]:
+    """One HTTP/1.1 request with exactly these headers (Host included) -> (status, body)."""
+    import socket
+
+    lines = [f"GET {path} HTTP/1.1"]
+    hdrs = dict(headers or {})
+    if upgrade:
+        hdrs.setdefault("Upgrade", "websocket")
+        hdrs.setdefault("Connection", "Upgrade")
+        hdrs.setdefault("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+        hdrs.setdefault("Sec-WebSocket-Version", "13")
+    else:
+        hdrs.setdefault("Connection", "close")
+    for k, v in hdrs.items():
+        lines.append(f"{k}: {v}")
+    req = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(req)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status == 101:
+            return status, b""
+        length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")),
+                      None)
+        while length is not None and len(body) < length:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        return status, body
+
+
+class RawSocketWS:
+    """A hand-rolled WebSocket client on a plain socket: sends masked frames of any content, reads only when
+    asked (with a small receive buffer it stops the server's sends: a client that does not read)."""
+
+    def __init__(self, port: int, *, rcvbuf: int | None = None, headers: dict | None = None, timeout: float = 10.0):
+        import socket
+
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(timeout)
+        s.connect(("127.0.0.1", port))
+        hdrs = {"Host": f"127.0.0.1:{port}", "Upgrade": "websocket", "Connection": "Upgrade",
+                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13", **(headers or {})}
+        req = "GET /v1/realtime HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n"
+        s.sendall(req.encode("latin-1"))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(1)  # byte by byte: nothing of the first frame is consumed here
+        assert data.startswith(b"HTTP/1.1 101"), data
+        self.sock = s
+        self._buf = b""
+
+    def send_frame(self, payload: bytes, opcode: int = 1) -> None:
+        import os
+        import struct
+
+        n = len(payload)
+        head = bytes([0x80 | opcode])
+        if n < 126:
+            head += bytes([0x80 | n])
+        elif n < 1 << 16:
+            head += bytes([0x80 | 126]) + struct.pack(">H", n)
+        else:
+            head += bytes([0x80 | 127]) + struct.pack(">Q", n)
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload)) if n < 4096 else \
+            (np.frombuffer(payload, np.uint8) ^ np.resize(np.frombuffer(mask, np.uint8), n)).tobytes()
+        self.sock.sendall(head + mask + masked)
+
+    def send_json(self, obj) -> None:
+        self.send_frame(json.dumps(obj).encode())
+
+    def _read(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            self._buf += chunk
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    def recv_frame(self) -> tuple[int, bytes]:
+        import struct
+
+        b0, b1 = self._read(2)
+        n = b1 & 0x7F
+        if n == 126:
+            n = struct.unpack(">H", self._read(2))[0]
+        elif n == 127:
+            n = struct.unpack(">Q", self._read(8))[0]
+        return b0 & 0x0F, self._read(n)
+
+    def read_until_close(self, timeout: float = 10.0) -> tuple[int | None, list]:
+        """-> (close code or None if the connection ended without a close frame, text events)."""
+        import struct
+        import time
+
+        self.sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+        events = []
+        try:
+            while time.monotonic() < deadline:
+                op, data = self.recv_frame()
+                if op == 8:
+                    return (struct.unpack(">H", data[:2])[0] if len(data) >= 2 else None), events
+                if op == 1:
+                    events.append(json.loads(data))
+        except (ConnectionError, OSError):
+            pass
+        return None, events
+
+    def close(self) -> None:
+        self.sock.close()

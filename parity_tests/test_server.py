@@ -228,7 +228,9 @@ def test_message_size_limit(make_server):
     run(go())
 
 
-def test_input_overflow_refuses_and_reports_appends(make_server, question_wav):
+def test_faster_than_real_time_is_slowed_not_refused(make_server, question_wav):
+    """Backpressure: a client far ahead of the model is held back by TCP (the server stops reading), every
+    append is accepted and computed; nothing is refused or lost."""
     srv = make_server(max_queued_audio_seconds=0.25)
     pcm = to_pcm16(question_wav)
     chunk = 640
@@ -242,14 +244,12 @@ def test_input_overflow_refuses_and_reports_appends(make_server, question_wav):
             return await c.closed()
 
     code, events = run(go())
-    overflow = [e for e in events if e["type"] == "error" and e["error"]["code"] == "input_overflow"]
     assert code == 1000 and events[-1]["type"] == "response.done"
-    assert overflow and "NOT accepted" in overflow[0]["error"]["message"]
-    # Every append is either computed or reported: frames = the accepted audio, padded.
-    accepted = pcm.size - chunk * len(overflow)
-    assert events[-1]["frame_index"] == -(-accepted // 1280)
-    # lag = received - computed frames <= admitted backlog (0.25 s) + the partial frame pending (< 80 ms)
-    assert max(e["lag_ms"] for e in events if e["type"] == "response.audio.delta") < 250 + 80
+    assert not [e for e in events if e["type"] == "error"]
+    # Every sample computed: frames = all the audio, padded.
+    assert events[-1]["frame_index"] == -(-pcm.size // 1280)
+    # lag = received - computed <= admitted backlog (0.25 s) + one append (40 ms) + the partial frame (< 80 ms)
+    assert max(e["lag_ms"] for e in events if e["type"] == "response.audio.delta") < 250 + 40 + 80
 
 
 def test_session_audio_limit(make_server):
@@ -420,7 +420,7 @@ def test_page_assets_and_nothing_else(server):
 
 def test_healthz_and_metrics(server, question_wav):
     h = json.loads(urllib.request.urlopen(server.http + "/healthz").read())
-    assert h["status"] == "ok" and h["session_active"] is False
+    assert h == {"status": "ok"}  # nothing else: no path, no queue (those are in /metrics, behind the key)
 
     def frames():
         text = urllib.request.urlopen(server.http + "/metrics").read().decode()

@@ -21,5 +21,9 @@ class SessionClosedError(VoiceChatError, RuntimeError):
     """`push_audio` on a session after `flush()` / `cancel()`."""
 
 
+class PrefillStoppedError(VoiceChatError, RuntimeError):
+    """A session's system-prompt prefill was stopped by its `should_stop` callback (its client left)."""
+
+
 class WrongThreadError(VoiceChatError, RuntimeError):
     """A session was used from a thread other than the one that created it."""

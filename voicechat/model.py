@@ -209,18 +209,20 @@ class VoiceChatModel(nn.Module):
 
     def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
                                  use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False, on_frame=None, tools=None, tool_timeout_seconds=None):
+                                 profile: bool = False, on_frame=None, tools=None, tool_timeout_seconds=None,
+                                 should_stop=None):
         """`on_frame`: optional callable handed a `voicechat.session.FrameRecord` (the frame's mel,
         encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame.
         `tools`: OpenAI-style function tools the model may call (docs/tools.md); results go back
         with `session.submit_tool_result`; `tool_timeout_seconds` injects `{"error": "timeout"}`
-        for a call whose result has not come within that much audio."""
+        for a call whose result has not come within that much audio. `should_stop`: a callable the
+        system-prompt prefill asks between pieces; true stops it with `PrefillStoppedError`."""
         from .session import VoiceChatStreamingSession
 
         return VoiceChatStreamingSession(
             self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
             use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
-            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds)
+            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds, should_stop=should_stop)
 
     def create_asr_session(self):
         from .asr import AsrStreamSession

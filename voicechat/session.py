@@ -106,7 +106,7 @@ class VoiceChatStreamingSession:
                  max_streaming_seconds: float | None = None, use_language_cache: bool = True,
                  use_perception_cache: bool = True, profile: bool = False,
                  on_frame: Callable[[FrameRecord], None] | None = None, tools=None,
-                 tool_timeout_seconds: float | None = None):
+                 tool_timeout_seconds: float | None = None, should_stop: Callable[[], bool] | None = None):
         cfg = model.config
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
@@ -133,7 +133,9 @@ class VoiceChatStreamingSession:
             raise ValueError("tool_timeout_seconds needs tools")
         self.timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
         self.system_prompt = session_prompt(cfg, system_prompt, self.tools)
-        self.prompt_positions = self.timeline.start(self.system_prompt)
+        if should_stop is not None and not callable(should_stop):
+            raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
+        self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
         codec = model.tts_model.audio_codec
         self.codec = codec
         self.codec_state = codec.make_state()

@@ -68,6 +68,17 @@ class TimelineState:
         return out
 
 
+PREFILL_PIECE = 32  # prompt positions between two should_stop questions of a prefill
+
+
+def _stop_point(st, should_stop) -> None:
+    mx.eval(st.arrays())
+    if should_stop():
+        from .errors import PrefillStoppedError
+
+        raise PrefillStoppedError("the system-prompt prefill was stopped (should_stop returned true)")
+
+
 class Timeline:
     """Drives `TimelineState` over a model. Create, `start(prompt)`, then `step(audio_emb)` per frame."""
 
@@ -121,8 +132,14 @@ class Timeline:
             return []
         return [self.cfg.bos_token_id] + self.model.tokenizer.encode(system_prompt) + [self.cfg.eos_token_id]
 
-    def start(self, system_prompt: str | None) -> int:
+    def start(self, system_prompt: str | None, should_stop=None) -> int:
         """System-prompt prefill; returns the number of prompt positions.
+
+        `should_stop`: a callable asked between pieces of PREFILL_PIECE positions (each piece
+        evaluated first, the same operations as in one go); when it returns true the prefill
+        stops with `PrefillStoppedError` (a server whose client left frees the model at once).
+        Under the float32 numerics the LLM's sequence pass stays one piece (chunking it would
+        change its rounding); the TTS steps are still asked between pieces.
 
         The prompt's LLM inputs do not depend on its outputs (forced PAD): the LLM
         steps one token at a time as the reference does, or, with the float32
@@ -137,14 +154,21 @@ class Timeline:
         m = self.model
         pad = self.cfg.pad_token_id
         x = m.prompt_input(mx.array(ids, dtype=mx.int32))[None]  # E(PAD) + E(prompt) + w * E(PAD)
-        if st.llm is not None:
-            m.stt_model.llm.prefill(x, st.llm)
-        else:
+        llm = m.stt_model.llm
+        if st.llm is None:
             st.llm_inputs.append(x)
+        elif should_stop is None or not llm.reference_rounding:
+            llm.prefill(x, st.llm)
+        else:  # reference rounding steps one position at a time anyway: pieces are the same steps
+            for a in range(0, x.shape[1], PREFILL_PIECE):
+                llm.prefill(x[:, a:a + PREFILL_PIECE], st.llm)
+                _stop_point(st, should_stop)
         pad_id = mx.array(pad, dtype=mx.int32)
-        for _ in ids:
+        for i in range(len(ids)):
             self._tts(pad_id)
             st.position += 1
+            if should_stop is not None and (i + 1) % PREFILL_PIECE == 0:
+                _stop_point(st, should_stop)
         mx.eval(st.arrays())
         self.prompt_positions = len(ids)
         return len(ids)

@@ -22,6 +22,13 @@ def add_server_parsers(sub) -> None:
                         "(default: the VOICECHAT_API_KEY environment variable, if set)")
     s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="browser Origin allowed to connect besides the page's own (repeatable; '*' allows any)")
+    s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="Host header name accepted besides the loopback names and the bound address (repeatable; "
+                        "'*' accepts any; other Hosts get 421, against DNS rebinding)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow binding beyond loopback without --api-key (anyone who reaches the port may use it)")
+    s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS / WSS with this certificate")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest client message (default 1 MiB)")
     s.add_argument("--max-session-audio-seconds", type=float, default=d.max_session_audio_seconds,
@@ -33,6 +40,18 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--max-queued-audio-seconds", type=float, default=d.max_queued_audio_seconds,
                    help="audio received but not yet computed before appends are refused with input_overflow "
                         "(default 5)")
+    s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="longest system prompt in tokens; its prefill runs before the first frame, about one frame's "
+                        f"language + TTS step per token (default {d.max_prompt_tokens})")
+    s.add_argument("--max-session-seconds", type=float, default=d.max_session_seconds,
+                   help=f"wall-clock cap of one session (default {d.max_session_seconds:g})")
+    s.add_argument("--send-timeout", type=float, default=d.send_timeout,
+                   help="a client that does not take an event within this many seconds is disconnected with 1008 "
+                        f"(default {d.send_timeout:g})")
+    s.add_argument("--max-outbound-events", type=int, default=d.max_outbound_events,
+                   help=f"events waiting for a slow client before it is disconnected (default {d.max_outbound_events})")
+    s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help=f"SIGTERM / SIGINT: seconds for live sessions to close with 1001 (default {d.shutdown_timeout:g})")
     s.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="silent audio run through one session at startup, so the first client gets warm kernels")
     s.add_argument("--stage-metrics-every", type=int, default=10, metavar="K",
@@ -90,28 +109,46 @@ def _missing_serve_extra(command: str) -> bool:
 def run_serve(args) -> int:
     if _missing_serve_extra("serve"):
         return 2
-    import uvicorn
+    import os
 
-    from .app import ServerSecurity, create_app
+    from .app import create_app
     from .limits import ServerLimits
-    from .runner import configure_logging, make_state, uvicorn_config
+    from .runner import configure_logging, make_server, make_state, uvicorn_config
+    from .security import ServerSecurity, check_bind
 
+    # Every flag is checked before the model loads: a refused start costs nothing.
+    try:
+        limits = ServerLimits(max_message_bytes=args.max_message_bytes,
+                              max_session_audio_seconds=args.max_session_audio_seconds,
+                              session_update_timeout=args.session_update_timeout, idle_timeout=args.idle_timeout,
+                              max_queued_audio_seconds=args.max_queued_audio_seconds,
+                              max_prompt_tokens=args.max_prompt_tokens, max_session_seconds=args.max_session_seconds,
+                              send_timeout=args.send_timeout, max_outbound_events=args.max_outbound_events,
+                              shutdown_timeout=args.shutdown_timeout)
+        security = ServerSecurity(api_key=_key(args.api_key), allowed_origins=tuple(args.allow_origin),
+                                  allowed_hosts=tuple(args.allow_host), bound_host=args.host)
+        check_bind(args.host, security.api_key, args.insecure)
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together; give both or neither")
+        for f in (args.tls_cert, args.tls_key):
+            if f is not None and not os.path.isfile(f):
+                raise ValueError(f"TLS file {f} does not exist")
+    except ValueError as e:
+        print(f"voicechat serve: error: {e}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level)
-    limits = ServerLimits(max_message_bytes=args.max_message_bytes,
-                          max_session_audio_seconds=args.max_session_audio_seconds,
-                          session_update_timeout=args.session_update_timeout, idle_timeout=args.idle_timeout,
-                          max_queued_audio_seconds=args.max_queued_audio_seconds)
-    security = ServerSecurity(api_key=_key(args.api_key), allowed_origins=tuple(args.allow_origin))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and security.api_key is None:
-        print(f"voicechat serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if args.insecure and security.api_key is None:
+        print(f"voicechat serve: warning: listening on {args.host} without --api-key (--insecure)", file=sys.stderr)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
                        load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every)
     info = state.worker.info
+    tls = args.tls_cert is not None
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "
-          f"http://{args.host}:{args.port}/  ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+          f"http{'s' if tls else ''}://{args.host}:{args.port}/  ws{'s' if tls else ''}://{args.host}:{args.port}"
+          "/v1/realtime", file=sys.stderr, flush=True)
+    server = make_server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
+                                        log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key), state)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already handled (graceful shutdown done)
@@ -164,7 +201,8 @@ def run_client(args) -> int:
     if args.output_audio:
         sf.write(args.output_audio, r.audio, r.output_sample_rate, subtype="PCM_16")
         print(f"wrote {args.output_audio}: {r.audio.size} samples at {r.output_sample_rate} Hz", file=sys.stderr)
-    return 0 if r.end in ("response.done", "response.cancelled") else 1
+    # Any error event (a refused append, a limit) means the answer may be incomplete: not a success.
+    return 0 if r.end in ("response.done", "response.cancelled") and not r.errors else 1
 
 
 def run_talk(args) -> int:

@@ -145,6 +145,12 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
             result.end = "closed"
             await _drain_close(c, result)
             return result
+        sess = created.get("session")
+        limits = sess.get("limits") if isinstance(sess, dict) else None
+        max_bytes = limits.get("max_message_bytes") if isinstance(limits, dict) else None
+        if isinstance(max_bytes, int) and max_bytes > 1024:
+            # Appends the server can take: base64 makes 3 bytes 4 characters; leave room for the envelope.
+            chunk_samples = max(1, min(chunk_samples, (max_bytes - 256) // 4 * 3 // 2))
         await c.update(system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
                        model=model)
         e = await c.wait_for("session.updated", timeout=timeout, sink=result.events)

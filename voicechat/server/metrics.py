@@ -37,7 +37,7 @@ class ServerMetrics:
         self.queue_depth = Gauge("voicechat_worker_queue_commands", "commands waiting for the MLX worker", registry=r)
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
-        for reason in ("busy", "unauthorized", "origin"):
+        for reason in ("busy", "unauthorized", "origin", "host"):
             self.sessions_refused.labels(reason=reason)
 
     def render(self) -> bytes:

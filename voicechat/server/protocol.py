@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import validation as V
+from .security import excerpt
+from .validation import MessageRefused
 
 INPUT_SAMPLE_RATE = 16000
 
@@ -37,12 +40,8 @@ EVENT_TYPES = {
 }
 
 
-class ProtocolError(ValueError):
-    """A client message the server refuses; `code` goes into the `error` event, the connection stays usable."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+# Every refusal is a validation.MessageRefused (code + message); the old name stays for callers.
+ProtocolError = MessageRefused
 
 
 def error_event(code: str, message: str) -> dict:
@@ -51,23 +50,15 @@ def error_event(code: str, message: str) -> dict:
 
 
 def parse_message(text) -> dict:
-    """A client text message -> its JSON object with a known `type`, or ProtocolError."""
-    if isinstance(text, bytes):
-        raise ProtocolError("invalid_message", "binary WebSocket messages are not accepted; send JSON text messages "
-                                               "(audio goes base64-encoded in input_audio_buffer.append)")
-    try:
-        msg = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ProtocolError("invalid_json", f"message is not valid JSON ({e}); expected one JSON object "
-                                            "per text message") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("invalid_json", f"message must be a JSON object, got {type(msg).__name__}")
-    t = msg.get("type")
-    if not isinstance(t, str):
-        raise ProtocolError("invalid_message", "message has no string 'type'; expected one of " + ", ".join(CLIENT_TYPES))
-    if t not in CLIENT_TYPES:
-        raise ProtocolError("unknown_type", f"unknown message type {t!r}; expected one of " + ", ".join(CLIENT_TYPES))
+    """A client text message -> its JSON object with a known `type`, or ProtocolError (bounded, guarded parsing:
+    validation.parse_json_object)."""
+    msg = V.parse_json_object(text)
+    V.message_type(msg, CLIENT_TYPES)
     return msg
+
+
+MAX_SEED = 2**63 - 1
+MAX_TEXT_CHARS = 100_000  # a system prompt in characters; its token count is bounded by --max-prompt-tokens
 
 
 def decode_append(msg: dict) -> np.ndarray:
@@ -75,11 +66,11 @@ def decode_append(msg: dict) -> np.ndarray:
     rate = msg.get("sample_rate", INPUT_SAMPLE_RATE)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate != INPUT_SAMPLE_RATE:
         raise ProtocolError("invalid_sample_rate", f"sample_rate must be {INPUT_SAMPLE_RATE} (16 kHz mono PCM16; "
-                                                   f"the server does not resample), got {rate!r}")
+                                                   f"the server does not resample), got {excerpt(rate)}")
     audio = msg.get("audio")
     if not isinstance(audio, str):
         raise ProtocolError("invalid_audio", "'audio' must be a base64 string of PCM16 little-endian samples, "
-                                             f"got {type(audio).__name__}")
+                                             f"got {V._kind(audio)}")
     try:
         raw = base64.b64decode(audio, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -91,26 +82,16 @@ def decode_append(msg: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i2")
 
 
-def decode_session_update(msg: dict) -> dict:
-    """session.update -> {system_prompt, seed, max_streaming_seconds, model} (validated)."""
-    s = msg.get("session", {})
-    if s is None:
-        s = {}
-    if not isinstance(s, dict):
-        raise ProtocolError("invalid_session", f"'session' must be an object, got {type(s).__name__}")
-    prompt = s.get("system_prompt", s.get("instructions"))
-    if prompt is not None and not isinstance(prompt, str):
-        raise ProtocolError("invalid_session", f"session.system_prompt must be a string, got {type(prompt).__name__}")
-    seed = s.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ProtocolError("invalid_session", f"session.seed must be a non-negative integer, got {seed!r}")
-    mss = s.get("max_streaming_seconds")
-    if mss is not None and (isinstance(mss, bool) or not isinstance(mss, (int, float)) or not mss > 0):
-        raise ProtocolError("invalid_session", f"session.max_streaming_seconds must be a positive number or null, "
-                                               f"got {mss!r}")
-    model = s.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ProtocolError("invalid_session", f"session.model must be a string, got {type(model).__name__}")
+def decode_session_update(msg: dict, *, max_streaming_seconds: float = 86400.0) -> dict:
+    """session.update -> {system_prompt, seed, max_streaming_seconds, model} (validated: type and range)."""
+    code = "invalid_session"
+    s = V.field_object(msg, "session", "session", code)
+    key = "system_prompt" if "system_prompt" in s else "instructions"
+    prompt = V.field_str(s, key, f"session.{key}", MAX_TEXT_CHARS, None, code)
+    seed = V.field_int(s, "seed", "session.seed", 0, MAX_SEED, 0, code)
+    mss = V.field_number(s, "max_streaming_seconds", "session.max_streaming_seconds", 0.0, max_streaming_seconds,
+                         None, code, lo_open=True, allow_null=True)
+    model = V.field_str(s, "model", "session.model", 256, None, code)
     return {"system_prompt": prompt or None, "seed": seed,
             "max_streaming_seconds": float(mss) if mss is not None else None, "model": model}
 

@@ -30,36 +30,62 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
                        model_name=str(model), metrics=metrics)
 
 
-def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info"):
+def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info",
+                   tls_cert: str | None = None, tls_key: str | None = None):
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, ws_max_size=state.limits.transport_max_bytes,
-                          ws_ping_interval=20.0, ws_ping_timeout=20.0, lifespan="off", access_log=False)
+                          ws_ping_interval=20.0, ws_ping_timeout=20.0, lifespan="off", access_log=False,
+                          timeout_graceful_shutdown=max(1, int(round(state.limits.shutdown_timeout))),
+                          ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+
+
+def make_server(config, state: ServerState):
+    """uvicorn.Server whose shutdown first closes live sessions with 1001 (uvicorn's own would send 1012), and
+    which exits normally on SIGTERM as on SIGINT."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after its shutdown (SIGTERM would then kill the process
+            # with status -15); the shutdown below is the whole handling, so the process exits 0.
+            if hasattr(self, "_captured_signals"):
+                self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None):
+            for server in getattr(self, "servers", []):
+                server.close()  # no new connections while the live ones are told to go
+            await state.close_sessions(state.limits.shutdown_timeout)
+            await super().shutdown(sockets=sockets)
+
+    return GracefulServer(config)
 
 
 class ServerThread:
     """uvicorn serving `state` on a background thread (tests, `voicechat talk` in-process)."""
 
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        self.tls = tls_cert is not None
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.app = create_app(state)
-        self.server = uvicorn.Server(uvicorn_config(self.app, state, host=host, port=self.port, log_level=log_level))
+        self.server = make_server(uvicorn_config(self.app, state, host=host, port=self.port, log_level=log_level,
+                                                 tls_cert=tls_cert, tls_key=tls_key), state)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="voicechat-server", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/realtime"
+        return f"ws{'s' if self.tls else ''}://{self.host}:{self.port}/v1/realtime"
 
     @property
     def http(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http{'s' if self.tls else ''}://{self.host}:{self.port}"
 
     def start(self) -> "ServerThread":
         self.thread.start()

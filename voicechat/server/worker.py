@@ -46,14 +46,26 @@ class Channel:
     end: str = "disconnect"
     errors: int = 0
     overflows: int = 0
+    dropped_samples: int = 0  # appends refused with input_overflow (nothing else is dropped)
+    # The outbox is bounded: past max_outbox items waiting for the client, on_overfull runs once (on the loop).
+    max_outbox: int = 0
+    on_overfull: Callable[[], None] | None = None
+    _overfull: bool = False
 
     @property
     def queued_samples(self) -> int:
         return self.received_samples - self.consumed_samples
 
+    def _put(self, item) -> None:
+        self.outbox.put_nowait(item)
+        if self.max_outbox and not self._overfull and self.outbox.qsize() > self.max_outbox:
+            self._overfull = True
+            if self.on_overfull is not None:
+                self.on_overfull()
+
     def emit(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.outbox.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the event loop is closed: the connection is long gone
             pass
 
@@ -173,10 +185,13 @@ class ModelWorker:
                 return
             try:
                 active = self._handle(cmd, active)
-            except Exception as e:  # never let one session kill the worker
-                log.exception("worker command %s failed", cmd.kind)
+            except Exception:  # never let one session kill the worker
+                # The traceback goes to the log; the client gets a code and a message without internals.
+                log.exception("worker command %s of session %s failed", cmd.kind,
+                              cmd.channel.session_id if cmd.channel is not None else "-")
                 if cmd.channel is not None:
-                    cmd.channel.emit(("error", "internal_error", f"{type(e).__name__}: {e}"))
+                    cmd.channel.emit(("error", "internal_error", "the server failed while computing this session; "
+                                                                 "the session was ended. Start a new session"))
                     cmd.channel.emit(("finished", "internal_error"))
                 if active is not None and (cmd.channel is None or active.channel is cmd.channel):
                     active.session = None
@@ -197,13 +212,28 @@ class ModelWorker:
             p = cmd.payload
             from voicechat.errors import VoiceChatError
 
+            limit = p.get("max_prompt_tokens")
+            if limit is not None:
+                # Counted before any work: the prefill costs about one frame's language + TTS step per token.
+                n = _prompt_tokens(self.model, p["system_prompt"])
+                if n > limit:
+                    ch.emit(("open_failed", "invalid_session",
+                             f"session.system_prompt is {n} tokens; at most {limit} are accepted "
+                             "(--max-prompt-tokens). Send a shorter prompt"))
+                    return None
+            from voicechat.errors import PrefillStoppedError
+
             try:
                 session = self.model.create_streaming_session(
                     system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
-                    profile=self.stage_metrics_every > 0)
+                    profile=self.stage_metrics_every > 0, should_stop=ch.gone.is_set)
+            except PrefillStoppedError:
+                # The client left during the prefill: nothing to answer; its `close` command follows.
+                log.info("session %s: prefill stopped, the client left", ch.session_id)
+                return None
             except (VoiceChatError, ValueError, TypeError) as e:
                 # e.g. a system prompt longer than the context: the client may send another session.update.
-                ch.emit(("open_failed", "session_initialization_failed", str(e)))
+                ch.emit(("open_failed", "session_initialization_failed", str(e)[:300]))
                 return None
             ch.emit(("opened", dict(self.info)))
             return _Active(ch, session, profile=session.profile)
@@ -322,6 +352,7 @@ class ModelWorker:
             "frames": frames, "compute_ms_mean": stats["mean"], "compute_ms_p95": stats["p95"],
             "compute_ms_max": stats["max"], "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
             "discarded_samples": a.discarded_samples, "errors": ch.errors, "input_overflows": ch.overflows,
+            "dropped_samples": ch.dropped_samples,
         }
         if a.profile is not None and a.profile.frames:
             summ = a.profile.summary()
@@ -331,6 +362,15 @@ class ModelWorker:
         log.info(json.dumps(line, sort_keys=False))
         a.session = None
         ch.emit(("closed", line))
+
+
+def _prompt_tokens(model, prompt) -> int:
+    """Positions the prompt's prefill takes (voicechat.timeline.Timeline.prompt_ids: bos + tokens + eos)."""
+    cfg = model.config
+    text = cfg.default_system_prompt if prompt is None else prompt
+    if not text or not text.strip():
+        return 0
+    return len(model.tokenizer.encode(text)) + 2
 
 
 def _stats(values) -> dict:
