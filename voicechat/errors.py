@@ -23,3 +23,8 @@ class SessionClosedError(VoiceChatError, RuntimeError):
 
 class WrongThreadError(VoiceChatError, RuntimeError):
     """A session was used from a thread other than the one that created it."""
+
+
+class PromptStateError(VoiceChatError, ValueError):
+    """A prompt state (voicechat.prompt_state) that cannot be used with this model: another checkpoint,
+    numerics setting or format version, or a truncated or corrupt file; the message names which."""
