@@ -300,3 +300,52 @@ def test_harness_rows_pass_and_fail(tiny_model, question_wav, monkeypatch):
     monkeypatch.setattr(PromptState, "restore", no_rng)
     rows = prompt_state_rows(tiny_model, wave, system_prompt="Be brief.", seed=1, through_file=False)
     assert any(r.status == FAIL for r in rows)
+
+
+def test_cli_cache_prompt_then_generate(tiny_ckpt, tiny_ckpt_4bit, tmp_path, capsys):
+    import soundfile as sf
+
+    from voicechat.cli import main
+
+    state = tmp_path / "s.safetensors"
+    assert main(["cache-prompt", "-m", str(tiny_ckpt), "-p", "Be brief.", "--seed", "2", "-o", str(state)]) == 0
+    assert "prompt positions" in capsys.readouterr().out
+    a, b = tmp_path / "a.wav", tmp_path / "b.wav"
+    for stream in ([], ["--stream"]):
+        assert main(["generate", "-m", str(tiny_ckpt), "--prompt-state", str(state), "--output-audio", str(a),
+                     "--output-format", "float32", "--quiet", *stream]) == 0
+        assert main(["generate", "-m", str(tiny_ckpt), "-p", "Be brief.", "--seed", "2", "--output-audio", str(b),
+                     "--output-format", "float32", "--quiet", *stream]) == 0
+        wa, wb = sf.read(a, dtype="float32")[0], sf.read(b, dtype="float32")[0]
+        assert wa.size > 0 and wa.tobytes() == wb.tobytes()
+    capsys.readouterr()
+    # A disagreeing seed and another checkpoint: one clear line each, exit status 2.
+    assert main(["generate", "-m", str(tiny_ckpt), "--prompt-state", str(state), "--seed", "3",
+                 "--output-audio", str(a), "--quiet"]) == 2
+    assert "disagrees with the prompt_state's seed 2" in capsys.readouterr().err
+    assert main(["generate", "-m", str(tiny_ckpt_4bit), "--prompt-state", str(state), "--output-audio", str(a),
+                 "--quiet"]) == 2
+    assert "another checkpoint" in capsys.readouterr().err
+
+
+def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
+    from bench.docs import update_docs
+    from bench.prompt_sweep import prompt_of_positions
+    from voicechat.cli import main
+
+    m = voicechat.load(tiny_ckpt)
+    for n in (5, 19, 95):
+        assert m.prepare_prompt(prompt_of_positions(m, n)).prompt_positions == n
+    out = tmp_path / "sweep"
+    assert main(["bench", "-m", str(tiny_ckpt), "--prompt-sweep", "5,19", "--runs", "2", "--out", str(out),
+                 "--quiet"]) == 0
+    lines = (out / "prompt_sweep.csv").read_text().splitlines()
+    assert len(lines) == 1 + 2 * 2 and lines[0].startswith("checkpoint,positions,run,")
+    rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
+    assert [int(r["positions"]) for r in rows] == [5, 5, 19, 19]
+    assert all(float(r["state_bytes"]) > 0 and float(r["prepare_s"]) > 0 for r in rows)
+    page = tmp_path / "perf.md"
+    page.write_text("# Performance\n")
+    assert update_docs(out, page, "prompt_sweep")
+    text = page.read_text()
+    assert "Prompt states: session start per prompt length" in text and "| 19 |" in text
