@@ -149,6 +149,9 @@ def test_state_holds_no_copy_of_the_model(real_model):
     arrays = state._arrays()
     assert not params & {id(a) for a in arrays.values()}
     assert state.nbytes == sum(a.nbytes for a in arrays.values())
+    from voicechat.prompt_state import state_nbytes
+
+    assert state.nbytes == state_nbytes(real_model.config, state.prompt_positions)  # the documented formula
     # An empty prompt leaves the TTS warm-up as it is: the state holds the model's buffers, uncounted.
     empty = real_model.prepare_prompt("")
     assert empty.prompt_positions == 0
@@ -349,3 +352,17 @@ def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
     assert update_docs(out, page, "prompt_sweep")
     text = page.read_text()
     assert "Prompt states: session start per prompt length" in text and "| 19 |" in text
+
+
+def test_state_bytes_formula_at_every_capacity_step(tiny_model):
+    """`state_nbytes` (docs' per-preset table) equals `nbytes` across the 256-position K/V steps."""
+    from bench.prompt_sweep import prompt_of_positions
+    from voicechat.prompt_state import state_nbytes
+
+    sizes = []
+    for n in (0, 3, 219, 220, 221, 476, 477, 600):
+        state = tiny_model.prepare_prompt(prompt_of_positions(tiny_model, n) if n else "")
+        assert state.prompt_positions == n
+        assert state.nbytes == state_nbytes(tiny_model.config, n), n
+        sizes.append(state.nbytes)
+    assert sizes == sorted(sizes) and len(set(sizes)) >= 4  # it grows, in steps

@@ -447,6 +447,35 @@ def _build(model, meta: dict, arrays: dict) -> PromptState:
                        checkpoint=meta["checkpoint"])
 
 
+def state_nbytes(cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_step: int = 256,
+                 speaker_frames: int = 37) -> int:
+    """`PromptState.nbytes` of a prefill of `positions` positions, from the config's shapes alone (for
+    presets too large to run here). The language cache: per Mamba layer its conv rows (K-1, conv_dim)
+    and SSM state (heads, head_dim, state), float32; per attention layer K and V (kv_heads, capacity,
+    head_dim), float32, the capacity grown in steps of 256 positions. The EAR-TTS K/V of the guidance
+    pair (2, kv_heads, capacity, head_dim), float32, per layer, after the speaker warm-up (37 positions)
+    and one step per prompt position but the first; sliding layers hold at most their window. Then the
+    previous codes, the random key, the two ids fed forward and the PAD row of the character encoder
+    (`text_row_itemsize`: 2 for bf16 weights). An empty prompt's TTS state is the model's own (0 bytes)."""
+    t, s = cfg.text_config, cfg.tts_config
+    steps = lambda n: -(-n // kv_alloc_step) * kv_alloc_step  # noqa: E731
+    total = 0
+    for kind in t.layer_types:
+        if kind == "mamba":
+            total += 4 * ((t.conv_kernel - 1) * t.mamba_conv_dim + t.mamba_num_heads * t.mamba_head_dim * t.ssm_state_size)
+        elif kind == "attention":
+            total += 2 * 4 * t.num_key_value_heads * steps(positions) * t.head_dim
+    total += 8 + 2 * 4  # the random key (2 x uint32), the ids fed forward (int32)
+    if positions == 0:
+        return total
+    n = speaker_frames + positions - 1  # TTS positions after the prefill
+    for i in range(s.num_hidden_layers):
+        cap = steps(n) if s.is_global_layer(i) else min(steps(n), s.sliding_window)
+        total += 2 * 4 * 2 * s.num_key_value_heads * cap * s.head_dim
+    total += 4 * s.num_quantizers + text_row_itemsize * s.hidden_size
+    return total
+
+
 def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0) -> PromptState:
     """Run the system-prompt prefill once -> its `PromptState` (see the module docstring)."""
     from .session import session_prompt
@@ -466,4 +495,4 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0) -> P
                        text_rows=dict(timeline.text_cache._rows))
 
 
-__all__ = ["PromptState", "prepare_prompt", "checkpoint_identity", "numerics_identity", "UNSET", "FORMAT_VERSION"]
+__all__ = ["PromptState", "prepare_prompt", "state_nbytes", "checkpoint_identity", "numerics_identity", "UNSET", "FORMAT_VERSION"]
