@@ -69,6 +69,10 @@ def add_bench_parser(subparsers) -> None:
                         "instead of the default one; appended to the page if it has none yet")
     p.add_argument("--rerender", metavar="RUN_DIR", default=None,
                    help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
+    p.add_argument("--prompt-sweep", default=None, metavar="N,N,...",
+                   help="instead of the streaming benchmark: session start per prompt length in positions (e.g. "
+                        "19,95,376,1000): from scratch, prepare_prompt, from the prompt state, the state's bytes "
+                        "(bench/prompt_sweep.py; --runs runs per length)")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
     p.set_defaults(func=cmd_bench)
 
@@ -95,6 +99,23 @@ def cmd_bench(args) -> int:
         raise ValueError("--update-docs RUN_DIR cannot be combined with -m; use --update-docs without a folder "
                          "to update the docs from this run")
 
+    if args.prompt_sweep:
+        from .prompt_sweep import run_prompt_sweep
+
+        try:
+            lengths = [int(x) for x in args.prompt_sweep.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-sweep takes comma-separated prompt lengths, got {args.prompt_sweep!r}") from None
+        out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("prompt-sweep-%Y%m%d-%H%M%S")
+        for m in args.models:
+            run_prompt_sweep(m, lengths, out / _slug(m) if len(args.models) > 1 else out, runs=args.runs,
+                             progress=not args.quiet)
+        print(f"wrote {out}")
+        if args.update_docs is not None:
+            changed = update_docs(out, Path(args.docs), args.section or "prompt_sweep")
+            print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
+        return 0
+
     from .runner import BenchOptions, Progress, run_bench
     from voicechat.audio_input import resolve_input_path
     from voicechat.progress import set_quiet
@@ -120,6 +141,10 @@ def cmd_bench(args) -> int:
         print(f"voicechat bench: {result.failed} run(s) failed; see {out / 'summary.md'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _slug(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in spec)
 
 
 __all__ = ["add_bench_parser", "cmd_bench"]

@@ -2,7 +2,7 @@
 
     voicechat parity -m CKPT [--audio question.wav] [--prompt P] [--seed N] [--quiet]
                      [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|mlx-vlm-server|FILE.npz]
-                     [--out DIR] [--dump-reference FILE.npz]
+                     [--out DIR] [--dump-reference FILE.npz] [--tools tools.json] [--prompt-state-rows]
 
 Writes `<stem>.json` and `<stem>.md` to --out (default reports/parity/) and
 prints the Markdown path and the failing rows. Exit status: 0 when no row
@@ -42,6 +42,9 @@ def add_parity_parser(sub) -> None:
     p.add_argument("--tool-result-after", type=int, default=None, metavar="F",
                    help="with --tools: submit each pending call's result after frame F (default: the call's frame)")
     p.add_argument("--tool-output", default='{"ok": true}', help="with --tools: the result submitted (JSON text)")
+    p.add_argument("--prompt-state-rows", action="store_true",
+                   help="add the prompt-state rows: a session (and an offline run) from model.prepare_prompt's "
+                        "state, saved and loaded back, equals one that prefilled the prompt (with --tools, its tools)")
     p.add_argument("--no-components", action="store_true",
                    help="skip the Nemotron-H / EAR-TTS component checks (cached vs recompute)")
     p.add_argument("--component-max-frames", type=int, default=None,
@@ -113,6 +116,10 @@ def run_parity_cli(args) -> int:
     if args.dump_reference is not None and not args.dump_reference.endswith(".npz"):
         print(f"error: --dump-reference needs a .npz file name, got {args.dump_reference!r}", file=sys.stderr)
         return 2
+    if args.prompt_state_rows and args.backend != "voicechat":
+        print(f"error: --prompt-state-rows needs --backend voicechat (prompt states are this project's API), "
+              f"got {args.backend!r}", file=sys.stderr)
+        return 2
     if args.chunk_samples < 1:
         print(f"error: --chunk-samples must be >= 1, got {args.chunk_samples}", file=sys.stderr)
         return 2
@@ -149,6 +156,14 @@ def run_parity_cli(args) -> int:
         report.rows += tool_schedule_rows(model, wave, tools, result_after=after, output=args.tool_output,
                                           system_prompt=args.prompt, seed=args.seed,
                                           chunk_samples=min(args.chunk_samples, 1280))
+    if args.prompt_state_rows:
+        from voicechat.tool_runners import tools_from_file
+
+        from .prompt_state_rows import prompt_state_rows
+
+        report.rows += prompt_state_rows(backend.model, wave, system_prompt=args.prompt, seed=args.seed,
+                                         tools=tools_from_file(args.tools) if args.tools else None,
+                                         chunk_samples=args.chunk_samples)
     if args.dump_reference:
         path = dump_reference(args.dump_reference, backend, report.runs, wave, system_prompt=args.prompt,
                               seed=args.seed, checkpoint=args.model, chunk_samples=args.chunk_samples)

@@ -10,4 +10,13 @@ def load(path_or_repo, *, revision=None, **kwargs):
     return _load(path_or_repo, revision=revision, **kwargs)
 
 
-__all__ = ["load", "__version__"]
+def __getattr__(name):
+    # `voicechat.PromptState` without importing MLX at `import voicechat`.
+    if name == "PromptState":
+        from .prompt_state import PromptState
+
+        return PromptState
+    raise AttributeError(f"module 'voicechat' has no attribute {name!r}")
+
+
+__all__ = ["load", "__version__", "PromptState"]

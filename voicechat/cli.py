@@ -1,4 +1,4 @@
-"""`voicechat` command line: synth, generate, parity, bench, serve, client, talk."""
+"""`voicechat` command line: synth, generate, cache-prompt, parity, bench, serve, client, talk."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .generate_cli import add_generate_parser
 
     add_generate_parser(sub)
+    from .prompt_cli import add_cache_prompt_parser
+
+    add_cache_prompt_parser(sub)
     from harness.cli import add_parity_parser
 
     add_parity_parser(sub)

@@ -27,3 +27,8 @@ class PrefillStoppedError(VoiceChatError, RuntimeError):
 
 class WrongThreadError(VoiceChatError, RuntimeError):
     """A session was used from a thread other than the one that created it."""
+
+
+class PromptStateError(VoiceChatError, ValueError):
+    """A prompt state (voicechat.prompt_state) that cannot be used with this model: another checkpoint,
+    numerics setting or format version, or a truncated or corrupt file; the message names which."""

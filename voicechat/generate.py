@@ -30,6 +30,7 @@ from .audio.mel import log_mel
 from .audio.rnnt import greedy_decode
 from .audio_input import load_audio
 from .progress import progress
+from .prompt_state import UNSET, PromptState
 from .speech_output import AudioChunk, ChunkedSpeechOutput
 from .timeline import Timeline
 from .tts.ear_tts import replace_control_codes
@@ -139,11 +140,15 @@ class ToolSchedule:
 
 
 def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None,
-                  schedule: ToolSchedule | None = None):
+                  schedule: ToolSchedule | None = None, prompt_state=None):
     from .session import session_prompt
 
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
-    prompt_positions = timeline.start(session_prompt(model.config, system_prompt, schedule.tools if schedule else ()))
+    if prompt_state is not None:  # a copy of the state after that very prefill (voicechat/prompt_state.py)
+        prompt_positions = prompt_state.restore(timeline)
+    else:
+        prompt_positions = timeline.start(session_prompt(model.config, system_prompt,
+                                                         schedule.tools if schedule else ()))
     text_ids, function_ids, codes, forced_frames = [], [], [], []
     for t in progress(range(inputs.audio_emb.shape[0]), desc="generating", unit="frame"):
         forced = schedule.forced_token(t) if schedule is not None else None
@@ -163,16 +168,26 @@ def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_lang
     return timeline, prompt_positions, text_ids, function_ids, codes, forced_frames
 
 
-def generate(model, audio, *, system_prompt: str | None = None, seed: int = 0,
+def generate(model, audio, *, system_prompt: str | None = UNSET, seed: int = UNSET,
              extra_decoding_seconds: float = 0.0, max_frames: int | None = None,
-             use_language_cache: bool = True, tools=None, tool_results=None,
-             tool_timeout_seconds=None) -> OfflineResult:
+             use_language_cache: bool = True, tools=UNSET, tool_results=None,
+             tool_timeout_seconds=None, prompt_state=None) -> OfflineResult:
+    # UNSET: not given (None / 0 / None without a prompt_state, the state's values with one).
+    if prompt_state is not None:
+        if not isinstance(prompt_state, PromptState):
+            raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
+                            f"got {type(prompt_state).__name__}")
+        system_prompt, tools, seed = prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
+    else:
+        system_prompt = None if system_prompt is UNSET else system_prompt
+        tools = None if tools is UNSET else tools
+        seed = 0 if seed is UNSET else seed
     schedule = ToolSchedule(model, tools, tool_results, tool_timeout_seconds)
     inputs = offline_perception(model, audio, extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames)
     tr_tokens, transcript = offline_transcript(model, inputs.encoder)
     _, prompt_positions, text_ids, function_ids, codes, forced = _run_timeline(
         model, inputs, system_prompt=system_prompt, seed=seed, use_language_cache=use_language_cache,
-        schedule=schedule)
+        schedule=schedule, prompt_state=prompt_state)
     tts = model.tts_model
     clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
     audio_out = tts.audio_codec.decode(clean) if codes.shape[0] else mx.zeros((0,), mx.float32)

@@ -32,7 +32,11 @@ def add_generate_parser(sub) -> None:
                    help="pcm16 (default: 16-bit PCM, what players open; rounded, clipped to [-1, 1)) or "
                         "float32 (the exact samples)")
     g.add_argument("-p", "--prompt", default=None, help="system prompt")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="random seed of the TTS sampler (default 0)")
+    g.add_argument("--prompt-state", default=None, metavar="FILE",
+                   help="start from this prompt state (written by `voicechat cache-prompt` for the same checkpoint "
+                        "and numerics) instead of prefilling the system prompt; its prompt, tools and seed are used, "
+                        "and -p / --tools / --seed, if given, must agree with them")
     g.add_argument("--numerics", choices=sorted(NUMERICS), default=DEFAULT_NUMERICS,
                    help="reference (default: rounds as mlx-vlm does, same ids and codes) or float32 "
                         "(EAR-TTS and the language path in float32; docs/voicechat.md, Numerics)")
@@ -96,10 +100,26 @@ def _generate(args, audio_path, tools, runner) -> int:
     audio = read_audio_file(audio_path, cfg.input_sample_rate)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s; input {audio.size / cfg.input_sample_rate:.2f} s",
           file=sys.stderr)
+    kw = {"system_prompt": args.prompt, "seed": 0 if args.seed is None else args.seed, "tools": tools}
+    if args.prompt_state:
+        from voicechat.errors import PromptStateError
+
+        try:
+            state = voicechat.PromptState.load(args.prompt_state, model)
+        except PromptStateError as e:
+            print(f"voicechat generate: --prompt-state: {e}", file=sys.stderr)
+            return 2
+        print(f"prompt state {args.prompt_state}: {state.prompt_positions} prompt positions, "
+              f"{state.nbytes / 2**20:.1f} MiB, {len(state.tools)} tool(s); no prefill", file=sys.stderr)
+        # Only what was given on the command line is checked against the state.
+        kw = {k: v for k, v in (("system_prompt", args.prompt), ("seed", args.seed), ("tools", tools)) if v is not None}
+        kw["prompt_state"] = state
+        if state.tools:
+            args.stream = True  # the tool loop runs in the streaming session
     if not args.stream:
         t1 = time.perf_counter()
-        r = model.generate(audio, system_prompt=args.prompt, seed=args.seed,
-                           extra_decoding_seconds=args.extra_decoding_seconds)
+        kw.pop("tools", None)
+        r = model.generate(audio, extra_decoding_seconds=args.extra_decoding_seconds, **kw)
         dt = time.perf_counter() - t1
         print(f"user: {r.user_transcript}")
         print(f"assistant: {r.text}")
@@ -108,8 +128,8 @@ def _generate(args, audio_path, tools, runner) -> int:
               f"({dt * 1000 / max(r.text_tokens.size, 1):.1f} ms/frame)", file=sys.stderr)
     else:
         session = model.create_streaming_session(
-            system_prompt=args.prompt, seed=args.seed, max_streaming_seconds=args.max_streaming_seconds,
-            profile=args.profile, tools=tools, tool_timeout_seconds=args.tool_timeout_seconds)
+            max_streaming_seconds=args.max_streaming_seconds, profile=args.profile,
+            tool_timeout_seconds=args.tool_timeout_seconds, **kw)
         if args.extra_decoding_seconds:
             audio = np.concatenate([audio, np.zeros(int(round(args.extra_decoding_seconds * cfg.input_sample_rate)),
                                                     np.float32)])

@@ -23,6 +23,7 @@ from .audio.conformer import Perception
 from .audio.rnnt import RnntDecoder, RnntJoint
 from .config import VoiceChatConfig
 from .llm.nemotron_h import NemotronH
+from .prompt_state import UNSET
 from .tts.ear_tts import EarTts
 from .tts.numerics import DEFAULT_NUMERICS, Numerics, numerics_from
 
@@ -183,20 +184,30 @@ class VoiceChatModel(nn.Module):
 
     # -- runtime entry points (api.md)
 
-    def generate(self, audio, *, system_prompt=None, seed: int = 0, extra_decoding_seconds: float = 0.0,
-                 max_frames=None, use_language_cache: bool = True, tools=None, tool_results=None,
-                 tool_timeout_seconds=None):
+    def generate(self, audio, *, system_prompt=UNSET, seed: int = UNSET, extra_decoding_seconds: float = 0.0,
+                 max_frames=None, use_language_cache: bool = True, tools=UNSET, tool_results=None,
+                 tool_timeout_seconds=None, prompt_state=None):
         """Offline generation over the whole input -> `OfflineResult` (see voicechat.generate).
 
         `tools`: OpenAI-style function tools (voicechat.tools); `tool_results`: a schedule of
         `(after_frame, call_id, output)`, each submitted after that frame as a streaming session's
-        `submit_tool_result` would be."""
+        `submit_tool_result` would be. `prompt_state`: start from `prepare_prompt`'s state instead
+        of prefilling (its prompt, tools and seed; any of them given must agree with it). Without
+        one, `system_prompt`, `seed` and `tools` default to None, 0 and None."""
         from .generate import generate
 
         return generate(self, audio, system_prompt=system_prompt, seed=seed,
                         extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
                         use_language_cache=use_language_cache, tools=tools, tool_results=tool_results,
-                        tool_timeout_seconds=tool_timeout_seconds)
+                        tool_timeout_seconds=tool_timeout_seconds, prompt_state=prompt_state)
+
+    def prepare_prompt(self, system_prompt=None, *, tools=None, seed: int = 0, should_stop=None):
+        """Run the system-prompt prefill once -> a frozen `voicechat.PromptState` (api.md, "Prompt
+        state"): `create_streaming_session(prompt_state=...)` and `generate(prompt_state=...)` start
+        from a copy of it, bit for bit as if they had prefilled the same prompt."""
+        from .prompt_state import prepare_prompt
+
+        return prepare_prompt(self, system_prompt, tools=tools, seed=seed, should_stop=should_stop)
 
     def generate_stream(self, audio, *, chunk_frames: int = 25, system_prompt=None, seed: int = 0,
                         extra_decoding_seconds: float = 0.0, max_frames=None, use_language_cache: bool = True):
@@ -207,22 +218,26 @@ class VoiceChatModel(nn.Module):
                                extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
                                use_language_cache=use_language_cache)
 
-    def create_streaming_session(self, system_prompt=None, seed: int = 0, max_streaming_seconds=None,
+    def create_streaming_session(self, system_prompt=UNSET, seed: int = UNSET, max_streaming_seconds=None,
                                  use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False, on_frame=None, tools=None, tool_timeout_seconds=None,
-                                 should_stop=None):
+                                 profile: bool = False, on_frame=None, tools=UNSET, tool_timeout_seconds=None,
+                                 prompt_state=None, should_stop=None):
         """`on_frame`: optional callable handed a `voicechat.session.FrameRecord` (the frame's mel,
         encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame.
         `tools`: OpenAI-style function tools the model may call (docs/tools.md); results go back
         with `session.submit_tool_result`; `tool_timeout_seconds` injects `{"error": "timeout"}`
-        for a call whose result has not come within that much audio. `should_stop`: a callable the
-        system-prompt prefill asks between pieces; true stops it with `PrefillStoppedError`."""
+        for a call whose result has not come within that much audio. `prompt_state`: start from
+        `prepare_prompt`'s state instead of prefilling (its prompt, tools and seed; any of them
+        given must agree with it). Without one, `system_prompt`, `seed` and `tools` default to
+        None, 0 and None. `should_stop`: a callable the system-prompt prefill asks between pieces;
+        true stops it with `PrefillStoppedError`."""
         from .session import VoiceChatStreamingSession
 
         return VoiceChatStreamingSession(
             self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
             use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
-            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds, should_stop=should_stop)
+            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds, prompt_state=prompt_state,
+            should_stop=should_stop)
 
     def create_asr_session(self):
         from .asr import AsrStreamSession

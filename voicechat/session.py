@@ -29,6 +29,7 @@ from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
 from .tools import FunctionChannel, normalize_tools, render_system_prompt, timeout_frames
 from .profiler import FrameTiming, Profile
+from .prompt_state import UNSET, PromptState
 from .switch import decisions_held
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
@@ -102,12 +103,23 @@ class StreamingPerception:
 class VoiceChatStreamingSession:
     """Create with `model.create_streaming_session(...)`."""
 
-    def __init__(self, model, *, system_prompt: str | None = None, seed: int = 0,
+    def __init__(self, model, *, system_prompt: str | None = UNSET, seed: int = UNSET,
                  max_streaming_seconds: float | None = None, use_language_cache: bool = True,
                  use_perception_cache: bool = True, profile: bool = False,
-                 on_frame: Callable[[FrameRecord], None] | None = None, tools=None,
-                 tool_timeout_seconds: float | None = None, should_stop: Callable[[], bool] | None = None):
+                 on_frame: Callable[[FrameRecord], None] | None = None, tools=UNSET,
+                 tool_timeout_seconds: float | None = None, prompt_state=None,
+                 should_stop: Callable[[], bool] | None = None):
         cfg = model.config
+        # UNSET: not given (None / 0 / None without a prompt_state, the state's values with one).
+        if prompt_state is not None:
+            if not isinstance(prompt_state, PromptState):
+                raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
+                                f"got {type(prompt_state).__name__}")
+            system_prompt, tools, seed = prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
+        else:
+            system_prompt = None if system_prompt is UNSET else system_prompt
+            tools = None if tools is UNSET else tools
+            seed = 0 if seed is UNSET else seed
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
         self._on_frame = on_frame
@@ -135,7 +147,10 @@ class VoiceChatStreamingSession:
         self.system_prompt = session_prompt(cfg, system_prompt, self.tools)
         if should_stop is not None and not callable(should_stop):
             raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
-        self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
+        if prompt_state is None:
+            self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
+        else:  # a copy of the state after that very prefill (voicechat/prompt_state.py)
+            self.prompt_positions = prompt_state.restore(self.timeline)
         codec = model.tts_model.audio_codec
         self.codec = codec
         self.codec_state = codec.make_state()

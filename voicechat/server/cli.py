@@ -60,6 +60,18 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--numerics", choices=["reference", "float32"], default="reference",
                    help="EAR-TTS roundings (voicechat.load): reference = mlx-vlm's, the same codes as its server "
                         "(default); float32 = no bf16 roundings")
+    s.add_argument("-p", "--prompt", default=None,
+                   help="the system prompt of sessions whose client sends none (default: the config's); its prompt "
+                        "state is prepared at startup, so those sessions start without a prefill")
+    s.add_argument("--prompt-state", default=None, metavar="FILE",
+                   help="read the default prompt's state from this file (`voicechat cache-prompt`) instead of "
+                        "prefilling it at startup; its prompt is the default")
+    s.add_argument("--prompt-cache-entries", type=int, default=4, metavar="N",
+                   help="prompt states of other prompts kept for later clients, least recently used dropped first "
+                        "(default 4; 0 = none)")
+    s.add_argument("--prompt-cache-mb", type=float, default=1024.0, metavar="MB",
+                   help="at most this many MB of cached prompt states (default 1024; /metrics: "
+                        "voicechat_prompt_state_bytes, voicechat_prompt_cache_bytes)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
@@ -139,8 +151,19 @@ def run_serve(args) -> int:
     configure_logging(args.log_level)
     if args.insecure and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key (--insecure)", file=sys.stderr)
+    from .metrics import ServerMetrics
+    from .prompt_cache import PromptStates
+
+    if args.prompt_cache_entries < 0 or not args.prompt_cache_mb >= 0:
+        print("voicechat serve: error: --prompt-cache-entries and --prompt-cache-mb must be >= 0", file=sys.stderr)
+        return 2
+    metrics = ServerMetrics()
+    prompts = PromptStates(default_prompt=args.prompt, state_file=args.prompt_state,
+                           max_entries=args.prompt_cache_entries, max_bytes=int(args.prompt_cache_mb * 2**20),
+                           metrics=metrics)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
-                       load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every)
+                       load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every,
+                       prompt_states=prompts, metrics=metrics)
     info = state.worker.info
     tls = args.tls_cert is not None
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "

@@ -13,7 +13,7 @@ from .worker import ModelWorker
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
                warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
-               load_kwargs: dict | None = None) -> ServerState:
+               load_kwargs: dict | None = None, prompt_states=None, metrics=None) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load():
@@ -22,9 +22,9 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
 
         return voicechat.load(resolve_model_arg(model), **(load_kwargs or {}))
 
-    metrics = ServerMetrics()
+    metrics = metrics or ServerMetrics()
     worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
-                         warmup_seconds=warmup_seconds).start()
+                         warmup_seconds=warmup_seconds, prompt_states=prompt_states).start()
     worker.wait_ready(load_timeout)
     return ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
                        model_name=str(model), metrics=metrics)

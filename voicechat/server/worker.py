@@ -92,8 +92,10 @@ class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
 
     def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
-                 warmup_seconds: float = 0.0):
+                 warmup_seconds: float = 0.0, prompt_states=None):
         self._load_model = load_model
+        # voicechat.server.prompt_cache.PromptStates: sessions start from prompt states (None: each prefills).
+        self.prompt_states = prompt_states
         self.metrics = metrics
         # Stage timing forces one synchronisation per stage; doing it on every Kth frame keeps the
         # per-stage histograms while costing the other frames nothing (0 = never).
@@ -169,6 +171,8 @@ class ModelWorker:
             }
             if self.warmup_seconds > 0:
                 self._warmup(model)
+            if self.prompt_states is not None:
+                self.prompt_states.start(model)
         except BaseException as e:  # reported to the starter by wait_ready
             self.load_error = e
             self.ready.set()
@@ -224,9 +228,13 @@ class ModelWorker:
             from voicechat.errors import PrefillStoppedError
 
             try:
+                prompt = {"system_prompt": p["system_prompt"], "seed": p["seed"]}
+                if self.prompt_states is not None:  # a cached state: no prefill
+                    prompt = {"prompt_state": self.prompt_states.state_for(self.model, p["system_prompt"], p["seed"],
+                                                                           should_stop=ch.gone.is_set)}
                 session = self.model.create_streaming_session(
-                    system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
-                    profile=self.stage_metrics_every > 0, should_stop=ch.gone.is_set)
+                    max_streaming_seconds=p["max_streaming_seconds"], profile=self.stage_metrics_every > 0,
+                    should_stop=ch.gone.is_set, **prompt)
             except PrefillStoppedError:
                 # The client left during the prefill: nothing to answer; its `close` command follows.
                 log.info("session %s: prefill stopped, the client left", ch.session_id)
