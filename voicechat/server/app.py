@@ -24,6 +24,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
+from .dialect import DialectOptions, dialect_for_query, make_dialect, openai_error, wants_ga
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .worker import Channel, ModelWorker
@@ -83,6 +84,8 @@ class ServerState:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     model_name: str = ""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    # The OpenAI dialects' serving options (voicechat.server.dialect.DialectOptions).
+    dialect_options: DialectOptions = field(default_factory=DialectOptions)
     _slot: str | None = None
     _slot_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -132,10 +135,15 @@ def create_app(state: ServerState) -> Starlette:
         return Response(state.metrics.render(), media_type=ServerMetrics.content_type)
 
     async def realtime(ws: WebSocket):
-        await RealtimeConnection(state, ws).run()
+        # mlx-vlm's dialect unless the URL or the first session.update asks for OpenAI's (dialect.py).
+        await RealtimeConnection(state, ws, dialect=dialect_for_query(ws.query_params)).run()
+
+    async def live(ws: WebSocket):
+        await RealtimeConnection(state, ws, dialect="live").run()
 
     routes = [Route(p, page) for p in ASSETS]
-    routes += [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/v1/realtime", realtime)]
+    routes += [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/v1/realtime", realtime),
+               WebSocketRoute("/v1/live/sessions", live)]
     app = Starlette(routes=routes)
     app.state.server = state
     return app
@@ -144,7 +152,7 @@ def create_app(state: ServerState) -> Starlette:
 class RealtimeConnection:
     """One WebSocket connection = at most one streaming session."""
 
-    def __init__(self, state: ServerState, ws: WebSocket):
+    def __init__(self, state: ServerState, ws: WebSocket, dialect: str | None = None):
         self.state = state
         self.ws = ws
         self.m = state.metrics
@@ -156,6 +164,10 @@ class RealtimeConnection:
         self.ending = False  # commit / cancel sent: the rest of the input is ignored
         self.info: dict = {}
         self._session_params: dict = {}
+        # None: mlx-vlm's dialect (this class); else the OpenAI dialect that translates both ways
+        # (made once the channel exists).
+        self._dialect_name = dialect
+        self.dialect = None
 
     # -- sending (only the writer task sends on the socket; everyone else goes through the outbox)
 
@@ -166,11 +178,16 @@ class RealtimeConnection:
     def _queue(self, payload: dict) -> None:
         self.channel.outbox.put_nowait(("send", payload))
 
+    def _error_event(self, code: str, message: str) -> dict:
+        if self.dialect is not None:
+            return self.dialect.error_payload(code, message)
+        return openai_error(code, message) if self._dialect_name else P.error_event(code, message)
+
     def _error(self, code: str, message: str) -> None:
         self.m.client_errors.labels(code=code).inc()
         if self.channel is not None:
             self.channel.errors += 1
-        self._queue(P.error_event(code, message))
+        self._queue(self._error_event(code, message))
 
     async def _refuse(self, status: int, reason: str, message: str) -> None:
         self.m.sessions_refused.labels(reason=reason).inc()
@@ -193,7 +210,7 @@ class RealtimeConnection:
         if not await self._acquire():
             self.m.sessions_refused.labels(reason="busy").inc()
             await ws.accept(subprotocol=subprotocol)
-            await ws.send_text(self._envelope(P.error_event(
+            await ws.send_text(self._envelope(self._error_event(
                 "server_busy", "another session is active on this server (one session per process); retry later")))
             await ws.close(code=CLOSE_TRY_AGAIN)
             return
@@ -202,18 +219,23 @@ class RealtimeConnection:
         loop = asyncio.get_running_loop()
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
         self.channel = Channel(self.session_id, loop, asyncio.Queue(), peer=peer)
+        if self._dialect_name:
+            self.dialect = make_dialect(self._dialect_name, self)
         try:
             await ws.accept(subprotocol=subprotocol)
             info = st.worker.info
-            self._queue({"type": "session.created", "session": {
-                "id": self.session_id, "state": "configuring", "model": st.model_name,
-                "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
-                "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
-                "limits": {"max_message_bytes": self.limits.max_message_bytes,
-                           "max_session_audio_seconds": self.limits.max_session_audio_seconds,
-                           "session_update_timeout": self.limits.session_update_timeout,
-                           "idle_timeout": self.limits.idle_timeout,
-                           "max_queued_audio_seconds": self.limits.max_queued_audio_seconds}}})
+            if self.dialect is not None:
+                self.dialect.connected()
+            else:
+                self._queue({"type": "session.created", "session": {
+                    "id": self.session_id, "state": "configuring", "model": st.model_name,
+                    "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
+                    "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
+                    "limits": {"max_message_bytes": self.limits.max_message_bytes,
+                               "max_session_audio_seconds": self.limits.max_session_audio_seconds,
+                               "session_update_timeout": self.limits.session_update_timeout,
+                               "idle_timeout": self.limits.idle_timeout,
+                               "max_queued_audio_seconds": self.limits.max_queued_audio_seconds}}})
             reader = asyncio.create_task(self._reader())
             writer = asyncio.create_task(self._writer())
             done, pending = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
@@ -275,6 +297,12 @@ class RealtimeConnection:
         while True:
             item = await ch.outbox.get()
             kind = item[0]
+            if self.dialect is not None:  # True: handled by the dialect; a tuple: the item it should be
+                handled = await self.dialect.on_item(item)
+                if handled is True:
+                    continue
+                if isinstance(handled, tuple):
+                    item, kind = handled, handled[0]
             if kind == "send":
                 await self.ws.send_text(self._envelope(item[1]))
             elif kind == "events":
@@ -296,11 +324,11 @@ class RealtimeConnection:
                 self.configured = False  # the client may try another session.update
                 self.m.client_errors.labels(code=item[1]).inc()
                 ch.errors += 1
-                await self.ws.send_text(self._envelope(P.error_event(item[1], item[2])))
+                await self.ws.send_text(self._envelope(self._error_event(item[1], item[2])))
             elif kind == "error":
                 self.m.client_errors.labels(code=item[1]).inc()
                 ch.errors += 1
-                await self.ws.send_text(self._envelope(P.error_event(item[1], item[2])))
+                await self.ws.send_text(self._envelope(self._error_event(item[1], item[2])))
             elif kind == "finished":
                 # Session over (done / cancelled / context limit / internal error): close normally.
                 await self._close(CLOSE_NORMAL, item[1])
@@ -308,7 +336,7 @@ class RealtimeConnection:
             elif kind == "timeout":
                 code, message = item[1], item[2]
                 self.m.client_errors.labels(code=code).inc()
-                await self.ws.send_text(self._envelope(P.error_event(code, message)))
+                await self.ws.send_text(self._envelope(self._error_event(code, message)))
                 await self._close(CLOSE_POLICY, code)
                 return
             elif kind == "disconnect":
@@ -351,6 +379,9 @@ class RealtimeConnection:
                 continue
             if self.ending:
                 continue  # commit / cancel already sent; the session's last events are on their way
+            if self.dialect is not None:
+                self.dialect.handle_text(text)
+                continue
             try:
                 self._dispatch(P.parse_message(text))
             except P.ProtocolError as e:
@@ -365,6 +396,10 @@ class RealtimeConnection:
             if self.configured:
                 raise P.ProtocolError("session_already_configured",
                                       "session.update may be sent once, before audio; this session is configured")
+            if wants_ga(msg):  # an OpenAI Realtime GA client that did not name a model in the URL
+                self.dialect = make_dialect("ga", self)
+                self.dialect.handle(msg)
+                return
             self._session_params = P.decode_session_update(msg)
             self.configured = True
             st.worker.submit("open", ch, self._session_params)
@@ -372,23 +407,7 @@ class RealtimeConnection:
         if not self.configured:
             raise P.ProtocolError("session_not_configured", f"send session.update before {t}")
         if t == P.APPEND:
-            pcm = P.decode_append(msg)
-            rate = P.INPUT_SAMPLE_RATE
-            if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
-                raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
-                                      f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
-                                      "Commit the turn and start a new session")
-            if ch.queued_samples + pcm.size > lim.max_queued_audio_seconds * rate or \
-                    st.worker.queue_depth() >= lim.max_queued_appends:
-                ch.overflows += 1
-                raise P.ProtocolError("input_overflow", f"the server is {ch.queued_samples / rate:.2f} s of audio "
-                                      f"behind (limit {lim.max_queued_audio_seconds:g} s); this append of {pcm.size} "
-                                      "samples was NOT accepted. Send slower (real time) or resend it later")
-            if pcm.size == 0:
-                return
-            ch.received_samples += int(pcm.size)
-            self.m.audio_in_seconds.inc(pcm.size / rate)
-            st.worker.submit("append", ch, pcm)
+            self._admit_audio(P.decode_append(msg))
             return
         if t == P.COMMIT:
             pad = msg.get("pad_partial", True)
@@ -404,3 +423,24 @@ class RealtimeConnection:
             ch.cancel_requested.set()  # the worker skips audio still queued
             st.worker.submit("cancel", ch)
             return
+
+    def _admit_audio(self, pcm) -> None:
+        """Admission of 16 kHz input samples (every dialect's appends): the session's audio limit and the
+        queue bound, then to the worker. ProtocolError when refused (nothing was accepted)."""
+        ch, st, lim = self.channel, self.state, self.limits
+        rate = P.INPUT_SAMPLE_RATE
+        if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
+            raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
+                                  f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
+                                  "Commit the turn and start a new session")
+        if ch.queued_samples + pcm.size > lim.max_queued_audio_seconds * rate or \
+                st.worker.queue_depth() >= lim.max_queued_appends:
+            ch.overflows += 1
+            raise P.ProtocolError("input_overflow", f"the server is {ch.queued_samples / rate:.2f} s of audio "
+                                  f"behind (limit {lim.max_queued_audio_seconds:g} s); this append of {pcm.size} "
+                                  "samples was NOT accepted. Send slower (real time) or resend it later")
+        if pcm.size == 0:
+            return
+        ch.received_samples += int(pcm.size)
+        self.m.audio_in_seconds.inc(pcm.size / rate)
+        st.worker.submit("append", ch, pcm)

@@ -41,6 +41,13 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--numerics", choices=["reference", "float32"], default="reference",
                    help="EAR-TTS roundings (voicechat.load): reference = mlx-vlm's, the same codes as its server "
                         "(default); float32 = no bf16 roundings")
+    s.add_argument("--mcp", default=None, metavar="CMD",
+                   help="run this MCP server's tools in the server (e.g. \"python -m mcp_server_time\"): sessions "
+                        "whose client gives no tools get them, and the server answers the model's calls "
+                        "(needs the `tools` extra)")
+    s.add_argument("--silence-frames", type=int, default=8, metavar="N",
+                   help="OpenAI Realtime GA dialect: a response ends at the first run of N silent frames of the "
+                        "model (default 8 = 640 ms); a user turn after N frames without a transcript token")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
@@ -104,12 +111,29 @@ def run_serve(args) -> int:
     security = ServerSecurity(api_key=_key(args.api_key), allowed_origins=tuple(args.allow_origin))
     if args.host not in ("127.0.0.1", "localhost", "::1") and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    from .dialect import DialectOptions
+
+    if args.silence_frames < 1:
+        print(f"voicechat serve: error: --silence-frames must be >= 1, got {args.silence_frames}", file=sys.stderr)
+        return 2
+    runner = None
+    if args.mcp:
+        from voicechat.tool_runners import McpToolRunner
+
+        try:
+            runner = McpToolRunner(args.mcp)
+        except (RuntimeError, ValueError, ImportError) as e:
+            print(f"voicechat serve: error: --mcp: {e}", file=sys.stderr)
+            return 2
+        print(f"voicechat serve: MCP tools: {', '.join(t['name'] for t in runner.tools())}", file=sys.stderr)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
-                       load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every)
+                       load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every,
+                       tool_runner=runner, dialect_options=DialectOptions(silence_frames=args.silence_frames))
     info = state.worker.info
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "
-          f"http://{args.host}:{args.port}/  ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port}/  ws://{args.host}:{args.port}/v1/realtime  "
+          f"ws://{args.host}:{args.port}/v1/live/sessions", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
                                            log_level=args.log_level))
     try:
@@ -118,6 +142,8 @@ def run_serve(args) -> int:
         pass
     finally:
         state.worker.stop()
+        if runner is not None:
+            runner.close()
     print("voicechat serve: stopped", file=sys.stderr)
     return 0
 

@@ -46,6 +46,9 @@ class Channel:
     end: str = "disconnect"
     errors: int = 0
     overflows: int = 0
+    # True: the worker hands the session's own events over ("raw") and the connection's dialect
+    # (dialect_ga / dialect_live) translates them; False: mlx-vlm payloads (protocol.event_payload).
+    raw: bool = False
 
     @property
     def queued_samples(self) -> int:
@@ -60,7 +63,7 @@ class Channel:
 
 @dataclass
 class Command:
-    kind: str  # open | append | commit | cancel | close | stop
+    kind: str  # open | append | commit | cancel | close | tool_result | stop
     channel: Channel | None = None
     payload: Any = None
 
@@ -80,8 +83,11 @@ class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
 
     def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
-                 warmup_seconds: float = 0.0):
+                 warmup_seconds: float = 0.0, tool_runner=None):
         self._load_model = load_model
+        # `voicechat serve --mcp CMD`: the server runs the tools (voicechat.tool_runners); a session
+        # whose client gives no tools gets the runner's.
+        self.tool_runner = tool_runner
         self.metrics = metrics
         # Stage timing forces one synchronisation per stage; doing it on every Kth frame keeps the
         # per-stage histograms while costing the other frames nothing (0 = never).
@@ -154,6 +160,7 @@ class ModelWorker:
                 "frame_ms": float(cfg.frame_duration * 1000.0),
                 "output_frame_samples": int(model.tts_model.audio_codec.samples_per_frame),
                 "num_codebooks": int(cfg.codec_config.num_quantizers),
+                "silence_codes": [int(c) for c in np.asarray(model.tts_model.codec_silence_tokens).reshape(-1)],
             }
             if self.warmup_seconds > 0:
                 self._warmup(model)
@@ -197,10 +204,13 @@ class ModelWorker:
             p = cmd.payload
             from voicechat.errors import VoiceChatError
 
+            tools = p.get("tools")
+            if not tools and self.tool_runner is not None:
+                tools = self.tool_runner.tools()
             try:
                 session = self.model.create_streaming_session(
                     system_prompt=p["system_prompt"], seed=p["seed"], max_streaming_seconds=p["max_streaming_seconds"],
-                    profile=self.stage_metrics_every > 0)
+                    profile=self.stage_metrics_every > 0, tools=tools or None)
             except (VoiceChatError, ValueError, TypeError) as e:
                 # e.g. a system prompt longer than the context: the client may send another session.update.
                 ch.emit(("open_failed", "session_initialization_failed", str(e)))
@@ -228,6 +238,15 @@ class ModelWorker:
         elif cmd.kind == "close":
             self._close(active)
             return None
+        elif cmd.kind == "tool_result":
+            call_id, output = cmd.payload
+            s = active.session
+            if s is None or s.closed:
+                return active
+            try:
+                s.submit_tool_result(call_id, output)
+            except ValueError as e:  # unknown or already answered call_id: nothing changed
+                ch.emit(("error", "invalid_tool_result", str(e)))
         return active
 
     def _append(self, a: _Active, pcm: np.ndarray) -> None:
@@ -270,17 +289,36 @@ class ModelWorker:
         ch, s = a.channel, a.session
         rate = self.info["output_sample_rate"]
         out = []
+        lag = 0.0
         for e in events:
             if e.kind == "audio":
                 done = (e.frame_index + 1) * s.frame_samples
                 lag = max(0, ch.received_samples - done) * 1000.0 / self.info["input_sample_rate"]
                 a.compute_ms.append(compute_ms)
                 a.lag_ms.append(lag)
-                out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
+                if not ch.raw:
+                    out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
                 self._observe(a, compute_ms, lag)
-            else:
+            elif e.kind == "tool_call" and self.tool_runner is not None:
+                self._run_tool(ch, e)
+                if not ch.raw:
+                    out.append(event_payload(e, rate))
+            elif not ch.raw:
                 out.append(event_payload(e, rate))
-        ch.emit(("events", out))
+        ch.emit(("raw", list(events), compute_ms, lag) if ch.raw else ("events", out))
+
+    def _run_tool(self, ch: Channel, call) -> None:
+        """`--mcp`: run the call on its own thread (the model keeps computing frames meanwhile) and
+        hand the result back through the queue, as a client's result would come."""
+
+        def run():
+            try:
+                output = self.tool_runner.call(call.name, call.arguments, timeout=30.0)
+            except Exception as e:  # an unknown tool name: the model gets the error as its result
+                output = json.dumps({"error": f"{type(e).__name__}: {e}"})
+            self.submit("tool_result", ch, (call.call_id, output))
+
+        threading.Thread(target=run, name="voicechat-tool-call", daemon=True).start()
 
     def _observe(self, a: _Active, compute_ms: float, lag_ms: float) -> None:
         m = self.metrics
