@@ -356,7 +356,7 @@ class GaMapper:
             if self.suppress and self.silent_run >= self.opt.silence_frames:
                 self.suppress = False
             if self.requested_at is not None and f + 1 - self.requested_at >= self.opt.response_wait_frames:
-                self.open_response(out)
+                self.open_response(out, audio=False)  # the model chose not to speak: an empty answer
                 self.close_response(out)
         if self.user is not None and f - self.user["last"] >= self.opt.silence_frames:
             self.close_user((f + 1) * FRAME_MS, out)
@@ -491,15 +491,18 @@ class GaDialect(Dialect):
         self.conn._admit_audio(x)
 
     def _on_input_audio_buffer_commit(self, msg):
-        # The duplex model does not wait for a commit: it is a marker that ends the user's turn in the report.
+        # The duplex model does not wait for a commit: it marks the end of the user's turn in the report,
+        # answered once the frames of the audio sent before it are computed (as mlx-vlm's commit is).
+        self.state.worker.submit("sync", self.conn.channel, "commit")
+
+    def _committed(self) -> list:
         out: list = []
         m = self.mapper
         item_id = m.close_user(m.frame * FRAME_MS, out) if m is not None else None
         if item_id is None:
-            self.send({"type": "input_audio_buffer.committed", "item_id": _id("item"),
-                       "previous_item_id": m.last_item_id if m else None})
-        for p in out:
-            self.send(p)
+            out.append({"type": "input_audio_buffer.committed", "item_id": _id("item"),
+                        "previous_item_id": m.last_item_id if m else None})
+        return out
 
     def _on_input_audio_buffer_clear(self, msg):
         # Audio already sent is part of the duplex stream; there is no uncommitted buffer to drop.
@@ -594,6 +597,9 @@ class GaDialect(Dialect):
                 await self.send_now(self.mapper.events(item[1]))
             return True
         if kind == "opened":
+            return True
+        if kind == "synced":
+            await self.send_now(self._committed())
             return True
         if kind == "open_failed":
             self.opened, self.failed = False, True

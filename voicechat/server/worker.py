@@ -63,7 +63,7 @@ class Channel:
 
 @dataclass
 class Command:
-    kind: str  # open | append | commit | cancel | close | tool_result | stop
+    kind: str  # open | append | commit | cancel | close | tool_result | sync | stop
     channel: Channel | None = None
     payload: Any = None
 
@@ -217,6 +217,9 @@ class ModelWorker:
                 return None
             ch.emit(("opened", dict(self.info)))
             return _Active(ch, session, profile=session.profile)
+        if cmd.kind == "sync":  # a marker: every command before it is done (the GA dialect's commit)
+            ch.emit(("synced", cmd.payload))
+            return active
         if active is None or active.channel is not ch:
             # Commands of a connection that never opened a session (or was already closed).
             if cmd.kind == "append" and ch is not None:
