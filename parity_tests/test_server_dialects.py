@@ -276,8 +276,7 @@ def test_every_ga_client_event_is_acknowledged_without_error(tiny_server, questi
                         return e
             await until("session.created")
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
-                                               "output_modalities": ["audio"],
-                                               "tools": [TIME_TOOL], "tool_choice": "auto"})
+                                               "output_modalities": ["audio"], "tool_choice": "auto"})
             await until("session.updated")
             for i in range(0, pcm.size, 1920):
                 await conn.input_audio_buffer.append(audio=b64(pcm[i:i + 1920]))
@@ -308,7 +307,7 @@ def test_every_ga_client_event_is_acknowledged_without_error(tiny_server, questi
     assert [e for e in seen if e["type"] == "error"] == []
     for e in seen:
         ga_validate(e)
-    assert seen[0]["session"]["tools"] == [] and seen[1]["session"]["tools"][0]["name"] == TOOLCALL_TOOL
+    assert seen[1]["session"]["instructions"] == "Be brief."
     assert wait_released(tiny_server)
 
 
@@ -364,7 +363,7 @@ def test_unsupported_rates_and_formats_are_refused_clearly(tiny_server):
         errs = []
         async with sdk(tiny_server.port).realtime.connect(model="gpt-realtime") as conn:
             await recv_raw(conn)
-            for fmt in ({"type": "audio/pcm", "rate": 44100}, {"type": "audio/pcmu"}):
+            for fmt in ({"type": "audio/pcm", "rate": 16000}, {"type": "audio/pcmu"}):  # GA's pcm is 24 kHz
                 await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {
                     "input": {"format": fmt}}}})
                 errs.append(await recv_raw(conn))
@@ -380,7 +379,7 @@ def test_unsupported_rates_and_formats_are_refused_clearly(tiny_server):
     rate, ulaw, ok, live = run(go())
     for e in (rate, ulaw):
         ga_validate(e)
-    assert rate["error"]["code"] == "invalid_sample_rate" and "44100" in rate["error"]["message"] \
+    assert rate["error"]["code"] == "invalid_sample_rate" and "16000" in rate["error"]["message"] \
         and "24000" in rate["error"]["message"] and rate["error"]["type"] == "invalid_request_error"
     assert ulaw["error"]["code"] == "unsupported_audio_format" and "audio/pcmu" in ulaw["error"]["message"]
     assert ok["type"] == "session.updated" and ok["session"]["audio"]["input"]["format"]["rate"] == 24000
@@ -465,51 +464,68 @@ def toolcall(tmp_path_factory):
     return path, voicechat.load(path)
 
 
+def reported_transcript(model, events) -> str:
+    """The assistant transcript GA reports for these session events (the mapping; its own tests are below)."""
+    from voicechat.server.dialect import DialectOptions
+    from voicechat.server.dialect_ga import GaMapper
+
+    m = GaMapper(model_rate=22050, client_rate=24000, options=DialectOptions(),
+                 silence_codes=np.asarray(model.tts_model.codec_silence_tokens))
+    return "".join(e["delta"] for e in m.events(events) if e["type"] == "response.output_audio_transcript.delta")
+
+
 def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, question_wav):
+    from voicechat.server.resample import StreamResampler
+
     path, model = toolcall
     result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
-    wave = np.tile(question_wav, 4)
-    pcm = pcm16(wave)
-    # The reference: the call's frame, and the session with the result submitted right after it.
+    wave = np.zeros(200 * FRAME, np.float32)  # the forced result (~60 tokens, one a frame) and EOTR fit
+    wave[:question_wav.size] = question_wav
+    pcm24 = pcm16(soxr.resample(wave, 16000, 24000))
+    chunk = 1920  # 80 ms at 24 kHz
+    # The reference: the same 24 kHz appends through the same resampling; the result goes in right after the
+    # append whose frames brought the call (the client below sends up to there, waits for the call, answers).
+    r = StreamResampler(24000, 16000)
     s = model.create_streaming_session(tools=[TIME_TOOL])
-    ev = []
-    for i in range(0, pcm.size, FRAME):
-        ev += s.push_audio(pcm[i:i + FRAME].astype(np.float32) / 32768.0)
-        if s.pending_tool_calls:
-            call = next(e for e in ev if e.kind == "tool_call")
-            s.submit_tool_result(call.call_id, result)
+    ev, upto = [], None
+    for i in range(0, pcm24.size, chunk):
+        ev += s.push_audio(r.push(pcm24[i:i + chunk].astype(np.float32) / 32768.0))
+        if s.pending_tool_calls and upto is None:
+            upto = i + chunk
+            s.submit_tool_result(s.pending_tool_calls[0], result)
     call = next(e for e in ev if e.kind == "tool_call")
     eotr = [e for e in ev if e.kind == "tool_result_done"]
     assert eotr and eotr[0].frame_index > call.frame_index  # the model closed the result with its EOTR
-    with_result = "".join(e.delta for e in ev if e.kind == "assistant_text_delta")
-    s2 = model.create_streaming_session(tools=[TIME_TOOL])
-    no_result = "".join(e.delta for e in s2.push_audio(pcm.astype(np.float32) / 32768.0)
-                        if e.kind == "assistant_text_delta")
+    with_result = reported_transcript(model, ev)
+    r2, s2 = StreamResampler(24000, 16000), model.create_streaming_session(tools=[TIME_TOOL])
+    no_result = reported_transcript(model, s2.push_audio(r2.push(pcm24.astype(np.float32) / 32768.0)))
     assert no_result != with_result  # the result changes what the model says: the comparison can fail
-    n_call = (call.frame_index + 1) * FRAME
-    p, port = serve(path, tmp_path)
+    p, port = serve(path, tmp_path, "--max-queued-audio-seconds", "30")  # the test sends faster than real time
     try:
         async def go():
             seen = []
             async with sdk(port).realtime.connect(model="gpt-realtime") as conn:
-                await conn.session.update(session={"type": "realtime", "tools": [TIME_TOOL], "audio": {
-                    "input": {"format": {"type": "audio/pcm", "rate": 16000}},
-                    "output": {"format": {"type": "audio/pcm", "rate": 16000}}}})
-                # 16 kHz in: no resampler latency, so the server computes exactly the frames sent.
-                for i in range(0, n_call, FRAME):
-                    await conn.input_audio_buffer.append(audio=b64(pcm[i:i + FRAME]))
+                await conn.session.update(session={"type": "realtime", "tools": [TIME_TOOL]})
+                for i in range(0, upto, chunk):
+                    await conn.input_audio_buffer.append(audio=b64(pcm24[i:i + chunk]))
                 while True:
                     e = await recv_raw(conn)
                     seen.append(e)
+                    assert e["type"] != "error", e
                     if e["type"] == "response.function_call_arguments.done":
                         break
                 await conn.conversation.item.create(item={"type": "function_call_output", "call_id": e["call_id"],
                                                           "output": result})
-                for i in range(n_call, pcm.size, FRAME):
-                    await conn.input_audio_buffer.append(audio=b64(pcm[i:i + FRAME]))
-                await conn.input_audio_buffer.commit()
-                while not (seen[-1]["type"] == "input_audio_buffer.committed"):
-                    seen.append(await recv_raw(conn, 120))
+                for i in range(upto, pcm24.size, chunk):
+                    await conn.input_audio_buffer.append(audio=b64(pcm24[i:i + chunk]))
+                said = ""
+                try:
+                    while len(said) < len(with_result):
+                        seen.append(await recv_raw(conn, 30))
+                        if seen[-1]["type"] == "response.output_audio_transcript.delta":
+                            said += seen[-1]["delta"]
+                except TimeoutError:
+                    pass  # the assertions below say what is missing
             return seen
 
         seen = run(go())

@@ -14,7 +14,7 @@ session's events, so it is tested without a socket):
 * a ToolCall is a `function_call` item (in the open response, or in a response of its own);
   `conversation.item.create {function_call_output}` is the session's submit_tool_result.
 
-Audio is PCM16 at the negotiated rate both ways (24 kHz, OpenAI's default, or 16 kHz), resampled
+Audio is PCM16 at 24 kHz both ways (the only `audio/pcm` rate of the GA schema), resampled
 with soxr: input -> 16 kHz for the model, the model's 22.05 kHz -> the client's rate. Nothing the
 dialect does changes what the model computes; cancel and truncate change what is reported.
 """
@@ -35,7 +35,7 @@ from .resample import StreamResampler, pcm16_to_float
 
 log = logging.getLogger("voicechat.server")
 
-GA_RATES = (24000, 16000)  # audio/pcm rates served; 24000 is OpenAI's (and the default)
+GA_RATES = (24000,)  # GA's audio/pcm is 24 kHz only (its schema); Live also has 16 kHz
 FRAME_MS = 80
 
 # Every GA client event (openai.types.realtime.RealtimeClientEvent).
@@ -58,7 +58,7 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-def parse_format(fmt, where: str) -> int | None:
+def parse_format(fmt, where: str, rates=GA_RATES) -> int | None:
     """A GA / Live audio format object -> its rate, or ProtocolError naming what is served."""
     if fmt is None:
         return None
@@ -68,12 +68,16 @@ def parse_format(fmt, where: str) -> int | None:
     t = fmt.get("type", "audio/pcm")
     if t != "audio/pcm":
         raise P.ProtocolError("unsupported_audio_format", f"{where}.type {t!r} is not served; this server speaks "
-                              "\"audio/pcm\" (PCM16 little-endian mono) at 24000 or 16000 Hz")
+                              f"\"audio/pcm\" (PCM16 little-endian mono) at {_hz(rates)}")
     rate = fmt.get("rate", 24000)
-    if isinstance(rate, bool) or rate not in GA_RATES:
-        raise P.ProtocolError("invalid_sample_rate", f"{where}.rate {rate!r} is not served; audio/pcm at 24000 or "
-                              "16000 Hz (the audio is resampled with soxr, never read at another rate)")
+    if isinstance(rate, bool) or rate not in rates:
+        raise P.ProtocolError("invalid_sample_rate", f"{where}.rate {rate!r} is not served; audio/pcm at {_hz(rates)} "
+                              "(resampled with soxr to and from the model's rates, never read at another rate)")
     return int(rate)
+
+
+def _hz(rates) -> str:
+    return " or ".join(str(r) for r in rates) + " Hz"
 
 
 def decode_pcm(msg: dict, key: str = "audio") -> np.ndarray:

@@ -106,7 +106,7 @@ class LiveDialect(Dialect):
         audio = s.get("audio") or {}
         if not isinstance(audio, dict):
             raise P.ProtocolError("invalid_session", "session.audio must be an object")
-        rate = parse_format(audio.get("format"), "session.audio.format")
+        rate = parse_format(audio.get("format"), "session.audio.format", LIVE_RATES)
         self.rate = rate or 24000
         # The client's model name is accepted whatever it is; the server reports its own.
         self.model = public_model_name(self.state.model_name)
