@@ -652,3 +652,39 @@ def test_mapping_response_create_while_silent_completes_empty_after_the_wait():
     out = _run_from(m, 1, [(False, None, None)] * 4)
     types = [e["type"] for e in out]
     assert types == ["response.created", "response.done"] and out[1]["response"]["output"] == []
+
+
+# -- voicechat serve --mcp: the server runs the tools
+
+
+def test_serve_mcp_runs_the_tools_for_a_simple_client(toolcall, tmp_path):
+    """mlx-vlm's dialect (the page, `voicechat client`) without tools of its own: the server's MCP tools are the
+    session's, the server answers the call, the model closes the result with its EOTR."""
+    path, _ = toolcall
+    pcm = np.zeros(400 * FRAME, np.int16)  # mcp-server-time's answer is ~150 tokens, forced one a frame
+    p, port = serve(path, tmp_path, "--mcp", f"{sys.executable} -m mcp_server_time --local-timezone UTC",
+                    "--max-queued-audio-seconds", "30")
+
+    async def go():
+        async with Raw(f"ws://127.0.0.1:{port}/v1/realtime") as c:
+            await c.configure()
+            for i in range(0, 100 * FRAME, FRAME):
+                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + FRAME])})
+            call, seen = await c.until("response.function_call_arguments.done")
+            # The server answers the call itself (a frame after the result is in, the model hears it).
+            out, more = await c.until("response.function_call.output")
+            for i in range(100 * FRAME, pcm.size, FRAME):
+                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + FRAME])})
+            await c.send({"type": "input_audio_buffer.commit"})
+            code, rest = await c.closed()
+            return call, out, seen + more + rest, code
+
+    try:
+        call, out, seen, code = run(go())
+    finally:
+        stop(p)
+    assert code == 1000 and not [e for e in seen if e["type"] == "error"]
+    assert call["name"] == TOOLCALL_TOOL and json.loads(call["arguments"]) == TOOLCALL_ARGUMENTS
+    assert out["call_id"] == call["call_id"] and "datetime" in json.loads(out["output"])
+    done = [e for e in seen if e["type"] == "response.function_call.result_done"]
+    assert [d["call_id"] for d in done] == [call["call_id"]]  # the model's EOTR after the server's result

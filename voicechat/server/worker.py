@@ -77,6 +77,7 @@ class _Active:
     discarded_samples: int = 0
     stages_seen: int = 0
     profile: Any = None  # the session's Profile; attached to the session only on sampled frames
+    runs_tools: bool = False  # --mcp: the session's tools are the runner's, and the server answers its calls
 
 
 class ModelWorker:
@@ -205,7 +206,8 @@ class ModelWorker:
             from voicechat.errors import VoiceChatError
 
             tools = p.get("tools")
-            if not tools and self.tool_runner is not None:
+            runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
+            if runs_tools:
                 tools = self.tool_runner.tools()
             try:
                 session = self.model.create_streaming_session(
@@ -216,7 +218,7 @@ class ModelWorker:
                 ch.emit(("open_failed", "session_initialization_failed", str(e)))
                 return None
             ch.emit(("opened", dict(self.info)))
-            return _Active(ch, session, profile=session.profile)
+            return _Active(ch, session, profile=session.profile, runs_tools=runs_tools)
         if cmd.kind == "sync":  # a marker: every command before it is done (the GA dialect's commit)
             ch.emit(("synced", cmd.payload))
             return active
@@ -242,7 +244,7 @@ class ModelWorker:
             self._close(active)
             return None
         elif cmd.kind == "tool_result":
-            call_id, output = cmd.payload
+            call_id, output, by_server = (*cmd.payload, False)[:3]
             s = active.session
             if s is None or s.closed:
                 return active
@@ -250,6 +252,10 @@ class ModelWorker:
                 s.submit_tool_result(call_id, output)
             except ValueError as e:  # unknown or already answered call_id: nothing changed
                 ch.emit(("error", "invalid_tool_result", str(e)))
+                return active
+            if by_server and not ch.raw:  # the client sees what the server answered (the page shows it)
+                ch.emit(("events", [{"type": "response.function_call.output", "frame_index": s.frame_index,
+                                     "call_id": call_id, "output": output}]))
         return active
 
     def _append(self, a: _Active, pcm: np.ndarray) -> None:
@@ -302,7 +308,7 @@ class ModelWorker:
                 if not ch.raw:
                     out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
                 self._observe(a, compute_ms, lag)
-            elif e.kind == "tool_call" and self.tool_runner is not None:
+            elif e.kind == "tool_call" and a.runs_tools:
                 self._run_tool(ch, e)
                 if not ch.raw:
                     out.append(event_payload(e, rate))
@@ -319,7 +325,7 @@ class ModelWorker:
                 output = self.tool_runner.call(call.name, call.arguments, timeout=30.0)
             except Exception as e:  # an unknown tool name: the model gets the error as its result
                 output = json.dumps({"error": f"{type(e).__name__}: {e}"})
-            self.submit("tool_result", ch, (call.call_id, output))
+            self.submit("tool_result", ch, (call.call_id, output, True))
 
         threading.Thread(target=run, name="voicechat-tool-call", daemon=True).start()
 
