@@ -688,3 +688,13 @@ def test_serve_mcp_runs_the_tools_for_a_simple_client(toolcall, tmp_path):
     assert out["call_id"] == call["call_id"] and "datetime" in json.loads(out["output"])
     done = [e for e in seen if e["type"] == "response.function_call.result_done"]
     assert [d["call_id"] for d in done] == [call["call_id"]]  # the model's EOTR after the server's result
+
+
+def test_mapping_truncate_of_a_finished_item_keeps_what_was_played():
+    m = _mapper()
+    out = _run(m, [(True, None, "One"), (True, None, " two")] + [(False, None, None)] * 3)
+    item = [e for e in out if e["type"] == "response.output_item.done"][0]["item"]
+    assert item["content"][0]["transcript"] == "One two"
+    assert m.truncate(item["id"], 40, [])  # " two" came with the second frame, after ~74 ms of audio
+    assert m.items[item["id"]]["content"][0]["transcript"] == "One" and m.items[item["id"]]["status"] == "incomplete"
+    assert not m.truncate("item_unknown", 0, [])

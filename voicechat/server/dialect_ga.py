@@ -113,6 +113,7 @@ class GaMapper:
         self.pending_text = ""  # text-channel deltas while no response is open: the next response's start
         self.requested_at: int | None = None  # response.create while silent: the frame it came at
         self.items: dict[str, dict] = {}  # conversation items by id (retrieve / truncate / delete)
+        self.segments: dict[str, list] = {}  # assistant audio items: (ms of audio before the delta, text delta)
         self.last_item_id: str | None = None
         self.last_response_id: str | None = None
         self.frame = 0
@@ -237,6 +238,7 @@ class GaMapper:
                 part = {"type": "audio", "transcript": text}
                 item["content"] = [{"type": "output_audio", "transcript": text}]
             item["status"] = item_status
+            self.segments[item["id"]] = a["segments"]
             out.append({"type": "response.content_part.done", **ids, "part": part})
             out.append({"type": "response.output_item.done", "response_id": r["id"], "output_index": a["index"],
                         "item": item})
@@ -283,6 +285,11 @@ class GaMapper:
         item = self.items.get(item_id)
         if item is None:
             return False
+        if item_id in self.segments:  # a finished assistant item: its stored transcript is what was played
+            text = "".join(d for ms, d in self.segments[item_id] if ms < audio_end_ms)
+            item["content"] = [dict(c, transcript=text) if c.get("type") == "output_audio" else c
+                               for c in item.get("content", [])]
+            item["status"] = "incomplete"
         return True
 
     def request(self) -> list:
