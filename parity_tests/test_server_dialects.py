@@ -397,10 +397,13 @@ def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(tin
             seen.append(await recv_raw(conn))
             await conn.send({"type": "session.start", "session": {"model": "x", "audio": {
                 "format": {"type": "audio/pcm", "rate": 16000}}}})
+            # Pipelined right after session.start (before session.started): accepted, in order.
+            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[:2 * FRAME]))})
             seen.append(await recv_raw(conn))
             await conn.send({"type": "thinking.append", "event_id": "t1", "text": "hm"})
-            seen.append(await recv_raw(conn))
-            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[:4 * FRAME]))})
+            while seen[-1]["type"] != "error":
+                seen.append(await recv_raw(conn))
+            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[2 * FRAME:4 * FRAME]))})
             await conn.send({"type": "session.close"})
             while seen[-1]["type"] != "session.closed":
                 seen.append(await recv_raw(conn))
@@ -411,7 +414,11 @@ def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(tin
         live_validate(e)
     assert seen[0]["error"]["code"] == "session_not_started" and "session.start" in seen[0]["error"]["message"]
     assert seen[1]["type"] == "session.started" and seen[1]["session"]["audio"]["format"]["rate"] == 16000
-    assert seen[2]["error"]["code"] == "unsupported_event" and seen[2]["error"]["client_event_id"] == "t1"
+    errors = [e for e in seen[1:] if e["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "unsupported_event" \
+        and errors[0]["error"]["client_event_id"] == "t1"
+    # 4 frames were computed (a lost pipelined append would leave 2): the transcripts reach frame 3.
+    assert max(e["end_ms"] for e in seen if e["type"].endswith("transcript.delta")) == 4 * 80
     # 16 kHz in -> 16 kHz out: 4 frames of 24 samples at 22.05 kHz plus the tail, resampled.
     assert sum(e["type"] == "session.output_audio.delta" for e in seen) >= 1
     assert wait_released(tiny_server)

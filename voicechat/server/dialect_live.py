@@ -60,8 +60,8 @@ class LiveDialect(Dialect):
         if t not in SUPPORTED:
             raise P.ProtocolError("unsupported_event", f"{t!r} is not supported by this server (a full-duplex speech "
                                   "model without delegation); supported: " + ", ".join(SUPPORTED))
-        if not self.started:
-            raise P.ProtocolError("session_not_started", f"send session.start and wait for session.started before {t}")
+        if not self.conn.configured:  # after session.start the commands queue behind the session's opening
+            raise P.ProtocolError("session_not_started", f"send session.start before {t}")
         if t == "session.input_audio.append":
             pcm = decode_pcm(msg)
             x = pcm16_to_float(pcm)
