@@ -705,3 +705,17 @@ def test_mapping_truncate_of_a_finished_item_keeps_what_was_played():
     assert m.truncate(item["id"], 40, [])  # " two" came with the second frame, after ~74 ms of audio
     assert m.items[item["id"]]["content"][0]["transcript"] == "One" and m.items[item["id"]]["status"] == "incomplete"
     assert not m.truncate("item_unknown", 0, [])
+
+
+def test_mapping_text_only_modality_sends_text_events_and_no_audio():
+    m = _mapper()
+    m.text_only = True
+    out = _run(m, [(True, None, "Hi"), (True, None, "!")] + [(False, None, None)] * 3)
+    types = [e["type"] for e in out]
+    for e in out:
+        ga_validate(dict(e, event_id="evt"))
+    assert "response.output_audio.delta" not in types and "response.output_audio_transcript.delta" not in types
+    assert "".join(e["delta"] for e in out if e["type"] == "response.output_text.delta") == "Hi!"
+    done = [e for e in out if e["type"] == "response.output_text.done"][0]
+    assert done["text"] == "Hi!"
+    assert [e for e in out if e["type"] == "response.done"][0]["response"]["output_modalities"] == ["text"]
