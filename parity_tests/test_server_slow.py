@@ -103,10 +103,11 @@ def _wait(driver, cond, timeout, what):
 @pytest.mark.slow
 @pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
                     reason="needs Debian's chromium + chromium-driver (.ci/run installs them)")
-@pytest.mark.parametrize("capture", ["browser", "native"])
+@pytest.mark.parametrize("capture", ["browser", "native", "bargein"])
 def test_browser_page_talks_to_the_server(server, capture):
     """capture=browser: a 16 kHz AudioContext (Chromium resamples the mic); native: the device rate and
-    the page's own resampler in the capture worklet."""
+    the page's own resampler in the capture worklet (both with ?bargein=off: every sample is played);
+    bargein: the fake microphone speaks while the model speaks, and the page drops its playback buffer."""
     pytest.importorskip("selenium")
     from selenium.webdriver.common.by import By
 
@@ -114,7 +115,8 @@ def test_browser_page_talks_to_the_server(server, capture):
 
     driver = _chrome(Path(sample_path("question")))
     try:
-        driver.get(server.http + ("/?capture=native" if capture == "native" else "/"))
+        driver.get(server.http + {"native": "/?capture=native&bargein=off", "browser": "/?bargein=off",
+                                  "bargein": "/"}[capture])
         driver.find_element(By.ID, "prompt").send_keys("You are a helpful assistant.")
         driver.find_element(By.ID, "start").click()
         # The fake microphone loops the sample: stream ~4 s, then Stop (commit).
@@ -122,12 +124,13 @@ def test_browser_page_talks_to_the_server(server, capture):
               "50 frames and a transcript")
         driver.find_element(By.ID, "stop").click()
         _wait(driver, "window.voicechat.done && window.voicechat.closed", 60, "response.done")
-        _wait(driver, "window.voicechat.samplesPlayed >= window.voicechat.samplesReceived", 60,
-              "playback of every received sample")
+        _wait(driver, "window.voicechat.samplesPlayed + window.voicechat.samplesDropped >= "
+                      "window.voicechat.samplesReceived", 60, "playback of every received sample not dropped")
         time.sleep(0.3)
         st = driver.execute_script("return window.voicechat;")
         REPORTS.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(REPORTS / ("browser.png" if capture == "browser" else "browser_native.png")))
+        driver.save_screenshot(str(REPORTS / {"browser": "browser.png", "native": "browser_native.png",
+                                              "bargein": "browser_bargein.png"}[capture]))
         dom_transcript = driver.find_element(By.ID, "transcript").text
     finally:
         driver.quit()
@@ -137,7 +140,13 @@ def test_browser_page_talks_to_the_server(server, capture):
     assert st["frameIndices"] == list(range(st["frames"]))
     assert all(n == spf for n in st["deltaSamples"])
     assert st["samplesReceived"] == st["frames"] * spf + st["tailSamples"]
-    assert st["samplesPlayed"] == st["samplesReceived"]
+    if capture == "bargein":
+        # The sample's speech starts while the (synthetic) model talks: at least one barge-in dropped audio.
+        assert st["bargeIns"] >= 1 and st["samplesDropped"] > 0
+        assert st["samplesPlayed"] + st["samplesDropped"] == st["samplesReceived"]
+    else:
+        assert st["bargeIns"] == 0 and st["samplesDropped"] == 0
+        assert st["samplesPlayed"] == st["samplesReceived"]
     # Frames = the audio the page sent (16 kHz PCM16, 1280 samples per frame, last one padded).
     assert st["frames"] == -(-st["samplesSent"] // 1280)
     assert dom_transcript.strip() == st["transcript"].strip() and dom_transcript.strip()
@@ -145,6 +154,6 @@ def test_browser_page_talks_to_the_server(server, capture):
         assert st["micRate"] != 16000  # the worklet's resampler ran
     (REPORTS / f"browser_{capture}.json").write_text(json.dumps({k: st[k] for k in (
         "frames", "samplesSent", "samplesReceived", "samplesPlayed", "tailSamples", "outputFrameSamples",
-        "outputRate", "underruns", "micRate", "transcript", "text")}, indent=1) + "\n")
+        "outputRate", "underruns", "micRate", "transcript", "text", "samplesDropped", "bargeIns")}, indent=1) + "\n")
     print({k: st[k] for k in ("frames", "samplesPlayed", "underruns", "micRate")},
           f"compute mean {np.mean(st['compute']):.1f} ms")

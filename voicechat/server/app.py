@@ -23,6 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
+from .dialect import DialectOptions, dialect_for_query, make_dialect, openai_error, wants_ga
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .security import SecurityMiddleware, ServerSecurity, excerpt
@@ -57,6 +58,8 @@ class ServerState:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     model_name: str = ""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    # The OpenAI dialects' serving options (voicechat.server.dialect.DialectOptions).
+    dialect_options: DialectOptions = field(default_factory=DialectOptions)
     _slot: str | None = None
     _slot_lock: threading.Lock = field(default_factory=threading.Lock)
     connections: set = field(default_factory=set)  # live RealtimeConnections (closed with 1001 at shutdown)
@@ -115,10 +118,15 @@ def create_app(state: ServerState) -> Starlette:
         return Response(state.metrics.render(), media_type=ServerMetrics.content_type)
 
     async def realtime(ws: WebSocket):
-        await RealtimeConnection(state, ws).run()
+        # mlx-vlm's dialect unless the URL or the first session.update asks for OpenAI's (dialect.py).
+        await RealtimeConnection(state, ws, dialect=dialect_for_query(ws.query_params)).run()
+
+    async def live(ws: WebSocket):
+        await RealtimeConnection(state, ws, dialect="live").run()
 
     routes = [Route(p, page) for p in ASSETS]
-    routes += [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/v1/realtime", realtime)]
+    routes += [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/v1/realtime", realtime),
+               WebSocketRoute("/v1/live/sessions", live)]
     app = Starlette(routes=routes, middleware=[Middleware(SecurityMiddleware, security=state.security,
                                                           metrics=state.metrics)])
     app.state.server = state
@@ -132,7 +140,7 @@ class RealtimeConnection:
     is bounded and validated (validation.py); no exception from one reaches the reader's top level.
     """
 
-    def __init__(self, state: ServerState, ws: WebSocket):
+    def __init__(self, state: ServerState, ws: WebSocket, dialect: str | None = None):
         self.state = state
         self.ws = ws
         self.m = state.metrics
@@ -147,6 +155,10 @@ class RealtimeConnection:
         # stop(): end the connection from outside the reader / writer (shutdown, slow reader).
         self._stop_event = asyncio.Event()
         self._stop_reason: tuple | None = None  # (end, close code, error code or None, message)
+        # None: mlx-vlm's dialect (this class); else the OpenAI dialect that translates both ways
+        # (made once the channel exists).
+        self._dialect_name = dialect
+        self.dialect = None
 
     # -- sending (only the writer task sends on the socket; everyone else goes through the outbox)
 
@@ -157,11 +169,16 @@ class RealtimeConnection:
     def _queue(self, payload: dict) -> None:
         self.channel.outbox.put_nowait(("send", payload))
 
+    def _error_event(self, code: str, message: str) -> dict:
+        if self.dialect is not None:
+            return self.dialect.error_payload(code, message)
+        return openai_error(code, message) if self._dialect_name else P.error_event(code, message)
+
     def _error(self, code: str, message: str) -> None:
         self.m.client_errors.labels(code=code).inc()
         if self.channel is not None:
             self.channel.errors += 1
-        self._queue(P.error_event(code, message))
+        self._queue(self._error_event(code, message))
 
     async def _send(self, payload: dict) -> None:
         # A client that does not read fills the socket buffers and send blocks: bounded by send_timeout.
@@ -188,7 +205,7 @@ class RealtimeConnection:
         if not await self._acquire():
             self.m.sessions_refused.labels(reason="busy").inc()
             await ws.accept(subprotocol=subprotocol)
-            await ws.send_text(self._envelope(P.error_event(
+            await ws.send_text(self._envelope(self._error_event(
                 "server_busy", "another session is active on this server (one session per process); retry later")))
             await ws.close(code=CLOSE_TRY_AGAIN)
             return
@@ -201,21 +218,26 @@ class RealtimeConnection:
                                on_overfull=lambda: self.stop(
                                    "slow_consumer", CLOSE_POLICY, None,
                                    f"more than {self.limits.max_outbound_events} events wait for this client"))
+        if self._dialect_name:
+            self.dialect = make_dialect(self._dialect_name, self)
         st.connections.add(self)
         try:
             await ws.accept(subprotocol=subprotocol)
             info = st.worker.info
-            self._queue({"type": "session.created", "session": {
-                "id": self.session_id, "state": "configuring", "model": st.model_name,
-                "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
-                "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
-                "limits": {"max_message_bytes": self.limits.max_message_bytes,
-                           "max_session_audio_seconds": self.limits.max_session_audio_seconds,
-                           "max_session_seconds": self.limits.max_session_seconds,
-                           "max_prompt_tokens": self.limits.max_prompt_tokens,
-                           "session_update_timeout": self.limits.session_update_timeout,
-                           "idle_timeout": self.limits.idle_timeout,
-                           "max_queued_audio_seconds": self.limits.max_queued_audio_seconds}}})
+            if self.dialect is not None:
+                self.dialect.connected()
+            else:
+                self._queue({"type": "session.created", "session": {
+                    "id": self.session_id, "state": "configuring", "model": st.model_name,
+                    "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
+                    "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
+                    "limits": {"max_message_bytes": self.limits.max_message_bytes,
+                               "max_session_audio_seconds": self.limits.max_session_audio_seconds,
+                               "max_session_seconds": self.limits.max_session_seconds,
+                               "max_prompt_tokens": self.limits.max_prompt_tokens,
+                               "session_update_timeout": self.limits.session_update_timeout,
+                               "idle_timeout": self.limits.idle_timeout,
+                               "max_queued_audio_seconds": self.limits.max_queued_audio_seconds}}})
             reader = asyncio.create_task(self._reader())
             writer = asyncio.create_task(self._writer())
             stopper = asyncio.create_task(self._stop_event.wait())
@@ -308,6 +330,12 @@ class RealtimeConnection:
         while True:
             item = await ch.outbox.get()
             kind = item[0]
+            if self.dialect is not None:  # True: handled by the dialect; a tuple: the item it should be
+                handled = await self.dialect.on_item(item)
+                if handled is True:
+                    continue
+                if isinstance(handled, tuple):
+                    item, kind = handled, handled[0]
             if kind == "send":
                 await self._send(item[1])
             elif kind == "events":
@@ -329,11 +357,11 @@ class RealtimeConnection:
                 self.configured = False  # the client may try another session.update
                 self.m.client_errors.labels(code=item[1]).inc()
                 ch.errors += 1
-                await self._send(P.error_event(item[1], item[2]))
+                await self._send(self._error_event(item[1], item[2]))
             elif kind == "error":
                 self.m.client_errors.labels(code=item[1]).inc()
                 ch.errors += 1
-                await self._send(P.error_event(item[1], item[2]))
+                await self._send(self._error_event(item[1], item[2]))
             elif kind == "finished":
                 # Session over: done / cancelled / context limit close normally; a worker failure with 1011.
                 await self._close(CLOSE_INTERNAL if item[1] == "internal_error" else CLOSE_NORMAL, item[1])
@@ -341,7 +369,7 @@ class RealtimeConnection:
             elif kind == "timeout":
                 code, message = item[1], item[2]
                 self.m.client_errors.labels(code=code).inc()
-                await self._send(P.error_event(code, message))
+                await self._send(self._error_event(code, message))
                 await self._close(CLOSE_POLICY, code)
                 return
             elif kind == "disconnect":
@@ -382,7 +410,10 @@ class RealtimeConnection:
                 continue  # commit / cancel already sent; the session's last events are on their way
             try:
                 check_size(text if text is not None else "", lim.max_message_bytes)
-                await self._dispatch(P.parse_message(text))
+                if self.dialect is not None:  # parses, validates and answers in its own format
+                    await self.dialect.handle_text(text)
+                else:
+                    await self._dispatch(P.parse_message(text))
             except MessageRefused as e:
                 self._error(e.code, str(e))
             except Exception:  # a bug, not the client's fault: the session goes on, the log has it
@@ -413,6 +444,10 @@ class RealtimeConnection:
             if self.configured:
                 raise P.ProtocolError("session_already_configured",
                                       "session.update may be sent once, before audio; this session is configured")
+            if wants_ga(msg):  # an OpenAI Realtime GA client that did not name a model in the URL
+                self.dialect = make_dialect("ga", self)
+                await self.dialect.handle_msg(msg)
+                return
             params = P.decode_session_update(msg, max_streaming_seconds=lim.max_session_audio_seconds)
             self._session_params = params
             self.configured = True
@@ -421,24 +456,7 @@ class RealtimeConnection:
         if not self.configured:
             raise P.ProtocolError("session_not_configured", f"send session.update before {t}")
         if t == P.APPEND:
-            pcm = P.decode_append(msg)
-            rate = P.INPUT_SAMPLE_RATE
-            if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
-                raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
-                                      f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
-                                      "Commit the turn and start a new session")
-            if pcm.size == 0:
-                return
-            if not await self._room_for(pcm.size):
-                ch.overflows += 1
-                ch.dropped_samples += int(pcm.size)
-                raise P.ProtocolError("input_overflow", f"the model made no room in {lim.backpressure_timeout:g} s "
-                                      f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
-                                      f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
-                                      f"{ch.dropped_samples} samples dropped in this session so far")
-            ch.received_samples += int(pcm.size)
-            self.m.audio_in_seconds.inc(pcm.size / rate)
-            st.worker.submit("append", ch, pcm)
+            await self._admit_audio(P.decode_append(msg))
             return
         if t == P.COMMIT:
             pad = msg.get("pad_partial", True)
@@ -454,6 +472,29 @@ class RealtimeConnection:
             ch.cancel_requested.set()  # the worker skips audio still queued
             st.worker.submit("cancel", ch)
             return
+
+    async def _admit_audio(self, pcm) -> None:
+        """Admission of 16 kHz input samples (every dialect's appends): the session's audio limit, then
+        backpressure (`_room_for`), then to the worker. ProtocolError when refused (nothing was accepted,
+        or what was dropped is said)."""
+        ch, st, lim = self.channel, self.state, self.limits
+        rate = P.INPUT_SAMPLE_RATE
+        if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
+            raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
+                                  f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
+                                  "Commit the turn and start a new session")
+        if pcm.size == 0:
+            return
+        if not await self._room_for(pcm.size):
+            ch.overflows += 1
+            ch.dropped_samples += int(pcm.size)
+            raise P.ProtocolError("input_overflow", f"the model made no room in {lim.backpressure_timeout:g} s "
+                                  f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
+                                  f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
+                                  f"{ch.dropped_samples} samples dropped in this session so far")
+        ch.received_samples += int(pcm.size)
+        self.m.audio_in_seconds.inc(pcm.size / rate)
+        st.worker.submit("append", ch, pcm)
 
 
 class _SlowReader(Exception):

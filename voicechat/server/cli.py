@@ -72,6 +72,13 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--prompt-cache-mb", type=float, default=1024.0, metavar="MB",
                    help="at most this many MB of cached prompt states (default 1024; /metrics: "
                         "voicechat_prompt_state_bytes, voicechat_prompt_cache_bytes)")
+    s.add_argument("--mcp", default=None, metavar="CMD",
+                   help="run this MCP server's tools in the server (e.g. \"python -m mcp_server_time\"): sessions "
+                        "whose client gives no tools get them, and the server answers the model's calls "
+                        "(needs the `tools` extra)")
+    s.add_argument("--silence-frames", type=int, default=8, metavar="N",
+                   help="OpenAI Realtime GA dialect: a response ends at the first run of N silent frames of the "
+                        "model (default 8 = 640 ms); a user turn after N frames without a transcript token")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=run_serve)
 
@@ -151,25 +158,40 @@ def run_serve(args) -> int:
     configure_logging(args.log_level)
     if args.insecure and security.api_key is None:
         print(f"voicechat serve: warning: listening on {args.host} without --api-key (--insecure)", file=sys.stderr)
+    from .dialect import DialectOptions
     from .metrics import ServerMetrics
     from .prompt_cache import PromptStates
 
     if args.prompt_cache_entries < 0 or not args.prompt_cache_mb >= 0:
         print("voicechat serve: error: --prompt-cache-entries and --prompt-cache-mb must be >= 0", file=sys.stderr)
         return 2
+    if args.silence_frames < 1:
+        print(f"voicechat serve: error: --silence-frames must be >= 1, got {args.silence_frames}", file=sys.stderr)
+        return 2
+    runner = None
+    if args.mcp:
+        from voicechat.tool_runners import McpToolRunner
+
+        try:
+            runner = McpToolRunner(args.mcp)
+        except (RuntimeError, ValueError, ImportError) as e:
+            print(f"voicechat serve: error: --mcp: {e}", file=sys.stderr)
+            return 2
+        print(f"voicechat serve: MCP tools: {', '.join(t['name'] for t in runner.tools())}", file=sys.stderr)
     metrics = ServerMetrics()
     prompts = PromptStates(default_prompt=args.prompt, state_file=args.prompt_state,
                            max_entries=args.prompt_cache_entries, max_bytes=int(args.prompt_cache_mb * 2**20),
                            metrics=metrics)
     state = make_state(args.model, limits=limits, security=security, warmup_seconds=args.warmup_seconds,
                        load_kwargs={"numerics": args.numerics}, stage_metrics_every=args.stage_metrics_every,
-                       prompt_states=prompts, metrics=metrics)
+                       prompt_states=prompts, metrics=metrics, tool_runner=runner,
+                       dialect_options=DialectOptions(silence_frames=args.silence_frames))
     info = state.worker.info
     tls = args.tls_cert is not None
     print(f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
           f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "
           f"http{'s' if tls else ''}://{args.host}:{args.port}/  ws{'s' if tls else ''}://{args.host}:{args.port}"
-          "/v1/realtime", file=sys.stderr, flush=True)
+          f"/v1/realtime  ws{'s' if tls else ''}://{args.host}:{args.port}/v1/live/sessions", file=sys.stderr, flush=True)
     server = make_server(uvicorn_config(create_app(state), state, host=args.host, port=args.port,
                                         log_level=args.log_level, tls_cert=args.tls_cert, tls_key=args.tls_key), state)
     try:
@@ -178,6 +200,8 @@ def run_serve(args) -> int:
         pass
     finally:
         state.worker.stop()
+        if runner is not None:
+            runner.close()
     print("voicechat serve: stopped", file=sys.stderr)
     return 0
 

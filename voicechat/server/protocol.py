@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,10 @@ EVENT_TYPES = {
     "audio_tail": "response.audio.tail",
     "done": "response.done",
     "cancelled": "response.cancelled",
+    # Tool events (only with `voicechat serve --mcp`, which runs the tools in the server).
+    "tool_call": "response.function_call_arguments.done",
+    "tool_call_error": "response.function_call.error",
+    "tool_result_done": "response.function_call.result_done",
 }
 
 
@@ -126,6 +131,12 @@ def event_payload(e, output_sample_rate: int, *, compute_ms: float | None = None
     elif e.kind == "user_transcript_delta":
         # mlx-vlm names the cumulative text `transcript`; `text` as in the session event.
         out.update(delta=e.delta, transcript=e.text, text=e.text)
+    elif e.kind == "tool_call":
+        out.update(call_id=e.call_id, name=e.name, arguments=json.dumps(e.arguments))
+    elif e.kind == "tool_call_error":
+        out.update(message=e.message, raw=e.raw)
+    elif e.kind == "tool_result_done":
+        out.update(call_id=e.call_id)
     elif e.kind in ("audio", "audio_tail"):
         out.update(delta=b64_pcm16(e.samples), format="pcm16", sample_rate=output_sample_rate, channels=1,
                    samples=int(np.asarray(e.samples).size))

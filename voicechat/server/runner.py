@@ -13,7 +13,8 @@ from .worker import ModelWorker
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
                warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
-               load_kwargs: dict | None = None, prompt_states=None, metrics=None) -> ServerState:
+               load_kwargs: dict | None = None, prompt_states=None, metrics=None, tool_runner=None,
+               dialect_options=None) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load():
@@ -24,10 +25,13 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
 
     metrics = metrics or ServerMetrics()
     worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
-                         warmup_seconds=warmup_seconds, prompt_states=prompt_states).start()
+                         warmup_seconds=warmup_seconds, prompt_states=prompt_states, tool_runner=tool_runner).start()
     worker.wait_ready(load_timeout)
-    return ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
-                       model_name=str(model), metrics=metrics)
+    state = ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
+                        model_name=str(model), metrics=metrics)
+    if dialect_options is not None:
+        state.dialect_options = dialect_options
+    return state
 
 
 def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info",

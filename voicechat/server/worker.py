@@ -51,6 +51,9 @@ class Channel:
     max_outbox: int = 0
     on_overfull: Callable[[], None] | None = None
     _overfull: bool = False
+    # True: the worker hands the session's own events over ("raw") and the connection's dialect
+    # (dialect_ga / dialect_live) translates them; False: mlx-vlm payloads (protocol.event_payload).
+    raw: bool = False
 
     @property
     def queued_samples(self) -> int:
@@ -72,7 +75,7 @@ class Channel:
 
 @dataclass
 class Command:
-    kind: str  # open | append | commit | cancel | close | stop
+    kind: str  # open | append | commit | cancel | close | tool_result | sync | stop
     channel: Channel | None = None
     payload: Any = None
 
@@ -86,16 +89,20 @@ class _Active:
     discarded_samples: int = 0
     stages_seen: int = 0
     profile: Any = None  # the session's Profile; attached to the session only on sampled frames
+    runs_tools: bool = False  # --mcp: the session's tools are the runner's, and the server answers its calls
 
 
 class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
 
     def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
-                 warmup_seconds: float = 0.0, prompt_states=None):
+                 warmup_seconds: float = 0.0, prompt_states=None, tool_runner=None):
         self._load_model = load_model
         # voicechat.server.prompt_cache.PromptStates: sessions start from prompt states (None: each prefills).
         self.prompt_states = prompt_states
+        # `voicechat serve --mcp CMD`: the server runs the tools (voicechat.tool_runners); a session
+        # whose client gives no tools gets the runner's.
+        self.tool_runner = tool_runner
         self.metrics = metrics
         # Stage timing forces one synchronisation per stage; doing it on every Kth frame keeps the
         # per-stage histograms while costing the other frames nothing (0 = never).
@@ -168,6 +175,7 @@ class ModelWorker:
                 "frame_ms": float(cfg.frame_duration * 1000.0),
                 "output_frame_samples": int(model.tts_model.audio_codec.samples_per_frame),
                 "num_codebooks": int(cfg.codec_config.num_quantizers),
+                "silence_codes": [int(c) for c in np.asarray(model.tts_model.codec_silence_tokens).reshape(-1)],
             }
             if self.warmup_seconds > 0:
                 self._warmup(model)
@@ -216,9 +224,16 @@ class ModelWorker:
             p = cmd.payload
             from voicechat.errors import VoiceChatError
 
+            tools = p.get("tools")
+            runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
+            if runs_tools:
+                tools = self.tool_runner.tools()
+            tools = tools or None
             limit = p.get("max_prompt_tokens")
             if limit is not None:
                 # Counted before any work: the prefill costs about one frame's language + TTS step per token.
+                # The client's own prompt; the tools' block is bounded by the tool rules (at most 5, docs/tools.md)
+                # and the message size.
                 n = _prompt_tokens(self.model, p["system_prompt"])
                 if n > limit:
                     ch.emit(("open_failed", "invalid_session",
@@ -228,10 +243,10 @@ class ModelWorker:
             from voicechat.errors import PrefillStoppedError
 
             try:
-                prompt = {"system_prompt": p["system_prompt"], "seed": p["seed"]}
+                prompt = {"system_prompt": p["system_prompt"], "seed": p["seed"], "tools": tools}
                 if self.prompt_states is not None:  # a cached state: no prefill
-                    prompt = {"prompt_state": self.prompt_states.state_for(self.model, p["system_prompt"], p["seed"],
-                                                                           should_stop=ch.gone.is_set)}
+                    prompt = {"prompt_state": self.prompt_states.state_for(
+                        self.model, p["system_prompt"], p["seed"], tools=tools, should_stop=ch.gone.is_set)}
                 session = self.model.create_streaming_session(
                     max_streaming_seconds=p["max_streaming_seconds"], profile=self.stage_metrics_every > 0,
                     should_stop=ch.gone.is_set, **prompt)
@@ -244,7 +259,10 @@ class ModelWorker:
                 ch.emit(("open_failed", "session_initialization_failed", str(e)[:300]))
                 return None
             ch.emit(("opened", dict(self.info)))
-            return _Active(ch, session, profile=session.profile)
+            return _Active(ch, session, profile=session.profile, runs_tools=runs_tools)
+        if cmd.kind == "sync":  # a marker: every command before it is done (the GA dialect's commit)
+            ch.emit(("synced", cmd.payload))
+            return active
         if active is None or active.channel is not ch:
             # Commands of a connection that never opened a session (or was already closed).
             if cmd.kind == "append" and ch is not None:
@@ -266,6 +284,19 @@ class ModelWorker:
         elif cmd.kind == "close":
             self._close(active)
             return None
+        elif cmd.kind == "tool_result":
+            call_id, output, by_server = (*cmd.payload, False)[:3]
+            s = active.session
+            if s is None or s.closed:
+                return active
+            try:
+                s.submit_tool_result(call_id, output)
+            except ValueError as e:  # unknown or already answered call_id: nothing changed
+                ch.emit(("error", "invalid_tool_result", str(e)))
+                return active
+            if by_server and not ch.raw:  # the client sees what the server answered (the page shows it)
+                ch.emit(("events", [{"type": "response.function_call.output", "frame_index": s.frame_index,
+                                     "call_id": call_id, "output": output}]))
         return active
 
     def _append(self, a: _Active, pcm: np.ndarray) -> None:
@@ -308,17 +339,36 @@ class ModelWorker:
         ch, s = a.channel, a.session
         rate = self.info["output_sample_rate"]
         out = []
+        lag = 0.0
         for e in events:
             if e.kind == "audio":
                 done = (e.frame_index + 1) * s.frame_samples
                 lag = max(0, ch.received_samples - done) * 1000.0 / self.info["input_sample_rate"]
                 a.compute_ms.append(compute_ms)
                 a.lag_ms.append(lag)
-                out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
+                if not ch.raw:
+                    out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
                 self._observe(a, compute_ms, lag)
-            else:
+            elif e.kind == "tool_call" and a.runs_tools:
+                self._run_tool(ch, e)
+                if not ch.raw:
+                    out.append(event_payload(e, rate))
+            elif not ch.raw:
                 out.append(event_payload(e, rate))
-        ch.emit(("events", out))
+        ch.emit(("raw", list(events), compute_ms, lag) if ch.raw else ("events", out))
+
+    def _run_tool(self, ch: Channel, call) -> None:
+        """`--mcp`: run the call on its own thread (the model keeps computing frames meanwhile) and
+        hand the result back through the queue, as a client's result would come."""
+
+        def run():
+            try:
+                output = self.tool_runner.call(call.name, call.arguments, timeout=30.0)
+            except Exception as e:  # an unknown tool name: the model gets the error as its result
+                output = json.dumps({"error": f"{type(e).__name__}: {e}"})
+            self.submit("tool_result", ch, (call.call_id, output, True))
+
+        threading.Thread(target=run, name="voicechat-tool-call", daemon=True).start()
 
     def _observe(self, a: _Active, compute_ms: float, lag_ms: float) -> None:
         m = self.metrics
@@ -374,8 +424,7 @@ class ModelWorker:
 
 def _prompt_tokens(model, prompt) -> int:
     """Positions the prompt's prefill takes (voicechat.timeline.Timeline.prompt_ids: bos + tokens + eos)."""
-    cfg = model.config
-    text = cfg.default_system_prompt if prompt is None else prompt
+    text = model.config.default_system_prompt if prompt is None else prompt
     if not text or not text.strip():
         return 0
     return len(model.tokenizer.encode(text)) + 2

@@ -11,7 +11,8 @@ function resetState() {
     status: 'idle', frames: 0, frameIndices: [], deltaSamples: [], samplesReceived: 0, tailSamples: 0,
     samplesPlayed: 0, underruns: 0, transcript: '', text: '', functionText: '', done: false, cancelled: false,
     closed: false, closeCode: null, errors: [], compute: [], lag: [], outputRate: null, outputFrameSamples: null,
-    appendsSent: 0, samplesSent: 0, micRate: null,
+    appendsSent: 0, samplesSent: 0, micRate: null, samplesDropped: 0, bargeIns: 0, lastUserFrame: -1000,
+    loudFrames: [],
   });
 }
 resetState();
@@ -92,6 +93,7 @@ async function startAudio() {
   playNode.port.onmessage = (e) => {
     state.samplesPlayed = e.data.played;
     state.underruns = e.data.underruns;
+    state.samplesDropped = e.data.dropped;
     updateStats();
   };
   playNode.connect(playCtx.destination);
@@ -154,6 +156,28 @@ function cancel() {
   if (playNode) playNode.port.postMessage('reset');
 }
 
+// Barge-in: a user utterance that starts (its first transcript token after BARGE_GAP quiet frames)
+// while the model was speaking (a frame above -50 dBFS among the last 3) drops the playback buffer,
+// so the user does not hear the rest of what the model had already said. The model itself stops
+// talking when interrupted (full duplex); ?bargein=off keeps the buffer.
+const BARGE_GAP = 8, SPEECH_PEAK = Math.round(32768 * 10 ** (-50 / 20));
+const bargeInOn = new URLSearchParams(location.search).get('bargein') !== 'off';
+function peak(pcm) {
+  let m = 0;
+  for (let i = 0; i < pcm.length; i++) { const a = Math.abs(pcm[i]); if (a > m) m = a; }
+  return m;
+}
+function bargeIn(frame) {
+  const starts = frame - state.lastUserFrame >= BARGE_GAP;
+  state.lastUserFrame = frame;
+  const loud = state.loudFrames;
+  const speaking = loud.length > 0 && frame - loud[loud.length - 1] <= 3;
+  if (bargeInOn && starts && speaking && playNode) {
+    state.bargeIns += 1;
+    playNode.port.postMessage('bargein');
+  }
+}
+
 function onEvent(e) {
   switch (e.type) {
     case 'session.created':
@@ -166,6 +190,7 @@ function onEvent(e) {
       startAudio().catch((err) => { showError('audio', String(err)); cancel(); });
       break;
     case 'conversation.item.input_audio_transcription.delta':
+      bargeIn(e.frame_index);
       state.transcript = e.transcript;
       $('transcript').textContent = e.transcript;
       break;
@@ -182,6 +207,7 @@ function onEvent(e) {
       state.frames += 1;
       state.frameIndices.push(e.frame_index);
       state.deltaSamples.push(pcm.length);
+      if (peak(pcm) > SPEECH_PEAK) state.loudFrames.push(e.frame_index);
       state.samplesReceived += pcm.length;
       state.compute.push(e.compute_ms);
       state.lag.push(e.lag_ms);

@@ -84,11 +84,20 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.playing = false;
     this.played = 0;      // real samples played (silence not counted)
     this.underruns = 0;
+    this.dropped = 0;     // samples dropped on barge-in
     this.ended = false;   // the server sent the last audio: play out what is left without prefill
     this.lastReport = 0;
     this.port.onmessage = (e) => {
       if (e.data === 'end') { this.ended = true; return; }
       if (e.data === 'reset') { this.queue = []; this.head = 0; this.buffered = 0; this.playing = false; return; }
+      if (e.data === 'bargein') {
+        // The user speaks over the model: what is still buffered is dropped (counted), playback goes on
+        // with what the server sends next.
+        this.dropped += this.buffered;
+        this.queue = []; this.head = 0; this.buffered = 0; this.playing = false;
+        this.port.postMessage({ played: this.played, buffered: 0, underruns: this.underruns, dropped: this.dropped });
+        return;
+      }
       this.queue.push(e.data);
       this.buffered += e.data.length;
       if (this.buffered >= this.prefill) this.playing = true;
@@ -111,7 +120,8 @@ class PlayerProcessor extends AudioWorkletProcessor {
     for (let ch = 1; ch < outputs[0].length; ch++) outputs[0][ch].set(out);
     if (currentFrame - this.lastReport >= sampleRate / 20 || (this.ended && this.buffered === 0)) {
       this.lastReport = currentFrame;
-      this.port.postMessage({ played: this.played, buffered: this.buffered, underruns: this.underruns });
+      this.port.postMessage({ played: this.played, buffered: this.buffered, underruns: this.underruns,
+                              dropped: this.dropped });
     }
     return true;
   }
