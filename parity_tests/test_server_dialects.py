@@ -443,6 +443,18 @@ def test_auth_applies_to_both_openai_dialects(make_dialect_server):
     bad = run(go("wrong"))
     assert len(bad) == 2 and all("401" in b for b in bad), bad
 
+    async def origin(path):  # a browser page of another site: refused before any session (the Origin rules)
+        try:
+            async with Raw(f"ws://127.0.0.1:{srv.port}{path}", origin="http://evil.example",
+                           additional_headers={"Authorization": "Bearer sekrit"}):
+                return "connected"
+        except Exception as e:
+            return str(e)
+
+    for path in ("/v1/realtime?model=m", "/v1/live/sessions"):
+        assert "403" in run(origin(path))
+    assert wait_released(srv)
+
 
 @pytest.fixture
 def make_dialect_server(tiny_ckpt):
@@ -719,3 +731,24 @@ def test_mapping_text_only_modality_sends_text_events_and_no_audio():
     done = [e for e in out if e["type"] == "response.output_text.done"][0]
     assert done["text"] == "Hi!"
     assert [e for e in out if e["type"] == "response.done"][0]["response"]["output_modalities"] == ["text"]
+
+
+def test_one_session_slot_is_shared_by_the_dialects(tiny_server):
+    async def go():
+        async with Raw(tiny_server.url) as held:  # an mlx-vlm session holds the slot
+            await held.configure()
+            out = []
+            async with sdk(tiny_server.port).realtime.connect(model="gpt-realtime") as conn:
+                out.append(await recv_raw(conn))
+            async with Raw(f"ws://127.0.0.1:{tiny_server.port}/v1/live/sessions") as c:
+                out.append(await c.recv())
+                code, _ = await c.closed()
+            return out, code
+
+    (ga, live), code = run(go())
+    ga_validate(ga)
+    live_validate(live)
+    for e in (ga, live):
+        assert e["error"]["code"] == "server_busy" and e["error"]["type"] == "server_error"
+    assert code == 1013
+    assert wait_released(tiny_server)
