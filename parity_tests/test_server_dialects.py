@@ -752,3 +752,44 @@ def test_one_session_slot_is_shared_by_the_dialects(tiny_server):
         assert e["error"]["code"] == "server_busy" and e["error"]["type"] == "server_error"
     assert code == 1013
     assert wait_released(tiny_server)
+
+
+HOSTILE = ['{"type": "session.update", "x": ' + "[" * 200 + "]" * 200 + "}",   # deep nesting
+           '{"type": "session.update", "n": ' + "9" * 5000 + "}",               # a 5000-digit number
+           '{"type": "session.update", "n": NaN}',                              # non-finite
+           '{"type": "session.update", "s": "\\ud800"}',                        # a lone surrogate
+           "[1, 2]", "not json"]
+
+
+@pytest.mark.parametrize("path", ["/v1/realtime?model=gpt-realtime", "/v1/live/sessions"])
+def test_openai_dialects_refuse_hostile_json_and_stay_usable(tiny_server, path):
+    """The OpenAI dialects parse with the same guarded parser as mlx-vlm's: every hostile message is
+    one `invalid_json` error in OpenAI's error shape, the message bound holds, and the connection
+    then still works (a session starts)."""
+    url = tiny_server.url.replace("/v1/realtime", path)
+
+    async def go():
+        async with Raw(url) as c:
+            first = None if "live" in path else await c.recv()  # GA: session.created on connect
+            errors = []
+            for text in HOSTILE:
+                await c.send(text)
+                e = await c.recv()
+                errors.append(e)
+            await c.send('{"type": "x", "pad": "' + "a" * (2 * 2**20) + '"}')  # past the message bound
+            errors.append(await c.recv())
+            if "live" in path:
+                await c.send({"type": "session.start", "session": {"model": "m", "audio": {"format": {
+                    "type": "audio/pcm", "rate": 16000}}}})
+                ok = await c.recv()
+            else:
+                await c.send({"type": "session.update", "session": {"type": "realtime"}})
+                ok = await c.recv()
+            return first, errors, ok
+
+    first, errors, ok = run(go())
+    wait_released(tiny_server)
+    assert all(e["type"] == "error" and e["error"]["code"] == "invalid_json" for e in errors[:len(HOSTILE)]), errors
+    assert errors[-1]["type"] == "error" and errors[-1]["error"]["code"] == "message_too_large", errors[-1]
+    assert all(len(e["error"]["message"]) < 400 for e in errors)
+    assert ok["type"] in ("session.started", "session.updated"), ok
