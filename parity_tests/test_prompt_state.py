@@ -196,6 +196,8 @@ def test_toolcall_loop_from_state(toolcall_model):
 
     wave = np.zeros(1280 * 150, np.float32)
     state = toolcall_model.prepare_prompt(None, tools=[TIME_TOOL])
+    state.tools[0]["name"] = "changed"  # a copy: the state's own tools stay as they were
+    assert state.tools[0]["name"] == TOOLCALL_TOOL
 
     def run(**kw):
         s = toolcall_model.create_streaming_session(**kw)
