@@ -88,27 +88,66 @@ def _state_bytes(state) -> dict:
     return {k: _raw(v) for k, v in state._arrays().items()}
 
 
-@pytest.mark.parametrize("tools", [None, [TIME_TOOL]], ids=["no-tools", "tools"])
-def test_streamed_from_state_equals_prefilled_at_real_geometry(real_model, audio, tools):
+@pytest.fixture(scope="module", params=[None, [TIME_TOOL]], ids=["no-tools", "tools"])
+def prefilled(request, real_model, audio, tmp_path_factory):
+    """One prompt (with or without the tools block, ~500 more positions) per model: its state, the state
+    through a file, and the prefilling runs (streamed and offline) the tests compare against. Made once:
+    a prefill at this geometry costs ~30 ms a position on a 2-core CPU."""
+    tools = request.param
     state = real_model.prepare_prompt(PROMPT, tools=tools, seed=7)
-    ref = _stream(real_model, audio, system_prompt=PROMPT, tools=tools, seed=7)
+    path = state.save(tmp_path_factory.mktemp("state") / "p.safetensors")
+    loaded = voicechat.PromptState.load(path, real_model)
+    streamed = _stream(real_model, audio, system_prompt=PROMPT, tools=tools, seed=7)
+    # Offline with the tools block: test_offline_with_tools_from_state_at_real_geometry (`slow`: two more
+    # 500-position prefills per bit width).
+    offline = None if tools else real_model.generate(audio, system_prompt=PROMPT, seed=7)
+    return tools, state, loaded, streamed, offline
+
+
+def test_streamed_from_state_equals_prefilled_at_real_geometry(real_model, audio, prefilled):
+    tools, state, _, ref, _ = prefilled
     got = _stream(real_model, audio, push=997, prompt_state=state)  # another push size: events do not depend on it
     _assert_same_run(ref, got)
     assert len([e for e in ref[2] if e.kind == "audio"]) == FRAMES + 1  # the padded partial frame
     assert len(set(map(int, ref[0].text_ids))) > 1  # the run is not degenerate (ids vary)
+    assert len(state.tools) == (1 if tools else 0)
     if tools:
-        assert state.prompt_positions > real_model.prepare_prompt(PROMPT, seed=7).prompt_positions
+        assert state.prompt_positions > 400  # the tools block was prefilled
 
 
-@pytest.mark.parametrize("tools", [None, [TIME_TOOL]], ids=["no-tools", "tools"])
-def test_offline_from_state_equals_prefilled_at_real_geometry(real_model, audio, tools):
-    state = real_model.prepare_prompt(PROMPT, tools=tools, seed=7)
-    a = real_model.generate(audio, system_prompt=PROMPT, tools=tools, seed=7)
+def _assert_same_offline(a, b):
+    assert b.prompt_positions == a.prompt_positions
+    assert np.array_equal(a.text_tokens, b.text_tokens) and np.array_equal(a.function_tokens, b.function_tokens)
+    assert np.array_equal(a.raw_audio_codes, b.raw_audio_codes) and np.array_equal(a.audio_codes, b.audio_codes)
+    assert a.audio.tobytes() == b.audio.tobytes() and a.text == b.text
+
+
+def test_offline_from_state_equals_prefilled_at_real_geometry(real_model, audio, prefilled):
+    tools, state, _, _, a = prefilled
+    if tools:
+        pytest.skip("offline with tools: test_offline_with_tools_from_state_at_real_geometry (slow)")
     b = real_model.generate(audio, prompt_state=state)
     assert b.prompt_positions == a.prompt_positions == state.prompt_positions
     assert np.array_equal(a.text_tokens, b.text_tokens) and np.array_equal(a.function_tokens, b.function_tokens)
     assert np.array_equal(a.raw_audio_codes, b.raw_audio_codes) and np.array_equal(a.audio_codes, b.audio_codes)
     assert a.audio.tobytes() == b.audio.tobytes() and a.text == b.text
+
+
+def test_state_through_a_file_equals_prefilled(real_model, audio, prefilled):
+    _, state, loaded, ref, off = prefilled
+    assert loaded.system_prompt == PROMPT and loaded.seed == 7 and loaded.tools == state.tools
+    assert loaded.prompt_positions == state.prompt_positions and loaded.nbytes == state.nbytes
+    assert _state_bytes(loaded) == _state_bytes(state)
+    _assert_same_run(ref, _stream(real_model, audio, prompt_state=loaded))
+    if off is not None:
+        assert real_model.generate(audio, prompt_state=loaded).audio.tobytes() == off.audio.tobytes()
+
+
+@pytest.mark.slow
+def test_offline_with_tools_from_state_at_real_geometry(real_model, audio):
+    state = real_model.prepare_prompt(PROMPT, tools=[TIME_TOOL], seed=7)
+    _assert_same_offline(real_model.generate(audio, system_prompt=PROMPT, tools=[TIME_TOOL], seed=7),
+                         real_model.generate(audio, prompt_state=state))
 
 
 def test_one_state_serves_sessions_side_by_side_and_is_never_changed(real_model, audio):
@@ -128,17 +167,6 @@ def test_one_state_serves_sessions_side_by_side_and_is_never_changed(real_model,
     assert _state_bytes(state) == before
     _assert_same_run(ref, _stream(real_model, audio, prompt_state=state))
     assert _state_bytes(state) == before
-
-
-def test_state_through_a_file_equals_prefilled(real_model, audio, tmp_path):
-    state = real_model.prepare_prompt(PROMPT, tools=[TIME_TOOL], seed=1)
-    path = state.save(tmp_path / "p.safetensors")
-    loaded = voicechat.PromptState.load(path, real_model)
-    assert loaded.system_prompt == PROMPT and loaded.seed == 1 and loaded.tools == state.tools
-    assert loaded.prompt_positions == state.prompt_positions and loaded.nbytes == state.nbytes
-    assert _state_bytes(loaded) == _state_bytes(state)
-    _assert_same_run(_stream(real_model, audio, system_prompt=PROMPT, tools=[TIME_TOOL], seed=1),
-                     _stream(real_model, audio, prompt_state=loaded))
 
 
 def test_state_holds_no_copy_of_the_model(real_model):
@@ -168,6 +196,8 @@ def test_toolcall_loop_from_state(toolcall_model):
 
     wave = np.zeros(1280 * 150, np.float32)
     state = toolcall_model.prepare_prompt(None, tools=[TIME_TOOL])
+    state.tools[0]["name"] = "changed"  # a copy: the state's own tools stay as they were
+    assert state.tools[0]["name"] == TOOLCALL_TOOL
 
     def run(**kw):
         s = toolcall_model.create_streaming_session(**kw)
@@ -180,6 +210,10 @@ def test_toolcall_loop_from_state(toolcall_model):
 
     ref, got = run(tools=[TIME_TOOL]), run(prompt_state=state)
     assert _events_bytes(ref) == _events_bytes(got)
+    call = next(e for e in got if e.kind == "tool_call")
+    schedule = [(call.frame_index, call.call_id, {"datetime": "2026-12-04T09:00:00+00:00"})]
+    _assert_same_offline(toolcall_model.generate(wave, tools=[TIME_TOOL], tool_results=schedule),
+                         toolcall_model.generate(wave, prompt_state=state, tool_results=schedule))
     kinds = [e.kind for e in got]
     assert "tool_call" in kinds and "tool_result_done" in kinds
     assert next(e for e in got if e.kind == "tool_call").name == TOOLCALL_TOOL

@@ -27,6 +27,7 @@ version and a truncated or corrupt file with `PromptStateError` naming why.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -149,8 +150,9 @@ class PromptState:
 
     @property
     def tools(self) -> tuple[dict, ...]:
-        """The normalised tool definitions (voicechat.tools.normalize_tools); () without tools."""
-        return self._tools
+        """The normalised tool definitions (voicechat.tools.normalize_tools); () without tools. A copy:
+        the state's own cannot be changed through it."""
+        return copy.deepcopy(self._tools)
 
     @property
     def seed(self) -> int:
@@ -171,12 +173,14 @@ class PromptState:
 
     def _arrays(self) -> dict[str, mx.array]:
         """Every array the state holds, by file name (full K/V buffers, spare capacity included)."""
+        from .llm.nemotron_h import MambaLayerState
+
         ts = self._timeline
         out = {}
         for i, layer in enumerate(ts.llm.layers):
             if layer is None:
                 continue
-            if hasattr(layer, "ssm"):
+            if isinstance(layer, MambaLayerState):
                 out[f"llm.{i}.conv"], out[f"llm.{i}.ssm"] = layer.conv, layer.ssm
             else:
                 out[f"llm.{i}.keys"], out[f"llm.{i}.values"] = layer.keys, layer.values
@@ -265,6 +269,8 @@ class PromptState:
         checkpoint = self._checkpoint or (checkpoint_identity(model) if model is not None else None)
         if checkpoint is None:
             raise PromptStateError("the state's model is gone; its checkpoint identity cannot be recorded")
+        from .llm.nemotron_h import MambaLayerState
+
         ts = self._timeline
         arrays = self._arrays()
         meta = {
@@ -273,7 +279,7 @@ class PromptState:
             "system_prompt": self._system_prompt, "tools": list(self._tools), "seed": self._seed,
             "prompt_positions": self._prompt_positions, "position": ts.position,
             "llm": {"offset": ts.llm.offset,
-                    "layers": [None if s is None else ("mamba" if hasattr(s, "ssm") else ["attention", s.length])
+                    "layers": [None if s is None else ("mamba" if isinstance(s, MambaLayerState) else ["attention", s.length])
                                for s in ts.llm.layers]},
             "tts": {"offset": ts.tts.offset, "ring_origin": list(ts.tts.ring_origin), "windows": list(ts.tts.windows)},
             "rng": {"seed": ts.rng.seed, "draws": ts.rng.draws},
