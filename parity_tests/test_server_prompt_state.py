@@ -18,7 +18,7 @@ from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
 from .server_util import Raw, run, stop_server, wait_released  # noqa: E402
 from .test_server import _expected_events, _wire_events  # noqa: E402
 
-# ~300 prompt positions at the tiny preset: a prefill long enough to tell from a cached start.
+# ~580 prompt positions at the tiny preset: a prefill long enough to tell from a cached start.
 LONG = " ".join(["You are a patient assistant for a hardware store; answer in one short sentence."] * 12)
 
 
@@ -27,9 +27,13 @@ def _start(ckpt, **kw):
     from voicechat.server.prompt_cache import PromptStates
     from voicechat.server.runner import ServerThread, make_state
 
+    from voicechat.server.limits import ServerLimits
+
     metrics = ServerMetrics()
     prompts = PromptStates(metrics=metrics, announce=False, **kw)
-    state = make_state(str(ckpt), warmup_seconds=0.0, prompt_states=prompts, metrics=metrics)
+    # LONG is ~580 tokens of the tiny tokenizer: above the default --max-prompt-tokens (512).
+    state = make_state(str(ckpt), warmup_seconds=0.0, prompt_states=prompts, metrics=metrics,
+                       limits=ServerLimits(max_prompt_tokens=2048))
     return ServerThread(state).start(), prompts
 
 
