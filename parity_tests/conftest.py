@@ -81,3 +81,6 @@ def toolcall_model(request, tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp(f"toolcall_{request.param}bit"), "toolcall", bits=request.param,
                             tool=TOOLCALL_TOOL, arguments=TOOLCALL_ARGUMENTS)
     return voicechat.load(path)
+
+
+from .server_util import make_server, server  # noqa: E402,F401  (server fixtures for the server test modules)

@@ -7,6 +7,7 @@ import base64
 import json
 
 import numpy as np
+import pytest
 
 
 def start_server(checkpoint, **limits):
@@ -225,3 +226,26 @@ class RawSocketWS:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# Fixtures shared by the server test modules (imported into parity_tests/conftest.py): one tiny
+# server per module, and servers made with given limits, stopped after the test.
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    srv = start_server(tiny_ckpt)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture
+def make_server(tiny_ckpt):
+    made = []
+
+    def make(**limits):
+        srv = start_server(tiny_ckpt, **limits)
+        made.append(srv)
+        return srv
+
+    yield make
+    for s in made:
+        stop_server(s)

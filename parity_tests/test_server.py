@@ -18,30 +18,9 @@ import pytest
 
 from voicechat.server.client import run_stream_audio, to_pcm16
 
-from .server_util import Raw, append_msg, run, start_server, stop_server, wait_released
+from .server_util import Raw, append_msg, run, wait_released
 
 PROMPT = "You are a helpful assistant."
-
-
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    srv = start_server(tiny_ckpt)
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture
-def make_server(tiny_ckpt):
-    made = []
-
-    def make(**limits):
-        srv = start_server(tiny_ckpt, **limits)
-        made.append(srv)
-        return srv
-
-    yield make
-    for s in made:
-        stop_server(s)
 
 
 def _expected_events(model, pcm: np.ndarray, *, seed=0, prompt=None):

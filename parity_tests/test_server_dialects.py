@@ -26,7 +26,7 @@ import soxr
 
 from parity_tests.conftest import TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
 
-from .server_util import Raw, run, start_server, stop_server, wait_released
+from .server_util import Raw, run, wait_released
 
 openai = pytest.importorskip("openai")
 
@@ -124,13 +124,6 @@ def small_server(small_model_ckpt, tmp_path_factory):
     p, port = serve(small_model_ckpt[0], tmp_path_factory.mktemp("srv"), "--silence-frames", "10000")
     yield port
     stop(p)
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_ckpt):
-    srv = start_server(tiny_ckpt)
-    yield srv
-    stop_server(srv)
 
 
 def _port(srv):
@@ -262,12 +255,12 @@ def test_live_sdk_session_audio_and_transcripts_equal_in_process(small_server, s
 # -- every standard GA client event: acknowledged, never an error
 
 
-def test_every_ga_client_event_is_acknowledged_without_error(tiny_server, question_wav):
+def test_every_ga_client_event_is_acknowledged_without_error(server, question_wav):
     pcm = pcm16(soxr.resample(question_wav[:8 * FRAME], 16000, 24000))
 
     async def go():
         seen = []
-        async with sdk(tiny_server.port).realtime.connect(model="anything-at-all") as conn:
+        async with sdk(server.port).realtime.connect(model="anything-at-all") as conn:
             async def until(t):
                 while True:
                     e = await recv_raw(conn)
@@ -308,38 +301,38 @@ def test_every_ga_client_event_is_acknowledged_without_error(tiny_server, questi
     for e in seen:
         ga_validate(e)
     assert seen[1]["session"]["instructions"] == "Be brief."
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
 
 # -- the dialect choice
 
 
-def test_dialect_choice_mlx_vlm_then_ga_on_one_server(tiny_server, question_wav):
+def test_dialect_choice_mlx_vlm_then_ga_on_one_server(server, question_wav):
     from voicechat.server.client import run_stream_audio, to_pcm16
 
-    r = run_stream_audio(tiny_server.url, to_pcm16(question_wav[:4 * FRAME]), fast=True)
+    r = run_stream_audio(server.url, to_pcm16(question_wav[:4 * FRAME]), fast=True)
     assert r.end == "response.done" and r.frames == 4  # mlx-vlm's dialect, unchanged
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
     async def go():
         out = {}
-        async with sdk(tiny_server.port).realtime.connect(model="gpt-realtime") as conn:  # ?model= -> GA
+        async with sdk(server.port).realtime.connect(model="gpt-realtime") as conn:  # ?model= -> GA
             out["sdk"] = await recv_raw(conn)
-        wait_released(tiny_server)
-        async with Raw(tiny_server.url) as c:  # no query: mlx-vlm's session.created, then a GA session.update
+        wait_released(server)
+        async with Raw(server.url) as c:  # no query: mlx-vlm's session.created, then a GA session.update
             out["plain_created"] = await c.recv()
             await c.send({"type": "session.update", "session": {"type": "realtime", "instructions": "x"}})
             out["upgraded"] = await c.recv()
-        wait_released(tiny_server)
-        async with Raw(tiny_server.url) as c:  # no query, mlx-vlm's session.update: mlx-vlm
+        wait_released(server)
+        async with Raw(server.url) as c:  # no query, mlx-vlm's session.update: mlx-vlm
             await c.recv()
             await c.send({"type": "session.update", "session": {"system_prompt": "x", "model": "m"}})
             out["mlx_updated"] = await c.recv()
-        wait_released(tiny_server)
-        async with Raw(tiny_server.url + "?model=gpt-realtime&dialect=mlx-vlm") as c:  # forced
+        wait_released(server)
+        async with Raw(server.url + "?model=gpt-realtime&dialect=mlx-vlm") as c:  # forced
             out["forced"] = await c.recv()
-        wait_released(tiny_server)
-        async with Raw(tiny_server.url + "?dialect=openai") as c:
+        wait_released(server)
+        async with Raw(server.url + "?dialect=openai") as c:
             out["explicit"] = await c.recv()
         return out
 
@@ -352,16 +345,16 @@ def test_dialect_choice_mlx_vlm_then_ga_on_one_server(tiny_server, question_wav)
     assert out["mlx_updated"]["session"]["state"] == "ready" and "type" not in out["mlx_updated"]["session"]
     assert out["forced"]["session"]["state"] == "configuring"
     assert out["explicit"]["session"]["type"] == "realtime"
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
 
 # -- rates the server cannot serve
 
 
-def test_unsupported_rates_and_formats_are_refused_clearly(tiny_server):
+def test_unsupported_rates_and_formats_are_refused_clearly(server):
     async def go():
         errs = []
-        async with sdk(tiny_server.port).realtime.connect(model="gpt-realtime") as conn:
+        async with sdk(server.port).realtime.connect(model="gpt-realtime") as conn:
             await recv_raw(conn)
             for fmt in ({"type": "audio/pcm", "rate": 16000}, {"type": "audio/pcmu"}):  # GA's pcm is 24 kHz
                 await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {
@@ -369,8 +362,8 @@ def test_unsupported_rates_and_formats_are_refused_clearly(tiny_server):
                 errs.append(await recv_raw(conn))
             await conn.session.update(session={"type": "realtime"})
             errs.append(await recv_raw(conn))  # still usable, still 24 kHz
-        wait_released(tiny_server)
-        async with sdk(tiny_server.port).live.connect() as conn:
+        wait_released(server)
+        async with sdk(server.port).live.connect() as conn:
             await conn.send({"type": "session.start", "session": {"model": "gpt-live-1", "audio": {
                 "format": {"type": "audio/pcm", "rate": 48000}}}})
             errs.append(await recv_raw(conn))
@@ -386,13 +379,13 @@ def test_unsupported_rates_and_formats_are_refused_clearly(tiny_server):
     live_validate(live)
     assert live["error"]["code"] == "invalid_sample_rate" and "48000" in live["error"]["message"] \
         and "16000" in live["error"]["message"]
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
 
-def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(tiny_server, question_wav):
+def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(server, question_wav):
     async def go():
         seen = []
-        async with sdk(tiny_server.port).live.connect() as conn:
+        async with sdk(server.port).live.connect() as conn:
             await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[:FRAME]))})
             seen.append(await recv_raw(conn))
             await conn.send({"type": "session.start", "session": {"model": "x", "audio": {
@@ -421,11 +414,11 @@ def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(tin
     assert max(e["end_ms"] for e in seen if e["type"].endswith("transcript.delta")) == 4 * 80
     # 16 kHz in -> 16 kHz out: 4 frames of 24 samples at 22.05 kHz plus the tail, resampled.
     assert sum(e["type"] == "session.output_audio.delta" for e in seen) >= 1
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
 
-def test_auth_applies_to_both_openai_dialects(make_dialect_server):
-    srv = make_dialect_server(api_key="sekrit")
+def test_auth_applies_to_both_openai_dialects(make_server):
+    srv = make_server(api_key="sekrit")
 
     async def go(key):
         out = []
@@ -454,20 +447,6 @@ def test_auth_applies_to_both_openai_dialects(make_dialect_server):
     for path in ("/v1/realtime?model=m", "/v1/live/sessions"):
         assert "403" in run(origin(path))
     assert wait_released(srv)
-
-
-@pytest.fixture
-def make_dialect_server(tiny_ckpt):
-    made = []
-
-    def make(**kw):
-        srv = start_server(tiny_ckpt, **kw)
-        made.append(srv)
-        return srv
-
-    yield make
-    for s in made:
-        stop_server(s)
 
 
 # -- tool calls through GA events (the toolcall preset)
@@ -733,14 +712,14 @@ def test_mapping_text_only_modality_sends_text_events_and_no_audio():
     assert [e for e in out if e["type"] == "response.done"][0]["response"]["output_modalities"] == ["text"]
 
 
-def test_one_session_slot_is_shared_by_the_dialects(tiny_server):
+def test_one_session_slot_is_shared_by_the_dialects(server):
     async def go():
-        async with Raw(tiny_server.url) as held:  # an mlx-vlm session holds the slot
+        async with Raw(server.url) as held:  # an mlx-vlm session holds the slot
             await held.configure()
             out = []
-            async with sdk(tiny_server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk(server.port).realtime.connect(model="gpt-realtime") as conn:
                 out.append(await recv_raw(conn))
-            async with Raw(f"ws://127.0.0.1:{tiny_server.port}/v1/live/sessions") as c:
+            async with Raw(f"ws://127.0.0.1:{server.port}/v1/live/sessions") as c:
                 out.append(await c.recv())
                 code, _ = await c.closed()
             return out, code
@@ -751,7 +730,7 @@ def test_one_session_slot_is_shared_by_the_dialects(tiny_server):
     for e in (ga, live):
         assert e["error"]["code"] == "server_busy" and e["error"]["type"] == "server_error"
     assert code == 1013
-    assert wait_released(tiny_server)
+    assert wait_released(server)
 
 
 HOSTILE = ['{"type": "session.update", "x": ' + "[" * 200 + "]" * 200 + "}",   # deep nesting
@@ -762,11 +741,11 @@ HOSTILE = ['{"type": "session.update", "x": ' + "[" * 200 + "]" * 200 + "}",   #
 
 
 @pytest.mark.parametrize("path", ["/v1/realtime?model=gpt-realtime", "/v1/live/sessions"])
-def test_openai_dialects_refuse_hostile_json_and_stay_usable(tiny_server, path):
+def test_openai_dialects_refuse_hostile_json_and_stay_usable(server, path):
     """The OpenAI dialects parse with the same guarded parser as mlx-vlm's: every hostile message is
     one `invalid_json` error in OpenAI's error shape, the message bound holds, and the connection
     then still works (a session starts)."""
-    url = tiny_server.url.replace("/v1/realtime", path)
+    url = server.url.replace("/v1/realtime", path)
 
     async def go():
         async with Raw(url) as c:
@@ -788,7 +767,7 @@ def test_openai_dialects_refuse_hostile_json_and_stay_usable(tiny_server, path):
             return first, errors, ok
 
     first, errors, ok = run(go())
-    wait_released(tiny_server)
+    wait_released(server)
     assert all(e["type"] == "error" and e["error"]["code"] == "invalid_json" for e in errors[:len(HOSTILE)]), errors
     assert errors[-1]["type"] == "error" and errors[-1]["error"]["code"] == "message_too_large", errors[-1]
     assert all(len(e["error"]["message"]) < 400 for e in errors)

@@ -19,29 +19,7 @@ import pytest
 
 from voicechat.server.client import to_pcm16
 
-from .server_util import (Raw, RawSocketWS, append_msg, http_raw, run, start_server, stop_server,
-                          wait_released)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    srv = start_server(tiny_ckpt)
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture
-def make_server(tiny_ckpt):
-    made = []
-
-    def make(**limits):
-        srv = start_server(tiny_ckpt, **limits)
-        made.append(srv)
-        return srv
-
-    yield make
-    for s in made:
-        stop_server(s)
+from .server_util import Raw, RawSocketWS, append_msg, http_raw, run, wait_released
 
 
 def _metric(srv, name: str, key: str | None = None) -> float:

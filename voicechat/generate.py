@@ -30,7 +30,7 @@ from .audio.mel import log_mel
 from .audio.rnnt import greedy_decode
 from .audio_input import load_audio
 from .progress import progress
-from .prompt_state import UNSET, PromptState
+from .prompt_state import UNSET, resolve_prompt_arguments
 from .speech_output import AudioChunk, ChunkedSpeechOutput
 from .timeline import Timeline
 from .tts.ear_tts import replace_control_codes
@@ -172,16 +172,8 @@ def generate(model, audio, *, system_prompt: str | None = UNSET, seed: int = UNS
              extra_decoding_seconds: float = 0.0, max_frames: int | None = None,
              use_language_cache: bool = True, tools=UNSET, tool_results=None,
              tool_timeout_seconds=None, prompt_state=None) -> OfflineResult:
-    # UNSET: not given (None / 0 / None without a prompt_state, the state's values with one).
-    if prompt_state is not None:
-        if not isinstance(prompt_state, PromptState):
-            raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
-                            f"got {type(prompt_state).__name__}")
-        system_prompt, tools, seed = prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
-    else:
-        system_prompt = None if system_prompt is UNSET else system_prompt
-        tools = None if tools is UNSET else tools
-        seed = 0 if seed is UNSET else seed
+    system_prompt, tools, seed = resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed,
+                                                          use_language_cache)
     schedule = ToolSchedule(model, tools, tool_results, tool_timeout_seconds)
     inputs = offline_perception(model, audio, extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames)
     tr_tokens, transcript = offline_transcript(model, inputs.encoder)

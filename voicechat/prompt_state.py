@@ -482,6 +482,18 @@ def state_nbytes(cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_st
     return total
 
 
+def resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed, use_language_cache: bool):
+    """(system_prompt, tools, seed) of a session or `generate`: the state's (any given must agree:
+    `PromptState.resolve`), or without a state the given ones, UNSET meaning None / None / 0."""
+    if prompt_state is not None:
+        if not isinstance(prompt_state, PromptState):
+            raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
+                            f"got {type(prompt_state).__name__}")
+        return prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
+    return (None if system_prompt is UNSET else system_prompt, None if tools is UNSET else tools,
+            0 if seed is UNSET else seed)
+
+
 def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, should_stop=None) -> PromptState:
     """Run the system-prompt prefill once -> its `PromptState` (see the module docstring); `should_stop`
     as for a session (`Timeline.start`)."""

@@ -29,7 +29,7 @@ from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
 from .tools import FunctionChannel, normalize_tools, render_system_prompt, timeout_frames
 from .profiler import FrameTiming, Profile
-from .prompt_state import UNSET, PromptState
+from .prompt_state import UNSET, resolve_prompt_arguments
 from .switch import decisions_held
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
@@ -110,16 +110,8 @@ class VoiceChatStreamingSession:
                  tool_timeout_seconds: float | None = None, prompt_state=None,
                  should_stop: Callable[[], bool] | None = None):
         cfg = model.config
-        # UNSET: not given (None / 0 / None without a prompt_state, the state's values with one).
-        if prompt_state is not None:
-            if not isinstance(prompt_state, PromptState):
-                raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
-                                f"got {type(prompt_state).__name__}")
-            system_prompt, tools, seed = prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
-        else:
-            system_prompt = None if system_prompt is UNSET else system_prompt
-            tools = None if tools is UNSET else tools
-            seed = 0 if seed is UNSET else seed
+        system_prompt, tools, seed = resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed,
+                                                              use_language_cache)
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
         self._on_frame = on_frame
