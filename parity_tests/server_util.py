@@ -249,3 +249,72 @@ def make_server(tiny_ckpt):
     yield make
     for s in made:
         stop_server(s)
+
+
+class SessionProxy:
+    """A real streaming session that forwards everything; subclasses change `push_audio` (a model
+    that cannot keep up, a fault mid-frame)."""
+
+    def __init__(self, session):
+        object.__setattr__(self, "_s", session)
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._s, name, value)
+
+
+class SlowSession(SessionProxy):
+    """Every frame takes `delay` s longer: a model that cannot keep up with real time."""
+
+    def __init__(self, session, delay):
+        super().__init__(session)
+        object.__setattr__(self, "_delay", delay)
+
+    def push_audio(self, samples, sample_rate=16000):
+        import time
+
+        events = self._s.push_audio(samples, sample_rate)
+        if any(e.kind == "audio" for e in events):
+            time.sleep(self._delay)
+        return events
+
+
+class WrappedServer:
+    """A server (ServerThread) on a worker whose model hands out `wrap(session)` for each session,
+    so a test can make the model slow or faulty; `.srv`, `.worker`, `.metrics`; stopped on exit."""
+
+    def __init__(self, checkpoint, wrap, limits=None):
+        self.checkpoint, self.wrap, self.limits = checkpoint, wrap, limits
+
+    def __enter__(self):
+        import voicechat
+        from voicechat.server.app import ServerState
+        from voicechat.server.limits import ServerLimits
+        from voicechat.server.metrics import ServerMetrics
+        from voicechat.server.runner import ServerThread
+        from voicechat.server.worker import ModelWorker
+
+        wrap = self.wrap
+
+        class Model:
+            def __init__(self, model):
+                self._m = model
+
+            def __getattr__(self, name):
+                return getattr(self._m, name)
+
+            def create_streaming_session(self, **kw):
+                return wrap(self._m.create_streaming_session(**kw))
+
+        self.metrics = ServerMetrics()
+        self.worker = ModelWorker(lambda: Model(voicechat.load(self.checkpoint)), metrics=self.metrics).start()
+        self.worker.wait_ready(60)
+        self.srv = ServerThread(ServerState(worker=self.worker, metrics=self.metrics,
+                                            limits=self.limits or ServerLimits())).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.stop()
+        self.worker.stop()

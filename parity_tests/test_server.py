@@ -18,7 +18,7 @@ import pytest
 
 from voicechat.server.client import run_stream_audio, to_pcm16
 
-from .server_util import Raw, append_msg, run, wait_released
+from .server_util import Raw, SlowSession, WrappedServer, append_msg, run, wait_released
 
 PROMPT = "You are a helpful assistant."
 
@@ -461,60 +461,13 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
     assert err.count("needs the `serve` extra") == 2 and "pip install -e '.[serve]'" in err
 
 
-class _SlowSession:
-    """A real session whose frames take `delay` s longer: a model that cannot keep up with real time."""
-
-    def __init__(self, session, delay):
-        self._s, self._delay = session, delay
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-    def __setattr__(self, name, value):
-        if name in ("_s", "_delay"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._s, name, value)
-
-    def push_audio(self, samples, sample_rate=16000):
-        import time
-
-        events = self._s.push_audio(samples, sample_rate)
-        if any(e.kind == "audio" for e in events):
-            time.sleep(self._delay)
-        return events
-
-
 def test_slow_model_shows_growing_lag_not_a_stall(tiny_ckpt, question_wav):
     """Frames computed at ~2.5x real time: every frame's delta still arrives as it is done, with its lag."""
-    import voicechat
-    from voicechat.server.app import ServerState
-    from voicechat.server.metrics import ServerMetrics
-    from voicechat.server.runner import ServerThread
-    from voicechat.server.worker import ModelWorker
-
-    class SlowModel:
-        def __init__(self, model):
-            self._m = model
-
-        def __getattr__(self, name):
-            return getattr(self._m, name)
-
-        def create_streaming_session(self, **kw):
-            return _SlowSession(self._m.create_streaming_session(**kw), 0.2)
-
-    metrics = ServerMetrics()
-    worker = ModelWorker(lambda: SlowModel(voicechat.load(tiny_ckpt)), metrics=metrics).start()
-    worker.wait_ready(60)
-    srv = ServerThread(ServerState(worker=worker, metrics=metrics)).start()
-    try:
+    with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.2)) as w:
         pcm = to_pcm16(question_wav[:24 * 1280])  # 1.92 s of input; ~4.8 s of compute
         arrivals = []
-        r = run_stream_audio(srv.url, pcm, fast=False, chunk_samples=1280,
+        r = run_stream_audio(w.srv.url, pcm, fast=False, chunk_samples=1280,
                              on_event=lambda e: arrivals.append(e["type"]))
-    finally:
-        srv.stop()
-        worker.stop()
     assert r.end == "response.done" and not r.errors
     lags = [e["lag_ms"] for e in r.of_type("response.audio.delta")]
     # Input at 80 ms per frame, compute >= 200 ms per frame: while the client streams (the first ~9 frames),

@@ -19,7 +19,8 @@ import pytest
 
 from voicechat.server.client import to_pcm16
 
-from .server_util import Raw, RawSocketWS, append_msg, http_raw, run, wait_released
+from .server_util import (Raw, RawSocketWS, SessionProxy, SlowSession, WrappedServer, append_msg, http_raw,
+                          run, wait_released)
 
 
 def _metric(srv, name: str, key: str | None = None) -> float:
@@ -538,18 +539,12 @@ def test_outbound_queue_is_bounded(make_server):
 # -- faults: a worker exception mid-frame; the wall-clock cap
 
 
-class _FailingSession:
+class _FailingSession(SessionProxy):
     """A real session whose third frame raises."""
 
     def __init__(self, session, fail_at):
-        object.__setattr__(self, "_s", session)
+        super().__init__(session)
         object.__setattr__(self, "_fail_at", fail_at)
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._s, name, value)
 
     def push_audio(self, samples, sample_rate=16000):
         if self._s.frame_index == self._fail_at and self._s.pending_samples + np.asarray(samples).size >= \
@@ -559,31 +554,10 @@ class _FailingSession:
 
 
 def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, question_wav, caplog):
-    import voicechat
-    from voicechat.server.app import ServerState
-    from voicechat.server.metrics import ServerMetrics
-    from voicechat.server.runner import ServerThread
-    from voicechat.server.worker import ModelWorker
-
     failing = {"on": True}
-
-    class Model:
-        def __init__(self, model):
-            self._m = model
-
-        def __getattr__(self, name):
-            return getattr(self._m, name)
-
-        def create_streaming_session(self, **kw):
-            s = self._m.create_streaming_session(**kw)
-            return _FailingSession(s, 3) if failing["on"] else s
-
-    metrics = ServerMetrics()
-    worker = ModelWorker(lambda: Model(voicechat.load(tiny_ckpt)), metrics=metrics).start()
-    worker.wait_ready(60)
-    srv = ServerThread(ServerState(worker=worker, metrics=metrics)).start()
     pcm = to_pcm16(question_wav[:8 * 1280])
-    try:
+    with WrappedServer(tiny_ckpt, lambda s: _FailingSession(s, 3) if failing["on"] else s) as w:
+        srv, metrics = w.srv, w.metrics
         async def go():
             async with Raw(srv.url) as c:
                 await c.configure()
@@ -608,9 +582,6 @@ def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, questi
         r_events = run(_full_session(srv.url, pcm))
         assert r_events[-1]["type"] == "response.done" and r_events[-1]["frame_index"] == 8
         assert metrics.sessions_errored.labels(reason="internal_error")._value.get() == 1
-    finally:
-        srv.stop()
-        worker.stop()
 
 
 async def _full_session(url, pcm):
@@ -703,52 +674,15 @@ def test_signal_during_a_session_closes_1001_and_exits_0(signame, tiny_ckpt, lon
 # -- input_overflow: only what truly cannot be held, and it says how much
 
 
-class _SlowSession:
-    def __init__(self, session, delay):
-        object.__setattr__(self, "_s", session)
-        object.__setattr__(self, "_delay", delay)
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._s, name, value)
-
-    def push_audio(self, samples, sample_rate=16000):
-        events = self._s.push_audio(samples, sample_rate)
-        if any(e.kind == "audio" for e in events):
-            time.sleep(self._delay)
-        return events
-
-
 def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
     """A model at ~1/4 real time and a 0.3 s backpressure wait: appends that found no room are dropped, each
     error says how many samples; every other sample is computed (in = computed + dropped)."""
-    import voicechat
-    from voicechat.server.app import ServerState
     from voicechat.server.limits import ServerLimits
-    from voicechat.server.metrics import ServerMetrics
-    from voicechat.server.runner import ServerThread
-    from voicechat.server.worker import ModelWorker
 
-    class Model:
-        def __init__(self, model):
-            self._m = model
-
-        def __getattr__(self, name):
-            return getattr(self._m, name)
-
-        def create_streaming_session(self, **kw):
-            return _SlowSession(self._m.create_streaming_session(**kw), 0.3)
-
-    metrics = ServerMetrics()
-    worker = ModelWorker(lambda: Model(voicechat.load(tiny_ckpt)), metrics=metrics).start()
-    worker.wait_ready(60)
     limits = ServerLimits(max_queued_audio_seconds=0.16, backpressure_timeout=0.3)
-    srv = ServerThread(ServerState(worker=worker, metrics=metrics, limits=limits)).start()
-    try:
+    with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.3), limits) as w:
         async def go():
-            async with Raw(srv.url) as c:
+            async with Raw(w.srv.url) as c:
                 await c.configure()
                 for _ in range(8):
                     await c.send(append_msg(np.zeros(1280, np.int16)))
@@ -756,9 +690,6 @@ def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
                 return await c.closed(30)
 
         code, events = run(go())
-    finally:
-        srv.stop()
-        worker.stop()
     errors = [e["error"] for e in events if e["type"] == "error"]
     assert errors and {e["code"] for e in errors} == {"input_overflow"}
     dropped = 0
