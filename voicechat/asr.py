@@ -23,13 +23,13 @@ from .audio.conformer import ConformerStream
 from .audio.mel import StreamingLogMel
 from .audio_input import as_mono_float32, check_sample_rate
 from .errors import SessionClosedError, WrongThreadError
-from .switch import decisions_held
 
 
 class AsrStreamSession:
     def __init__(self, model):
         cfg = model.config
         self.config = cfg
+        self._model = model
         self._owner = threading.get_ident()
         pre = cfg.audio_config.preprocessor
         self.mel = StreamingLogMel(pre, lookahead_samples=pre.n_fft // 2)
@@ -53,7 +53,7 @@ class AsrStreamSession:
             raise SessionClosedError("the ASR session is finished; create a new one")
 
     def _decode(self, mel: mx.array, final: bool, t_push: float) -> str:
-        with decisions_held():  # the execution switches, decided once for the push
+        with self._model.executing():  # the model's execution policy, bound for the push
             return self._decode_held(mel, final, t_push)
 
     def _decode_held(self, mel: mx.array, final: bool, t_push: float) -> str:

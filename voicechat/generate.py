@@ -75,12 +75,13 @@ def offline_perception(model, audio, *, extra_decoding_seconds: float = 0.0,
     if max_frames is not None and (not isinstance(max_frames, int) or max_frames < 2):
         raise ValueError(f"max_frames must be an int >= 2, got {max_frames!r}")
     per = model.stt_model.perception
-    mel = log_mel(wave, cfg.audio_config.preprocessor)
-    enc = per.encoder(mel)
-    if max_frames is not None:
-        enc = enc[:max_frames]
-    emb = per.project(enc)
-    mx.eval(mel, enc, emb)
+    with model.executing():
+        mel = log_mel(wave, cfg.audio_config.preprocessor)
+        enc = per.encoder(mel)
+        if max_frames is not None:
+            enc = enc[:max_frames]
+        emb = per.project(enc)
+        mx.eval(mel, enc, emb)
     return OfflineInputs(wave, mel, enc, emb)
 
 
@@ -88,8 +89,9 @@ def offline_transcript(model, encoder_frames: mx.array) -> tuple[list[int], str]
     """Greedy RNNT over all encoder frames -> (tokens, text)."""
     st = model.stt_model
     text = model.rnnt_text()
-    tokens = greedy_decode(st.rnnt_decoder, st.rnnt_joint, encoder_frames, model.config.audio_config.max_symbols,
-                           skip_ids=text.special_ids)
+    with model.executing():
+        tokens = greedy_decode(st.rnnt_decoder, st.rnnt_joint, encoder_frames, model.config.audio_config.max_symbols,
+                               skip_ids=text.special_ids)
     return tokens, text.decode(tokens)
 
 
@@ -143,6 +145,14 @@ def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_lang
                   schedule: ToolSchedule | None = None, prompt_state=None):
     from .session import session_prompt
 
+    with model.executing():
+        return _timeline_frames(model, inputs, system_prompt=system_prompt, seed=seed,
+                                use_language_cache=use_language_cache, on_frame=on_frame, schedule=schedule,
+                                prompt_state=prompt_state, session_prompt=session_prompt)
+
+
+def _timeline_frames(model, inputs, *, system_prompt, seed, use_language_cache, on_frame, schedule, prompt_state,
+                     session_prompt):
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
     if prompt_state is not None:  # a copy of the state after that very prefill (voicechat/prompt_state.py)
         prompt_positions = prompt_state.restore(timeline)
@@ -181,9 +191,10 @@ def generate(model, audio, *, system_prompt: str | None = UNSET, seed: int = UNS
         model, inputs, system_prompt=system_prompt, seed=seed, use_language_cache=use_language_cache,
         schedule=schedule, prompt_state=prompt_state)
     tts = model.tts_model
-    clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
-    audio_out = tts.audio_codec.decode(clean) if codes.shape[0] else mx.zeros((0,), mx.float32)
-    mx.eval(audio_out)
+    with model.executing():
+        clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
+        audio_out = tts.audio_codec.decode(clean) if codes.shape[0] else mx.zeros((0,), mx.float32)
+        mx.eval(audio_out)
     return OfflineResult(
         text=_decode_text(model, text_ids),
         text_tokens=np.array(text_ids, dtype=np.int32),
@@ -217,9 +228,14 @@ def generate_stream(model, audio, *, chunk_frames: int = 25, system_prompt: str 
     tts = model.tts_model
     out = ChunkedSpeechOutput(tts.audio_codec, chunk_frames=chunk_frames)
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
-    timeline.start(system_prompt)
+    with model.executing():  # bound per piece of work, never across a yield to the caller
+        timeline.start(system_prompt)
     for t in range(inputs.audio_emb.shape[0]):
-        step = timeline.step(inputs.audio_emb[t])
-        clean = replace_control_codes(step.codes, tts.control_codes, tts.codec_silence_tokens)
-        yield from out.push(clean)
-    yield from out.finish()
+        with model.executing():
+            step = timeline.step(inputs.audio_emb[t])
+            clean = replace_control_codes(step.codes, tts.control_codes, tts.codec_silence_tokens)
+            chunks = list(out.push(clean))
+        yield from chunks
+    with model.executing():
+        chunks = list(out.finish())
+    yield from chunks

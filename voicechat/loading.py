@@ -14,13 +14,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .audio.conformer import ConvModule
 from .checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
 from .config import VoiceChatConfig, load_config
 from .errors import CheckpointError
-from .heap import keep_heap
-from .parallel import prepare_linears, replaced_transposed
+from .ops import stored_transposed
 from .progress import bar
+from .runtime import ExecutionPolicy, prepare
 from .tokenizer import TextTokenizer
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -114,19 +113,23 @@ def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loadi
 
 
 def load(path_or_repo, *, revision: str | None = None, numerics: str = "reference", check_finite: bool = True,
-         warmup: bool = True):
+         warmup: bool = True, policy: ExecutionPolicy | None = None):
     """Load a checkpoint. See the module docstring; raises CheckpointError / ConfigError.
 
     `numerics`: "reference" (EAR-TTS rounds as mlx-vlm does: same codes) or "float32"
     (voicechat/tts/numerics.py); fixed for this model. `warmup=False` skips the EAR-TTS speaker
-    warm-up (it then runs at the first session).
+    warm-up (it then runs at the first session). `policy`: how its frames execute
+    (`voicechat.runtime.ExecutionPolicy`; default `ExecutionPolicy.for_device()`, which reads the
+    `VOICECHAT_*` execution variables once, here); fixed for this model (`model.policy`).
     """
     from .model import VoiceChatModel
     from .tts.numerics import numerics_from
 
     numerics = numerics_from(numerics)  # a bad value fails before anything is read
-    if mx.default_device().type == mx.DeviceType.cpu:
-        keep_heap()  # glibc keeps freed large temporaries for the next frame (voicechat/heap.py)
+    if policy is None:
+        policy = ExecutionPolicy.for_device()
+    elif not isinstance(policy, ExecutionPolicy):
+        raise TypeError(f"load(policy=...) expects a voicechat.runtime.ExecutionPolicy, got {type(policy).__name__}")
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
     steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py
@@ -151,14 +154,8 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
     del weights  # the model holds the arrays now; a float32 copy below may release its original
     mx.eval(model.parameters())
     steps.update()  # in memory
-    # bf16 W.T / float32 copies replacing 16-bit dense weights (CPU); large products split across two CPU streams.
-    prepare_linears(model)
-    model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
-    for module in model.modules():  # the conformer's 1x1 conv weights as W.T, once: at the published
-        if isinstance(module, ConvModule):  # shapes making them took 1.8 s of the first frame
-            module.use_transposed_pointwise()
-    model.tts_model.audio_codec.prepare_decoder()  # its float32 / numpy copies, taken (and counted) here
-    steps.update()  # float32 copies
+    model.prepared = prepare(model, policy)  # the weight layout the policy runs on (voicechat/runtime)
+    steps.update()  # prepared
     model.tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
     model.source = str(path_or_repo)
     model.folder = folder
@@ -183,7 +180,7 @@ def save(model, folder, n_shards: int = 2) -> Path:
     params = dict(tree_flatten(model.parameters()))
     for path, m in model.named_modules():  # float32 copies go back to the dtype they were stored in
         dtype = m.__dict__.get("_stored_dtype")
-        if dtype is not None and replaced_transposed(m):
+        if dtype is not None and stored_transposed(m) is not None:
             for name in ("weight", "bias"):
                 if f"{path}.{name}" in params:
                     params[f"{path}.{name}"] = params[f"{path}.{name}"].astype(dtype)

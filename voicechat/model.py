@@ -21,6 +21,7 @@ import numpy as np
 from .audio.codec import Codec
 from .audio.conformer import Perception
 from .audio.rnnt import RnntDecoder, RnntJoint
+from . import ops
 from .config import VoiceChatConfig
 from .llm.nemotron_h import NemotronH
 from .prompt_state import UNSET
@@ -72,6 +73,18 @@ class VoiceChatModel(nn.Module):
         self.tts_model = SpeechDecoder(cfg, numerics)
         self.tokenizer = None  # set by the loader (voicechat.tokenizer.TextTokenizer)
         self.source = None  # where it was loaded from (path or repo id)
+        self.runtime = None  # set by `voicechat.runtime.prepare` (what `load` calls); None: plain ops
+
+    @property
+    def policy(self):
+        """The `voicechat.runtime.ExecutionPolicy` this model's frames run under (fixed at load),
+        or None for a model that was never prepared (its components then run the plain ops)."""
+        return None if self.runtime is None else self.runtime.policy
+
+    def executing(self):
+        """A with-block in which this thread runs the model's components under its runtime (the
+        sessions, `generate` and `prepare_prompt` use it; so may code calling components directly)."""
+        return ops.bound(self.runtime if self.runtime is not None else ops.PLAIN)
 
     @property
     def numerics(self) -> Numerics:
@@ -105,16 +118,20 @@ class VoiceChatModel(nn.Module):
         """(F, Q) prompt codes: the codec encoder applied to F+1 frames of silence, frames 0 and
         F-1 set to the mask code, the last frame dropped (docs/model.md §8.5 step 1)."""
         if getattr(self, "_prompt_codes", None) is None:
-            codec = self.tts_model.audio_codec
-            frames = self.speaker_latent.shape[1]
-            codes = codec.encode(mx.zeros(((frames + 1) * codec.samples_per_frame,), dtype=mx.float32))
-            mask = self.tts_model.tts_model.mask_code
-            codes = codes[:frames]
-            rows = mx.arange(frames)[:, None]
-            codes = mx.where((rows == 0) | (rows == frames - 1), mask, codes).astype(mx.int32)
-            mx.eval(codes)
-            self._prompt_codes = codes
+            with self.executing():
+                self._prompt_codes = self._encode_prompt_codes()
         return self._prompt_codes
+
+    def _encode_prompt_codes(self) -> mx.array:
+        codec = self.tts_model.audio_codec
+        frames = self.speaker_latent.shape[1]
+        codes = codec.encode(mx.zeros(((frames + 1) * codec.samples_per_frame,), dtype=mx.float32))
+        mask = self.tts_model.tts_model.mask_code
+        codes = codes[:frames]
+        rows = mx.arange(frames)[:, None]
+        codes = mx.where((rows == 0) | (rows == frames - 1), mask, codes).astype(mx.int32)
+        mx.eval(codes)
+        return codes
 
     def ensure_char_table(self) -> None:
         tts = self.tts_model.tts_model
@@ -145,8 +162,9 @@ class VoiceChatModel(nn.Module):
             else:
                 tts = self.tts_model.tts_model
                 state = tts.make_state()
-                tts.warmup(state, self.speaker_prompt_codes(), self.speaker_latent, self.config.pad_token_id)
-                mx.eval(state.arrays())
+                with self.executing():
+                    tts.warmup(state, self.speaker_prompt_codes(), self.speaker_latent, self.config.pad_token_id)
+                    mx.eval(state.arrays())
                 self._warm_tts = state
                 if key is not None:
                     warmup_cache.store(key, self._prompt_codes, state)

@@ -507,8 +507,9 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, shou
 
         tool_markers(model.tokenizer)  # the tokenizer must have the call markers (as a session checks)
     timeline = Timeline(model, seed=seed)
-    positions = timeline.start(session_prompt(model.config, system_prompt, tools), should_stop=should_stop)
-    mx.eval(timeline.state.arrays())
+    with model.executing():
+        positions = timeline.start(session_prompt(model.config, system_prompt, tools), should_stop=should_stop)
+        mx.eval(timeline.state.arrays())
     return PromptState(model=model, system_prompt=system_prompt, tools=tools, seed=seed,
                        timeline_state=timeline.state, prompt_positions=positions,
                        text_rows=dict(timeline.text_cache._rows))

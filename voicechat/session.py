@@ -28,9 +28,9 @@ from .audio_input import as_mono_float32, check_sample_rate
 from .errors import ContextLimitError, SessionClosedError, WrongThreadError
 from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, UserTranscriptDelta
 from .tools import FunctionChannel, normalize_tools, render_system_prompt, timeout_frames
+from . import ops
 from .profiler import FrameTiming, Profile
 from .prompt_state import UNSET, resolve_prompt_arguments
-from .switch import decisions_held
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
 from .tts.ear_tts import replace_control_codes
@@ -117,6 +117,8 @@ class VoiceChatStreamingSession:
         self._on_frame = on_frame
         self.model = model
         self.config = cfg
+        # The model's runtime, fixed for the session's life and bound around its work.
+        self._runtime_ops = model.runtime if model.runtime is not None else ops.PLAIN
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
@@ -140,7 +142,8 @@ class VoiceChatStreamingSession:
         if should_stop is not None and not callable(should_stop):
             raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
         if prompt_state is None:
-            self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
+            with ops.bound(self._runtime_ops):
+                self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
         else:  # a copy of the state after that very prefill (voicechat/prompt_state.py)
             self.prompt_positions = prompt_state.restore(self.timeline)
         codec = model.tts_model.audio_codec
@@ -184,7 +187,7 @@ class VoiceChatStreamingSession:
     # -- one frame
 
     def _frame(self, samples: np.ndarray) -> list:
-        with decisions_held():  # the execution switches, decided once for the frame
+        with ops.bound(self._runtime_ops):  # the model's execution policy, for the frame
             return self._run_frame(samples)
 
     def _run_frame(self, samples: np.ndarray) -> list:
@@ -319,8 +322,9 @@ class VoiceChatStreamingSession:
                 events.extend(self._frame(chunk))
         self._pending = np.zeros(0, dtype=np.float32)
         if self.frame_index > 0:
-            tail = self.codec.flush(self.codec_state)
-            mx.eval(tail)
+            with ops.bound(self._runtime_ops):
+                tail = self.codec.flush(self.codec_state)
+                mx.eval(tail)
             events.append(AudioTail(self.frame_index - 1, np.array(tail, dtype=np.float32)))
         events.append(Done(self.frame_index))
         self.closed = True

@@ -32,7 +32,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from .constants import cache_home
-from .switch import env_flag
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
 # 2: the prompt codes use the codec RVQ norms of the numerics setting (stored dtype under "reference").
@@ -43,8 +42,11 @@ MAX_ENTRIES = 8
 
 
 def enabled() -> bool:
-    env = env_flag(ENV_VAR, "cache the TTS speaker warm-up on disk")
-    return True if env is None else env
+    """Whether the warm-up is cached on disk (default yes; `VOICECHAT_WARMUP_CACHE=0` turns it off)."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{ENV_VAR} must be 0 or 1 (cache the TTS speaker warm-up on disk), got {env!r}")
+    return env != "0"
 
 
 def cache_dir() -> Path:
@@ -59,8 +61,7 @@ def _file_identity(path: Path) -> list:
 def cache_key(model) -> str | None:
     """Hex key of `model`'s warm-up, or None when the model has no checkpoint folder."""
     from . import __version__
-    from .host_gemm import host_gemm_enabled
-    from .parallel import replaced_transposed
+    from .ops import stored_transposed
 
     folder = getattr(model, "folder", None)
     if folder is None:
@@ -73,9 +74,10 @@ def cache_key(model) -> str | None:
         "mlx": mx.__version__,
         "device": str(mx.default_device().type),
         "numerics": model.numerics.name,
-        "host_gemm": host_gemm_enabled(),
-        "transposed_weights": sorted(f"{path}:{m.__dict__['_weight_t'].dtype}"
-                                     for path, m in model.tts_model.named_modules() if replaced_transposed(m)),
+        "host_gemm": bool(model.policy is not None and model.policy.host_products),
+        "transposed_weights": sorted(f"{path}:{stored_transposed(m).dtype}"
+                                     for path, m in model.tts_model.named_modules()
+                                     if stored_transposed(m) is not None),
         # Shards and tokenizer.json by identity (re-reading them would add to every load; the
         # tokenizer is ~10 MB at the published size), config.json by its bytes.
         "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]

@@ -35,12 +35,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import cpu_qmv
-from ..compiled import piece
+from .. import ops
 from ..config import CodecConfig
 from ..constants import derived
-from ..host_gemm import host_gemm_enabled, matmul_t, one_blas_thread, widen_bf16_bits
-from ..parallel import replace_weight_transposed, replaced_transposed, split_rows
 
 # Magnitude = MAX_MAGNITUDE * sigmoid(m - ln MAX_MAGNITUDE) (= 100 exp(-softplus(ln 100 - m))).
 MAX_MAGNITUDE = 100.0
@@ -81,7 +78,7 @@ def _depthwise_norm_core(k: int, padded: mx.array, taps: list, bias: mx.array, n
     y = padded[0:length] * taps[0]
     for j in range(1, k):
         y = y + padded[j : j + length] * taps[j]
-    return cpu_qmv.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
+    return ops.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
 
 
 def _bias_gelu(y: mx.array, b: mx.array) -> mx.array:
@@ -197,11 +194,9 @@ class ConvNeXtBlock(nn.Module):
         taps, bias = derived(self, "dw_taps", (self.dwconv.weight, self.dwconv.bias),
                              lambda w, b: ([_f32(w)[:, j, 0] for j in range(k)], _f32(b)))
         p = self._float32_params()
-        y = piece(("codec_dwconv_norm", k), lambda: functools.partial(_depthwise_norm_core, k))(
+        y = ops.fused(("codec_dwconv_norm", k), lambda: functools.partial(_depthwise_norm_core, k))(
             padded, taps, bias, p["norm_w"], p["norm_b"])
-        # The rest is row-wise. Its products go through numpy's BLAS on the CPU backend
-        # (voicechat.host_gemm); otherwise its two row halves run on two CPU streams.
-        y = self._pointwise_part(y) if host_gemm_enabled() else split_rows(self._pointwise_part, y)
+        y = ops.rowwise(self._pointwise_part, y)  # the rest is row-wise
         return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
 
     def _float32_params(self) -> dict[str, mx.array]:
@@ -212,13 +207,12 @@ class ConvNeXtBlock(nn.Module):
                        lambda nw, nb, b1, b2: {"norm_w": _f32(nw), "norm_b": _f32(nb), "b1": _f32(b1), "b2": _f32(b2)})
 
     def _pointwise_matrices(self) -> tuple[mx.array, mx.array]:
-        """The two 1x1 conv weights (O, 1, I) as (O, I) matrices. With the products in numpy
-        (voicechat.host_gemm) these are views of the stored weights, from which matmul_t makes
-        its one float32 copy; in MLX, float32 copies made once per weights (MLX would convert a
-        bf16 weight at every call). Never both: at the published shapes the MLX float32 copies
-        beside numpy's were 0.3 GB of the codec's resident memory. Once the weights are their
-        float32 W.T's views (`CodecDecoder.use_float32_weights`) views either way."""
-        if host_gemm_enabled() or (replaced_transposed(self.pwconv1) and replaced_transposed(self.pwconv2)):
+        """The two 1x1 conv weights (O, 1, I) as (O, I) matrices: views of the stored weights
+        when the products run on the host (which keeps its own float32 copy) or the weights are
+        stored as float32 W.T (the runtime's `prepare`), else float32 copies made once per
+        weights (MLX would convert a bf16 weight at every call). Never both copies."""
+        if ops.host_products() or (ops.stored_transposed(self.pwconv1) is not None
+                                   and ops.stored_transposed(self.pwconv2) is not None):
             return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
                            lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
         return derived(self, "pointwise_float32", (self.pwconv1.weight, self.pwconv2.weight),
@@ -228,22 +222,21 @@ class ConvNeXtBlock(nn.Module):
         """pw2(gelu(pw1(y))) of the normalised frames."""
         p = self._float32_params()
         w1, w2 = self._pointwise_matrices()
-        y = matmul_t(y, w1, self, "w1")
-        y = piece(("codec_bias_gelu",), lambda: _bias_gelu)(y, p["b1"])
-        return matmul_t(y, w2, self, "w2") + p["b2"]
+        y = ops.matmul_t(y, w1, self, "w1")
+        y = ops.fused(("codec_bias_gelu",), lambda: _bias_gelu)(y, p["b1"])
+        return ops.matmul_t(y, w2, self, "w2") + p["b2"]
 
 
 def _matrix_name(conv: nn.Module) -> str:
-    """The `derived` name of a conv's weight as a matrix: a view (no bytes of its own,
-    `voicechat.parallel.derived_views`) once the weight is the float32 W.T's view, else a copy
-    (MLX copies to reshape a transposed weight)."""
-    return "matrix_views" if replaced_transposed(conv) else "matrix"
+    """The `derived` name of a conv's weight as a matrix: a view (no bytes of its own) once the
+    weight is a stored W.T's view, else a copy (MLX copies to reshape a transposed weight)."""
+    return "matrix_views" if ops.stored_transposed(conv) is not None else "matrix"
 
 
 def _pointwise(conv: nn.Conv1d, x: mx.array) -> mx.array:
     """Bias-free 1x1 Conv1d, weight (O, 1, I), on (L, I) frames."""
     w = derived(conv, _matrix_name(conv), (conv.weight,), lambda a: a[:, 0, :])
-    return matmul_t(x, w, conv, "matrix")
+    return ops.matmul_t(x, w, conv, "matrix")
 
 
 def _upsample(conv: nn.ConvTranspose1d, x: mx.array) -> mx.array:
@@ -254,7 +247,7 @@ def _upsample(conv: nn.ConvTranspose1d, x: mx.array) -> mx.array:
     out_ch, kernel, in_ch = conv.weight.shape
     w = derived(conv, _matrix_name(conv), (conv.weight,),
                 lambda a: a.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch))
-    return matmul_t(x, w, conv, "matrix").reshape(x.shape[0] * kernel, out_ch)
+    return ops.matmul_t(x, w, conv, "matrix").reshape(x.shape[0] * kernel, out_ch)
 
 
 def _downsample(conv: nn.Conv1d, x: mx.array) -> mx.array:
@@ -262,7 +255,7 @@ def _downsample(conv: nn.Conv1d, x: mx.array) -> mx.array:
     out_ch, kernel, in_ch = conv.weight.shape
     frames = x.shape[0] // kernel
     w = derived(conv, _matrix_name(conv), (conv.weight,), lambda a: a.reshape(out_ch, kernel * in_ch))
-    return matmul_t(x.reshape(frames, kernel * in_ch), w, conv, "matrix")
+    return ops.matmul_t(x.reshape(frames, kernel * in_ch), w, conv, "matrix")
 
 
 class CodecDecoder(nn.Module):
@@ -284,33 +277,6 @@ class CodecDecoder(nn.Module):
         layers.append(nn.Conv1d(in_ch, cfg.stft_channels, 1, bias=False))
         self.layers = layers
         self._blocks_per_stage = b
-
-    def use_float32_weights(self, host_gemm: bool) -> None:
-        """Replace by float32, as the only resident copy, each product weight of which a float32
-        copy would be kept anyway (`voicechat.parallel.replace_weight_transposed`): with the
-        products in numpy (`host_gemm`) every one (numpy's float32 W.T is then a view of the
-        same buffer, `voicechat.host_gemm.float32_transposed`); in MLX the ConvNeXt 1x1 convs
-        (their float32 matrices). Beside 16-bit originals those copies held 0.18 GB more at the
-        published shapes. Exact: the products see the same values. Evaluated here."""
-        one_by_one = (lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :])
-        made = []
-        last = len(self.layers) - 1
-        for n, layer in enumerate(self.layers):
-            if isinstance(layer, ConvNeXtBlock):
-                targets = [(layer.pwconv1, one_by_one), (layer.pwconv2, one_by_one)]
-            elif not host_gemm:
-                targets = []
-            elif n == last:
-                targets = [(layer, one_by_one)]
-            else:  # upsampler (O, K, I) as its (K O, I) matrix, `_upsample`
-                out_ch, kernel, in_ch = layer.weight.shape
-                targets = [(layer, (lambda w: w.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch),
-                                    lambda w_t: w_t.T.reshape(kernel, out_ch, in_ch).transpose(1, 0, 2)))]
-            for conv, (to_matrix, from_matrix_t) in targets:
-                if not replaced_transposed(conv):
-                    made.append(replace_weight_transposed(conv, to_matrix, from_matrix_t))
-            mx.eval(made)  # per layer: at most one layer's originals beside their copies
-            made.clear()
 
     def is_upsampler(self, index: int) -> bool:
         return index < len(self.layers) - 1 and index % (self._blocks_per_stage + 1) == 0
@@ -392,7 +358,7 @@ def _rows_f32(book: tuple[str, np.ndarray], index: np.ndarray) -> np.ndarray:
     kind, view = book
     rows = view[index]
     if kind == "bf16":
-        return widen_bf16_bits(rows)
+        return ops.widen_bf16_bits(rows)
     return rows.astype(np.float32, copy=False)
 
 
@@ -587,8 +553,8 @@ class Codec(nn.Module):
 
     def _latent(self, codes: np.ndarray) -> mx.array:
         """Validated host codes (T, Q) -> latent (T, latent_dim): on the host when the codec's
-        products are (voicechat.host_gemm), else with MLX; the same values either way."""
-        if host_gemm_enabled():
+        products are (`ops.host_products`), else with MLX; the same values either way."""
+        if ops.host_products():
             return mx.array(self.prvq.dequantize_host(codes))
         return self.prvq.dequantize(mx.array(codes))
 
@@ -641,7 +607,7 @@ class Codec(nn.Module):
     def decode(self, codes) -> mx.array:
         """Offline decode: codes (T, Q) int -> waveform (T * samples_per_frame,) float32."""
         codes = self._check_codes(codes, "Codec.decode")
-        with one_blas_thread():
+        with ops.products_scope():
             spec, _ = self.decoder(self._latent(codes))
         real, imag = self._spectrum(spec)
         audio = self._istft(real, imag)
@@ -649,15 +615,9 @@ class Codec(nn.Module):
         return audio[geo.pad : geo.pad + real.shape[0] * geo.hop]
 
     def prepare_decoder(self) -> None:
-        """Make the decoder's derived weights now rather than at the first decode: its product
-        weights as float32 (`CodecDecoder.use_float32_weights`; with the products in numpy,
-        `voicechat.host_gemm`, every 1x1 and upsampler weight, 367 MB at the published shapes,
-        which numpy views), the float32 norms, biases and taps. `load`
-        calls it, so the memory the model keeps is taken, and counted, at load, and the first
-        frame does not pay for the conversion. It decodes one frame of code 0 on a scratch state
-        (whatever the decoder's call path uses gets made, nothing is listed twice) and keeps
-        nothing else."""
-        self.decoder.use_float32_weights(host_gemm_enabled())
+        """Make the decoder's derived values (float32 norms, biases, taps, product matrices) now
+        rather than at the first decode, so what the model keeps is taken, and counted, at load:
+        decode one frame of code 0 on a scratch state and keep nothing else."""
         codes = np.zeros((1, self._cfg.num_quantizers), dtype=np.int32)
         mx.eval(self.decode_step(codes, self.make_state()))
 
@@ -698,7 +658,7 @@ class Codec(nn.Module):
         codes = self._check_codes(codes, "Codec.decode_step")
         geo = self._geometry
 
-        with one_blas_thread():
+        with ops.products_scope():
             spec, histories = self.decoder(self._latent(codes), state.block_histories)
         real, imag = self._spectrum(spec)
         real = mx.concatenate([state.istft_real, real], axis=0)
@@ -766,6 +726,6 @@ class Codec(nn.Module):
         waveform = _f32(waveform)
         if not mx.all(mx.isfinite(waveform)).item():
             raise ValueError("Codec.encode: waveform contains NaN or infinite samples")
-        with one_blas_thread():
+        with ops.products_scope():
             latents = self.encoder(self.stft_features(waveform))
         return self.prvq.quantize(latents)

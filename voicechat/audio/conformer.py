@@ -31,11 +31,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
-from .. import overlap
-from ..compiled import compiled_layer_norm, layer_norm, linear_piece, norm_params, piece, structure
+from .. import ops
+from ..ops import norm_params, structure
 from ..constants import derived
-from ..cpu_qmv import float32_matmul
-from ..parallel import apply, replace_weight_transposed, replaced_transposed, transposed_dtype
 from .mel import as_waveform, log_mel
 
 _MASK_VALUE = -1e30  # additive mask on the position term (docs/model.md §5.1)
@@ -160,9 +158,14 @@ def _depthwise(din, taps, bias):
     return out + bias if bias is not None else out
 
 
+def _layer_norm(x, p, eps):
+    """LayerNorm with an nn.LayerNorm's params `p` (`norm_params`)."""
+    return ops.layer_norm(x, p.get("weight"), p.get("bias"), eps)
+
+
 def _pointwise(x, p):
     """1x1 conv as a product; p = {"weight_t": (I, O) matrix, "bias"?} (ConvModule.pointwise_weights)."""
-    y = float32_matmul(x, p["weight_t"])
+    y = ops.float32_matmul(x, p["weight_t"])
     return y + p["bias"] if "bias" in p else y
 
 
@@ -174,22 +177,22 @@ def _glu(x, p1):
 
 def _glu_core(eps, x, norms, p1):
     """The streaming piece before the conv cache: GLU(pointwise_conv1(norm_conv(x)))."""
-    return _glu(layer_norm(x, norms[0], eps[0]), p1)
+    return _glu(_layer_norm(x, norms[0], eps[0]), p1)
 
 
 def _conv_out_core(eps, x, din, taps, bias, norms, p2):
     """The streaming piece after the conv cache: x + pointwise_conv2(silu(norm(depthwise(din))))."""
     dw = _depthwise(din, taps, bias[0] if bias else None)
-    return x + _pointwise(nn.silu(layer_norm(dw, norms[1], eps[1])), p2)
+    return x + _pointwise(nn.silu(_layer_norm(dw, norms[1], eps[1])), p2)
 
 
 def _feed_forward_core(static, x, norms, ff):
     """x + 0.5 linear2(silu(linear1(norm(x)))), then the output norm if `norms` has two entries;
     static = (norm eps, output norm eps, norm structure)."""
     eps = static
-    h = nn.silu(apply(layer_norm(x, norms[0], eps[0]), ff[0]))
-    y = x + 0.5 * apply(h, ff[1])
-    return layer_norm(y, norms[1], eps[1]) if len(norms) > 1 else y
+    h = nn.silu(ops.apply(_layer_norm(x, norms[0], eps[0]), ff[0]))
+    y = x + 0.5 * ops.apply(h, ff[1])
+    return _layer_norm(y, norms[1], eps[1]) if len(norms) > 1 else y
 
 
 class FeedForward(nn.Module):
@@ -296,16 +299,16 @@ class ConvModule(nn.Module):
 
     def pointwise_weights(self) -> tuple[dict, dict]:
         """{"weight_t": (I, O) matrix, "bias"?} of the two 1x1 convs, made once per weights:
-        x @ W.T runs twice as fast on a contiguous W.T (voicechat.parallel.linear), and the
+        x @ W.T runs twice as fast on a contiguous W.T, and the
         stored (O, 1, I) weight is 16-bit in the checkpoints, which MLX would convert at every
-        call: W.T is float32, or bf16 where `cpu_qmv.float32_matmul` widens it in its registers
-        (`voicechat.parallel.transposed_dtype`). After `use_transposed_pointwise` (what `load`
-        calls) W.T is the weight's only copy."""
+        call: the W.T the runtime's `prepare` stored as the weight's only copy (float32, or bf16
+        where the product widens it), else a float32 copy beside the weight."""
         def weights(conv):
             def make(w, *b):
-                if replaced_transposed(conv):
-                    out = {"weight_t": conv.__dict__["_weight_t"]}
-                else:  # weights set after load: a derived copy beside them until replaced again
+                stored = ops.stored_transposed(conv)
+                if stored is not None:
+                    out = {"weight_t": stored}
+                else:  # not prepared, or weights set after load: a derived copy beside them
                     out = {"weight_t": mx.contiguous(w[:, 0, :].astype(mx.float32).T)}
                 if b:
                     out["bias"] = b[0] if b[0].dtype == mx.float32 else b[0].astype(mx.float32)
@@ -315,21 +318,6 @@ class ConvModule(nn.Module):
             return derived(conv, "pointwise", (conv.weight,) + ((conv.bias,) if "bias" in conv else ()), make)
 
         return weights(self.pointwise_conv1), weights(self.pointwise_conv2)
-
-    def use_transposed_pointwise(self) -> None:
-        """Replace the two 1x1 convs' weights by their W.T (float32, or bf16 where the product
-        widens it: `voicechat.parallel.transposed_dtype`) as the only resident copy
-        (`voicechat.parallel.replace_weight_transposed`; the parameter `weight` becomes an
-        (O, 1, I) view of it), biases by float32, and make `pointwise_weights`. Keeping the
-        16-bit originals beside float32 copies held 0.15 GB more at the published shapes; bf16
-        W.T holds half a float32 copy's bytes. Exact: the values and every product are the same."""
-        for conv in (self.pointwise_conv1, self.pointwise_conv2):
-            if not replaced_transposed(conv):
-                replace_weight_transposed(conv, lambda w: w[:, 0, :], lambda w_t: w_t.T[:, None, :],
-                                          dtype=transposed_dtype(conv.weight.dtype))
-                if "bias" in conv and conv.bias.dtype != mx.float32:
-                    conv.bias = conv.bias.astype(mx.float32)
-        self.pointwise_weights()  # evaluates W.T (releasing the originals)
 
     def taps(self) -> tuple[list, mx.array | None]:
         """The depthwise taps (kernel x (d,) float32) and the bias (or None)."""
@@ -381,10 +369,11 @@ class ConformerLayer(nn.Module):
         """Streaming block; returns (out, new_k_cache, new_v_cache, new_conv_cache).
 
         The two feed-forward halves (with their norms, residuals and the output norm) have
-        fixed shapes and run as compiled pieces (voicechat.compiled) when their layers do not
+        fixed shapes and run as fused pieces (`ops.fused`) when their layers do not
         split across streams; same operations either way."""
         x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
-        xn = compiled_layer_norm(x, norm_params(self.norm_self_att), self.norm_self_att.eps)
+        p = norm_params(self.norm_self_att)
+        xn = ops.fused_layer_norm(x, p.get("weight"), p.get("bias"), self.norm_self_att.eps)
         att, keys, values = self.self_attn.step(xn, k_cache, v_cache, pos_proj, left)
         x = x + att
         conv = self.conv
@@ -392,11 +381,11 @@ class ConformerLayer(nn.Module):
         norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
         eps = (self.norm_conv.eps, conv.batch_norm.eps)
         key = (eps, structure(norms), structure((p1, p2)))
-        glu = piece(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
+        glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
         din = mx.concatenate([conv_cache, glu(x, norms, p1)])
         taps, bias = conv.taps()
-        finish = piece(("conformer_conv_out", conv.kernel, bias is not None) + key,
-                       lambda: functools.partial(_conv_out_core, eps))
+        finish = ops.fused(("conformer_conv_out", conv.kernel, bias is not None) + key,
+                         lambda: functools.partial(_conv_out_core, eps))
         x = finish(x, din, taps, [] if bias is None else [bias], norms, p2)
         x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
@@ -405,10 +394,10 @@ class ConformerLayer(nn.Module):
 
     @staticmethod
     def _feed_forward(x, norm, ff, out_norm):
-        """x + 0.5 ff(norm(x)), then out_norm if given (one piece, voicechat.compiled)."""
+        """x + 0.5 ff(norm(x)), then out_norm if given (one fused piece)."""
         norms = [norm_params(norm)] + ([norm_params(out_norm)] if out_norm is not None else [])
         static = (norm.eps, out_norm.eps if out_norm is not None else None, structure(norms))
-        return linear_piece("conformer_ff", _feed_forward_core, static, (ff.linear1, ff.linear2), x, norms)
+        return ops.fused_linear("conformer_ff", _feed_forward_core, static, (ff.linear1, ff.linear2), x, norms)
 
 
 # --------------------------------------------------------------------------- encoder
@@ -596,7 +585,7 @@ class ConformerStream:
                 x, st.k_cache[i], st.v_cache[i], st.conv_cache[i],
                 self.pos_proj[i] if self.cache_projections else None, left
             )
-            overlap.start(x)  # layer i runs while the next one is built
+            ops.after_layer(x)  # layer i may run while the next one is built
         keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs
         st.mel_cache = cache[keep_from - cache_start :]
         st.mel_consumed = consumed

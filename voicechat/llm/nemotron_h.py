@@ -33,8 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
-from .. import cpu_qmv, overlap
-from ..compiled import piece, rms_norm
+from .. import ops
 from ..constants import derived
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
@@ -53,7 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self.weight_as(x.dtype), self.eps)  # compiled (voicechat.compiled)
+        return ops.fused_rms_norm(x, self.weight_as(x.dtype), self.eps)
 
     def weight_as(self, dtype) -> mx.array:
         """The weight in the activation dtype, made once per weight."""
@@ -124,7 +123,7 @@ def _gated_norm(y: mx.array, z: mx.array, groups: int, eps: float, norm_w: mx.ar
     """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (1, L, d)."""
     length, d = y.shape[1], y.shape[2]
     u = (y * nn.silu(z)).reshape(1, length, groups, d // groups)
-    return cpu_qmv.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
+    return ops.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
 
 
 def _segment_sums(log_decay: mx.array) -> mx.array:
@@ -423,7 +422,7 @@ class Mamba2Mixer(nn.Module):
         """One position (1, 1, hidden) through the plain recurrence.
 
         Everything between in_proj and out_proj is `_step_core`, one fixed-shape
-        function of arrays (compiled, see voicechat.compiled)."""
+        function of arrays (a fused piece, `ops.fused`)."""
         zxbcdt = self.in_proj(x).astype(mx.float32)
         taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
         dt_bias, a = self._dt_bias_and_a()
@@ -433,7 +432,7 @@ class Mamba2Mixer(nn.Module):
         dims = (self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel, self.num_heads,
                 self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min, self.dt_max,
                 conv_bias is not None)
-        core = piece(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
+        core = ops.fused(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
         u, *rows, state.ssm = core(zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(),
                                    *taps, *extra)
@@ -528,7 +527,7 @@ class SquaredReluMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = piece(("relu_squared",), lambda: _relu_squared)(self.up_proj(x).astype(mx.float32))
+        h = ops.fused(("relu_squared",), lambda: _relu_squared)(self.up_proj(x).astype(mx.float32))
         return self.down_proj(h).astype(mx.float32)
 
 
@@ -569,12 +568,12 @@ class NemotronHBlock(nn.Module):
 
 def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
     y = x + h
-    return y, cpu_qmv.rms_norm(y, weight, eps)
+    return y, ops.rms_norm(y, weight, eps)
 
 
 def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
-    """(x + h, norm(x + h)) as one compiled piece: a block's residual add and the next norm."""
-    return piece(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
+    """(x + h, norm(x + h)) as one fused piece: a block's residual add and the next norm."""
+    return ops.fused(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
         x, h, norm.weight_as(x.dtype))
 
 
@@ -666,7 +665,7 @@ class NemotronH(nn.Module):
             else:
                 x, h = add_rms_norm(x, added, block.norm)
             added = block.mix(h, layer_state, single_step, self.ssd_chunk_size)
-            overlap.start(added)  # this block runs while the next one is built
+            ops.after_layer(added)  # this block may run while the next one is built
         state.offset += x.shape[1]
         if added is None:
             return self.norm_f(x)

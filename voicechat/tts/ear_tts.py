@@ -46,11 +46,9 @@ from .layers import (
     one_plus_scale,
 )
 from .rng import SessionRandom
-from ..compiled import linear_piece, piece
 from ..constants import derived
-from .. import cpu_qmv, overlap
-from ..cpu_qmv import float32_matmul
-from ..parallel import apply
+from .. import ops
+from ..ops import apply
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
 GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
@@ -420,7 +418,7 @@ def _rvq_core(count, residual, books_t, books, norms):
     """EarTts.quantize_residual over `count` codebooks (one compiled piece per pass length)."""
     codes = []
     for book_t, book, norm in zip(books_t, books, norms):
-        dist = norm - 2.0 * float32_matmul(residual, book_t)
+        dist = norm - 2.0 * ops.float32_matmul(residual, book_t)
         j = mx.argmin(dist, axis=-1)  # (1,) uint32
         residual = residual - mx.take(book, j, axis=0)  # row j* (1, latent)
         codes.append(j)
@@ -474,7 +472,7 @@ class BackboneAttention(nn.Module):
         self.rope_base, offset) of this step. -> the heads' output (B, n, H·D) before o_proj."""
         b, n, _ = x.shape
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, input_norm.eps, self.q_norm.eps, self.k_norm.eps)
-        q, k, v = linear_piece("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
+        q, k, v = ops.fused_linear("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
                                [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()], rope)
         return self.attend(q, k, v, state, b, n)
 
@@ -503,10 +501,10 @@ class BackboneLayer(nn.Module):
 
     def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
         merged = self.self_attn(x, state, rope, self.input_layernorm)
-        # Fixed shapes from here on: one piece (voicechat.compiled).
+        # Fixed shapes from here on: one fused piece.
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
-        return linear_piece("tts_post_attention", _post_attention_core, tuple(n.eps for n in norms),
+        return ops.fused_linear("tts_post_attention", _post_attention_core, tuple(n.eps for n in norms),
                             (self.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), x, merged,
                             [n.scale() for n in norms])
 
@@ -533,7 +531,7 @@ class EarTtsBackbone(nn.Module):
             if rope is None:
                 rope = tables[attn.rope_base] = self._rope(n, attn.head_dim, attn.rope_base, start)
             x = layer(x, state, rope)
-            overlap.start(x)  # this layer runs while the next one is built
+            ops.after_layer(x)  # this layer may run while the next one is built
         if state is not None:
             state.offset += x.shape[1]
         return self.norm(x)
@@ -622,7 +620,7 @@ class MogHead(nn.Module):
         blocks, final = self.mlp_stack[:-1], self.mlp_stack[-1]
         norms = [n for b in blocks for n in (b.pre_norm, b.post_norm)] + [final]
         mlps = [lin for b in blocks for lin in (b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj)]
-        return linear_piece("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
+        return ops.fused_linear("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
                             [n.scale() for n in norms])
 
     def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float,
@@ -639,7 +637,7 @@ class MogHead(nn.Module):
         mus_arrays = (mus.weight, mus.scales, mus.biases) if quantized else (mus.weight,)
         static = (float(top_p), float(noise_scale), self.min_log_std, self.num_predictions, self.low_rank,
                   bool(log_of_softmax), mus_quant)
-        return linear_piece("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
+        return ops.fused_linear("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
                             x, u, eps, mus_arrays, self.low_mat)
 
 
@@ -782,7 +780,7 @@ class EarTts(nn.Module):
 
     def embed_codes(self, codes: mx.array) -> mx.array:
         """embed_code(depthsum(codes)): (..., Q) -> (..., hidden); one compiled piece."""
-        return linear_piece("embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes,
+        return ops.fused_linear("embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes,
                             self._depth_sum_arrays())
 
     def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
@@ -871,7 +869,7 @@ class EarTts(nn.Module):
             residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale,
                                                      log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax)
             codes, _ = self.quantize_pass(residual, done, count)
-            overlap.start(codes)  # this pass runs while the next one is built
+            ops.after_layer(codes)  # this pass may run while the next one is built
             assigned.append(codes)
             done += count
         return mx.concatenate(assigned)
@@ -887,13 +885,13 @@ class EarTts(nn.Module):
         """`quantize_residual` with the codes as one (count,) int32 array: what a MoG pass runs.
         One compiled piece per pass length; per codebook one product, the distance, argmin and
         one row gather (~7 dispatches: the codebooks are per-codebook arrays made once); where the
-        CPU kernels serve it, the whole pass as one dispatch (`cpu_qmv.rvq_pass`, the same bits)."""
+        CPU kernels serve it, the whole pass as one dispatch (`ops.rvq_pass`, the same bits)."""
         books_all, norms_all = self.rvq_books()
-        fused = cpu_qmv.rvq_pass(residual, books_all[first:first + count], norms_all[first:first + count])
+        fused = ops.rvq_pass(residual, books_all[first:first + count], norms_all[first:first + count])
         if fused is not None:
             return fused
         books_t, books, all_norms = self.rvq_book_list()
-        core = piece(("rvq", count), lambda: functools.partial(_rvq_core, count))
+        core = ops.fused(("rvq", count), lambda: functools.partial(_rvq_core, count))
         part = slice(first, first + count)
         return core(residual, books_t[part], books[part], all_norms[part])
 

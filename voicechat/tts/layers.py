@@ -6,9 +6,9 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compiled import rms_norm
+from .. import ops
+from ..ops import apply
 from ..constants import derived
-from ..parallel import apply
 
 
 def one_plus_scale(weight: mx.array, one_plus_in_weight_dtype: bool = False) -> mx.array:
@@ -30,7 +30,7 @@ def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_
     """
     if scale is None:  # callers with a module pass the scale made once (voicechat.constants)
         scale = one_plus_scale(weight, one_plus_in_weight_dtype)
-    return rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)  # compiled (voicechat.compiled)
+    return ops.fused_rms_norm(x.astype(mx.float32), scale, eps).astype(x.dtype)
 
 
 class OnePlusRMSNorm(nn.Module):
@@ -64,7 +64,7 @@ class GeluGatedMLP(nn.Module):
 
 def gated_mlp(u: mx.array, gate, up, down) -> mx.array:
     """down(gelu_tanh(gate(u)) ⊙ up(u)); each of gate, up, down a linear layer or the weights
-    dict a compiled piece received for it (voicechat.parallel.apply)."""
+    weights a fused piece received for it (`ops.apply`)."""
     # nn.gelu_approx is the tanh form 0.5u(1 + tanh(√(2/π)(u + 0.044715u³))).
     return apply(nn.gelu_approx(apply(u, gate)) * apply(u, up), down)
 

@@ -19,7 +19,7 @@ import functools
 
 import mlx.core as mx
 
-from ..compiled import piece
+from .. import ops
 
 _MAX_SEED = 2**64
 
@@ -74,7 +74,7 @@ class SessionRandom:
         the same keys and values, and the bits-to-float conversions fuse (14 dispatches
         instead of 37)."""
         shapes = (tuple(uniform_shape), tuple(normal_shape))
-        draw = piece(("uniform_then_normal", shapes), lambda: functools.partial(_uniform_then_normal, shapes))
+        draw = ops.fused(("uniform_then_normal", shapes), lambda: functools.partial(_uniform_then_normal, shapes))
         self._key, u, n = draw(self._key)
         self.draws += 2
         return u, n

@@ -22,16 +22,15 @@ the key covering the sources and the MLX, nanobind and Python versions; later pr
 Before first use the module is checked against `mx.quantized_matmul` and `mx.matmul` on random
 inputs (every bits / group size, every instruction set); any difference and it is not used.
 
-`quantized_matmul(...)` takes the extension when `cpu_qmv_enabled()` and the call is one it
-serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a CPU stream),
-else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D float32 wt),
-else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight / bias) else `mx.fast`'s;
-`rvq_pass` returns None where not served (the caller runs MLX's ops); the same bits either way. The default is on for a CPU default device on Linux
-x86-64 (on macOS MLX's CPU kernels sum 8 lanes at a time and its BLAS is Accelerate: other
-orders, and Metal is the fast path there). `VOICECHAT_CPU_QMV=0|1` or `set_cpu_qmv(...)` switch
-both; forcing it on where it cannot be built raises. When the build fails where it is the
-default, a warning says why (and names the build log) and MLX's kernels are used: same results,
-slower.
+`quantized_matmul(...)` takes the extension when the bound policy has `cpu_kernels` on and the
+call is one it serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a
+CPU stream), else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D
+float32 or bf16 wt), else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight /
+bias) else `mx.fast`'s; `rvq_pass` returns None where not served (the caller runs MLX's ops); the
+same bits either way. `ExecutionPolicy.for_device` turns them on for a CPU device on Linux x86-64
+(on macOS MLX's CPU kernels sum 8 lanes at a time and its BLAS is Accelerate: other orders, and
+Metal is the fast path there); where the build fails, a warning says why (and names the build
+log) and MLX's kernels are used: same results, slower.
 """
 
 from __future__ import annotations
@@ -51,10 +50,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .constants import cache_home
-from .switch import Override, bool_check, env_flag, held
+from ..constants import cache_home
+from .policy import current_policy
 
-ENV_VAR = "VOICECHAT_CPU_QMV"
 MODULE_NAME = "_voicechat_cpu_qmv"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("CMakeLists.txt", "cpu_qmv.cpp", "qmv_avx2.cpp", "qmv_avx512.cpp", "qmv_kernel.h", "qmv_rows.h")
@@ -62,7 +60,6 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 ISA_NAMES = ("scalar", "AVX2", "AVX-512")  # the extension's isa() / set_isa() levels
 
-_override = Override(bool_check("set_cpu_qmv"))
 _lock = threading.Lock()
 _state: dict = {}  # "module" (or None) and "reason" once `_load` has run
 
@@ -246,66 +243,10 @@ def unavailable_reason() -> str | None:
     return _state["reason"]
 
 
-def default_cpu_qmv() -> bool:
-    env = env_flag(ENV_VAR, "the CPU quantized matrix-vector kernel")
-    if env is not None:
-        return env
-    return mx.default_device().type == mx.DeviceType.cpu and platform_served()
-
-
 def cpu_qmv_enabled() -> bool:
-    """Whether `quantized_matmul` / `float32_matmul` take the extension for the calls they serve.
-    Forced on (by the environment or `set_cpu_qmv(True)`) where it cannot be used: RuntimeError
-    with the reason. On by default where it cannot be built: one warning, then False.
-
-    Asked for every product, so the answer is held for a frame (`switch.decisions_held`) and,
-    between frames, kept until what it depends on changes (the forced value, the environment
-    variable, the default device, the loaded module): the full decision reads the environment
-    twice and takes a lock, ~4 us."""
-    return held("cpu_qmv", _enabled_decision)
-
-
-def _enabled_decision() -> bool:
-    key = _decision_key()
-    if _decision[0] == key:
-        return _decision[1]
-    forced = _override.value if _override.value is not None else env_flag(ENV_VAR)
-    wanted = forced if forced is not None else default_cpu_qmv()
-    if not wanted:
-        enabled = False
-    elif _load() is not None:
-        enabled = True
-    elif forced:
-        raise RuntimeError(f"{ENV_VAR}=1 / set_cpu_qmv(True), but the CPU kernel cannot be used: "
-                           f"{_state['reason']}")
-    else:
-        if not _state.get("warned"):
-            _state["warned"] = True
-            # stacklevel 4: past `held` and `cpu_qmv_enabled`, at the caller.
-            warnings.warn(f"voicechat: the CPU kernels (quantized and float32 products) are not used "
-                          f"({_state['reason']}); MLX's kernels give the same results, several times "
-                          f"slower on this CPU. Set {ENV_VAR}=0 to silence this.", RuntimeWarning, stacklevel=4)
-        enabled = False
-    _decision[:] = [_decision_key(), enabled]  # after `_load`, which fills `_state`
-    return enabled
-
-
-_decision: list = [None, False]  # [the `_decision_key` it was made under, cpu_qmv_enabled()]
-
-
-def _decision_key() -> tuple:
-    # `_state` itself (not only its module): the tests substitute the whole dict.
-    return (_override.value, os.environ.get(ENV_VAR), mx.default_device(), _state, _state.get("module", _state))
-
-
-def set_cpu_qmv(enabled: bool | None) -> None:
-    """Force the extension on (True) or off (False) for this process; None restores the default."""
-    _override.set(enabled)
-
-
-def cpu_qmv_set(enabled: bool | None):
-    """`set_cpu_qmv(enabled)` inside a with-block."""
-    return _override.scoped(enabled)
+    """Whether the bound runtime's policy takes the extension for the calls it serves
+    (`ExecutionPolicy.cpu_kernels`; a policy with it on is only made where the module loaded)."""
+    return current_policy().cpu_kernels
 
 
 def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -404,6 +345,5 @@ def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=N
     return None
 
 
-__all__ = ["ENV_VAR", "cpu_qmv_enabled", "cpu_qmv_set", "default_cpu_qmv", "extension", "float32_matmul",
-           "layer_norm", "norm_served", "platform_served", "rms_norm", "rvq_pass",
-           "quantized_matmul", "self_check", "set_cpu_qmv", "unavailable_reason", "weights_served"]
+__all__ = ["cpu_qmv_enabled", "extension", "float32_matmul", "layer_norm", "norm_served", "platform_served",
+           "rms_norm", "rvq_pass", "quantized_matmul", "self_check", "unavailable_reason", "weights_served"]

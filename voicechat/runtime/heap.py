@@ -13,8 +13,8 @@ frame through page faults; with the two settings below every variant measured 0.
 moving threshold reaches on 64-bit; setting either stops it moving), once per process. Freed memory then stays in
 the heap for the next frame's temporaries: the resident set keeps its peak instead of shrinking
 between frames (the peak itself is what the frame needs either way). It is process-wide, so
-other MLX code in the same process (a second model) gets it too. `voicechat.load` calls it for
-a CPU device on Linux; `VOICECHAT_KEEP_HEAP=0` leaves glibc's defaults.
+other MLX code in the same process (a second model) gets it too. `prepare` calls it when the
+policy's `keep_heap` is on (the CPU default on Linux; `VOICECHAT_KEEP_HEAP=0` turns it off).
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import platform
 import sys
 import threading
 
-from .switch import env_flag
 
-ENV_VAR = "VOICECHAT_KEEP_HEAP"
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 TRIM_THRESHOLD_BYTES = 1 << 30
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -48,18 +46,18 @@ def _mallopt(param: int, value: int) -> int:
 
 def keep_heap() -> bool:
     """Set the two thresholds once (see the module doc). True when they are set (now or
-    before), False where not served or `VOICECHAT_KEEP_HEAP=0`; RuntimeError if glibc refuses."""
-    if env_flag(ENV_VAR, "glibc heap thresholds for large temporaries") is False or not served():
+    before), False where not served; RuntimeError if glibc refuses."""
+    if not served():
         return False
     with _lock:
         if not _done:
             for param, value, name in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
                                        (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")):
                 if _mallopt(param, value) != 1:
-                    raise RuntimeError(f"glibc mallopt({name}, {value}) failed; set {ENV_VAR}=0 to leave "
-                                       "the defaults")
+                    raise RuntimeError(f"glibc mallopt({name}, {value}) failed; set VOICECHAT_KEEP_HEAP=0 "
+                                       "(a policy with keep_heap off) to leave the defaults")
             _done.append(True)
     return True
 
 
-__all__ = ["ENV_VAR", "keep_heap", "served"]
+__all__ = ["keep_heap", "served"]

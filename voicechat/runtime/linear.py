@@ -15,26 +15,27 @@ frame's large products in two halves, one per stream, and joins them:
 * `split_rows(fn, x)`: a row-wise function (LayerNorm, 1x1 convs, GELU) over
   the two halves of its input rows; used by the codec's ConvNeXt blocks.
 
-The number of streams is `cpu_streams()`: 2 on a CPU device with at least two
-cores, else 1; the environment variable `VOICECHAT_CPU_STREAMS` (1 or 2) or
-`set_cpu_streams(n)` overrides it. With 1 stream every layer runs unsplit.
-On a GPU device the split is off by default (one GPU serves both streams).
+The number of streams is the bound policy's `cpu_streams` (`ExecutionPolicy`): by default 2
+on a CPU device with at least two cores, else 1 (on a GPU one device serves both streams).
+With 1 stream every layer runs unsplit.
+
+`prepare_linears(module, policy)` gives the dense and quantized layers these classes and the
+weight layout the policy asks for; it is called by `voicechat.runtime.prepare` only.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .constants import derived
-from .cpu_qmv import cpu_qmv_enabled, float32_matmul, quantized_matmul, weights_served
-from .switch import Override, env_flag, held
+from ..constants import derived
+from ..ops import stored_transposed
+from .kernels import float32_matmul, quantized_matmul, weights_served
+from .policy import ExecutionPolicy, current_policy
 
-ENV_VAR = "VOICECHAT_CPU_STREAMS"
 # A split pays when the product is long compared with one cross-stream
 # hand-over: 256K multiply-adds take ~0.25 ms in MLX's CPU 4-bit kernel here.
 # Measured at the small preset (Nemotron-H step, 3 interleaved rounds): 256K
@@ -58,54 +59,12 @@ MAX_MAIN_SHARE = 0.6
 # 15.9 ms against 19.2 ms from 256K and 16.9 ms from 4M.
 QMV_SPEEDUP = 4
 
-_override = Override(lambda n: _parse(n, "set_cpu_streams(n)"))
 _local = threading.local()
 
 
-def _parse(value, where: str) -> int:
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        n = 0
-    if n not in (1, 2):
-        raise ValueError(f"{where} must be 1 or 2 (CPU streams per frame), got {value!r}")
-    return n
-
-
-_default_cache: tuple | None = None  # (env value, device, result): asked several times per layer
-
-
-def default_cpu_streams() -> int:
-    """2 on a CPU device with >= 2 cores, 1 otherwise (or `VOICECHAT_CPU_STREAMS`)."""
-    global _default_cache
-    env = os.environ.get(ENV_VAR)
-    device = mx.default_device()
-    if _default_cache is not None and _default_cache[0] == env and _default_cache[1] == device:
-        return _default_cache[2]
-    if env is not None and env != "":
-        n = _parse(env, ENV_VAR)
-    elif device.type != mx.DeviceType.cpu:
-        n = 1
-    else:
-        n = 2 if (os.cpu_count() or 1) >= 2 else 1
-    _default_cache = (env, device, n)
-    return n
-
-
 def cpu_streams() -> int:
-    """How many CPU streams a frame uses now (1 = everything on the default stream); decided once
-    per frame (`switch.decisions_held`)."""
-    return held("cpu_streams", lambda: _override.value if _override.value is not None else default_cpu_streams())
-
-
-def set_cpu_streams(n: int | None) -> None:
-    """Force 1 or 2 streams for this process; None restores the default."""
-    _override.set(n)
-
-
-def cpu_streams_set(n: int | None):
-    """`set_cpu_streams(n)` inside a with-block; the previous setting (default or forced) after."""
-    return _override.scoped(n)
+    """How many CPU streams a frame uses under the bound policy (1 = everything on the default stream)."""
+    return current_policy().cpu_streams
 
 
 def secondary_stream():
@@ -135,12 +94,6 @@ def linear(x: mx.array, w: dict, stream=None) -> mx.array:
     if "bias" in w:
         return mx.addmm(w["bias"], x, w["weight"].T, stream=stream)
     return mx.matmul(x, w["weight"].T, stream=stream)
-
-
-def apply(x: mx.array, w) -> mx.array:
-    """A linear layer on x: `w` is the layer itself (it may split across streams) or the
-    weights dict a compiled piece received for it (`FastLinear.unsplit_weights`)."""
-    return w(x) if isinstance(w, nn.Module) else linear(x, w)
 
 
 def split_point(rows: int, macs: int) -> int:
@@ -217,7 +170,6 @@ def _float32_transposed_halves(weight: mx.array, bias: mx.array | None = None) -
     return {"parts": [lo, hi]}
 
 
-FLOAT32_COPIES_ENV = "VOICECHAT_FLOAT32_COPIES"
 # The language path (embed, heads, every Linear of the LLM) keeps its stored dtype: it is
 # quantized in the published 4/8-bit checkpoints, and at the published shapes a float32
 # copy of the bf16 checkpoint's would take 38 GB.
@@ -236,17 +188,14 @@ def _language_path(path: str) -> bool:
 FLOAT32_COPY_BUDGET_BYTES = 1 << 30
 
 
-def default_float32_copies(extra_bytes: int = 0) -> bool:
-    """Whether `prepare_linears` replaces 16-bit dense weights that `default_bf16_transposed`
-    does not serve by float32 copies by default, given the bytes the copies would add: on a CPU
-    device yes while that is at most
-    `FLOAT32_COPY_BUDGET_BYTES` (MLX's CPU backend converts a bf16 weight fed float32 inputs on
-    every call; the copy removes that conversion), on a GPU no (bf16 weights, half the bytes read
-    per frame). `VOICECHAT_FLOAT32_COPIES=0|1` overrides both."""
-    env = env_flag(FLOAT32_COPIES_ENV)
-    if env is not None:
-        return env
-    return mx.default_device().type == mx.DeviceType.cpu and extra_bytes <= FLOAT32_COPY_BUDGET_BYTES
+def float32_copies_within_budget(policy: ExecutionPolicy, extra_bytes: int) -> bool:
+    """Whether `prepare_linears` replaces 16-bit dense weights that bf16 W.T does not serve by
+    float32 copies, given the bytes the copies would add: as the policy says, or, where it leaves
+    it to the budget (None), while that is at most `FLOAT32_COPY_BUDGET_BYTES` (MLX's CPU
+    backend converts a bf16 weight fed float32 inputs on every call; the copy removes that)."""
+    if policy.float32_copies is not None:
+        return policy.float32_copies
+    return extra_bytes <= FLOAT32_COPY_BUDGET_BYTES
 
 
 def _copy_candidates(module: nn.Module, prefix: str) -> list:
@@ -277,8 +226,8 @@ class FastLinear(nn.Linear):
     _names = ("weight", "bias")
 
     def _replaced(self) -> bool:
-        """True while `weight` is the float32 copy `prepare_linears` put in place (not since replaced)."""
-        return replaced_transposed(self)
+        """True while `weight` is the W.T view `prepare_linears` put in place (not since replaced)."""
+        return stored_transposed(self) is not None
 
     def _weights(self, x) -> dict:
         stored = {n: self[n] for n in self._names if n in self}
@@ -329,8 +278,7 @@ def _replace_by_float32(layer: FastLinear) -> None:
 def replaced_transposed(module: nn.Module) -> bool:
     """True while `module`'s `weight` is the view of a stored W.T that `replace_weight_transposed`
     put in place (not since replaced by something else)."""
-    view = module.__dict__.get("_weight_view")
-    return view is not None and "weight" in module and view is module["weight"]
+    return stored_transposed(module) is not None
 
 
 # Rows per piece of `contiguous_transpose` (measured, (4096, 4096) bf16: 64 -> 36 ms, 256 -> 34 ms).
@@ -400,49 +348,47 @@ def _macs(layer: nn.Module) -> int:
     return w.shape[0] * w.shape[1]
 
 
-def _split_cost(layer: nn.Module) -> int:
+def _split_cost(layer: nn.Module, policy: ExecutionPolicy | None = None) -> int:
     """The layer's multiply-adds per input row in the units `MIN_SPLIT_MACS` / `STREAM_LAG_MACS`
-    are measured in (MLX's CPU kernels): a quantized product through `cpu_qmv` counts
+    are measured in (MLX's CPU kernels): a quantized product through the CPU kernels counts
     1 / `QMV_SPEEDUP` of its multiply-adds."""
     macs = _macs(layer)
+    policy = current_policy() if policy is None else policy
     if isinstance(layer, nn.QuantizedLinear) and layer.mode == "affine" and layer.bits in (4, 8) \
-            and cpu_qmv_enabled():
+            and policy.cpu_kernels:
         return macs // QMV_SPEEDUP
     return macs
 
 
-def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
-                    float32_copies: bool | None = None, bf16_transposed: bool | None = None,
+def prepare_linears(module: nn.Module, policy: ExecutionPolicy, *, min_split_macs: int = MIN_SPLIT_MACS,
                     prefix: str = "") -> dict[str, list[str]]:
     """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters
-    up to the exact float32 conversion, bit-identical results); returns the paths that split,
-    that got float32 copies and that got bf16 W.T.
+    up to the exact float32 conversion, bit-identical results) with the weight layout `policy`
+    asks for; returns the paths that split, that got float32 copies and that got bf16 W.T.
 
-    bf16 transposed (default: `default_bf16_transposed()`): dense layers with a bf16 weight,
-    the language path's included, except where float32 copies are asked for explicitly (by
-    argument or `VOICECHAT_FLOAT32_COPIES=1`), get it stored as bf16 W.T (the same bytes, the
-    parameter a view of it), whose products `cpu_qmv.float32_matmul` runs without a per-call
+    bf16 transposed (`policy.bf16_transposed`): dense layers with a bf16 weight, the language
+    path's included, except where float32 copies are asked for explicitly
+    (`policy.float32_copies` True), get it stored as bf16 W.T (the same bytes, the parameter a
+    view of it), whose products the CPU kernels' `float32_matmul` runs without a per-call
     float32 conversion, as fast as on a float32 copy at half its bytes. Float32 copies
-    (default: `default_float32_copies(bytes they would add)`): the other dense layers with a
-    16-bit weight, outside the language path (`NO_COPY_PREFIXES`, paths taken as `prefix +
-    path`), get their weight replaced by its float32 copy (made and evaluated here, so the
-    memory is taken at load; the 16-bit original is released). Neither kind splits. Split: the
-    other layers with >= `min_split_macs` multiply-adds per input row and >= 2 output rows;
-    whether a call splits is decided per call by `cpu_streams()`. Calling it again re-decides
-    splitting for every layer."""
-    if bf16_transposed is None:
-        bf16_transposed = default_bf16_transposed()
-    asked = float32_copies if float32_copies is not None else env_flag(FLOAT32_COPIES_ENV)
-    if float32_copies is None:
-        extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
-                    for m in _copy_candidates(module, prefix)
-                    if asked or not (bf16_transposed and m["weight"].dtype == mx.bfloat16))
-        float32_copies = default_float32_copies(extra)
+    (`float32_copies_within_budget`): the other dense layers with a 16-bit weight, outside the
+    language path (`NO_COPY_PREFIXES`, paths taken as `prefix + path`), get their weight
+    replaced by its float32 copy (made and evaluated here, so the memory is taken at load; the
+    16-bit original is released). Neither kind splits. Split: the other layers with >=
+    `min_split_macs` multiply-adds per input row and >= 2 output rows, when the policy has two
+    CPU streams. Calling it again re-decides splitting for every layer."""
+    bf16_transposed = policy.bf16_transposed
+    asked = policy.float32_copies
+    extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
+                for m in _copy_candidates(module, prefix)
+                if asked or not (bf16_transposed and m["weight"].dtype == mx.bfloat16))
+    float32_copies = float32_copies_within_budget(policy, extra)
     split, copied, transposed, pending, pending_bytes = [], [], [], [], 0
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
-        big = layer["weight"].shape[0] >= 2 and _split_cost(layer) >= min_split_macs
+        big = (policy.cpu_streams > 1 and layer["weight"].shape[0] >= 2
+               and _split_cost(layer, policy) >= min_split_macs)
         if isinstance(layer, nn.QuantizedLinear):
             layer.__class__ = ParallelQuantizedLinear if big else FastQuantizedLinear
             if big:
@@ -457,7 +403,7 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
                                       or bf16_transposed and dtype == mx.bfloat16):
             # Every other layer's copy on the second CPU stream: the two run at once when
             # evaluated (load at the published shapes: ~3.2 GB of bf16 W.T's).
-            second = secondary_stream() if len(pending) % 2 else None
+            second = _load_stream(policy) if len(pending) % 2 else None
             with mx.stream(second if second is not None else mx.default_stream(mx.default_device())):
                 if bf16_transposed and dtype == mx.bfloat16 and not (copies and asked):
                     # the same bytes transposed; float32_matmul widens them in its registers
@@ -477,23 +423,21 @@ def prepare_linears(module: nn.Module, *, min_split_macs: int = MIN_SPLIT_MACS,
     return {"split": split, "float32": copied, "bf16_transposed": transposed}
 
 
-def default_bf16_transposed() -> bool:
-    """Whether bf16 dense weights are stored as bf16 W.T (same bytes) rather than copied to
-    float32 (`prepare_linears`, the conformer's 1x1 convs): when `cpu_qmv.float32_matmul` would
-    run their products (a CPU device, the extension on), which reads such a W.T directly,
-    widening each value exactly in its registers, instead of MLX converting the whole weight to
-    float32 at every call (`prepare_linears` and `transposed_dtype` still copy to float32 where
-    float32 copies are asked for: `VOICECHAT_FLOAT32_COPIES=1` or the argument). Measured on this project's 2-core CPU host, one run each way (`docs/voicechat.md`): as fast
-    as float32 copies or faster, at half their bytes."""
-    return mx.default_device().type == mx.DeviceType.cpu and cpu_qmv_enabled()
+def _load_stream(policy: ExecutionPolicy):
+    """The second CPU stream for `prepare_linears`' copies (None on one stream)."""
+    if policy.cpu_streams < 2 or mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    stream = getattr(_local, "stream", None)
+    if stream is None:
+        stream = _local.stream = mx.new_stream(mx.cpu)
+    return stream
 
 
-def transposed_dtype(stored_dtype) -> mx.Dtype:
+def transposed_dtype(stored_dtype, policy: ExecutionPolicy) -> mx.Dtype:
     """The dtype in which a 16-bit weight's W.T is stored when it is made the only copy:
-    bf16 itself where `default_bf16_transposed()` and float32 copies are not asked for
-    (`VOICECHAT_FLOAT32_COPIES=1`), else float32 (exact)."""
-    bf16 = (stored_dtype == mx.bfloat16 and env_flag(FLOAT32_COPIES_ENV) is not True
-            and default_bf16_transposed())
+    bf16 itself where the policy stores bf16 W.T and does not ask for float32 copies, else
+    float32 (exact)."""
+    bf16 = stored_dtype == mx.bfloat16 and policy.float32_copies is not True and policy.bf16_transposed
     return mx.bfloat16 if bf16 else mx.float32
 
 

@@ -10,7 +10,7 @@ to the uncompiled functions (tested: fusion does not change the float32 operatio
 sequence), and one compiled function serves every layer with the same static
 dimensions.
 
-`VOICECHAT_COMPILE=0` (or `set_compile(False)`) runs them uncompiled.
+The bound policy's `compiled` (`ExecutionPolicy`) decides whether they run compiled.
 """
 
 from __future__ import annotations
@@ -20,37 +20,16 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import cpu_qmv
-from .cpu_qmv import cpu_qmv_enabled
-from .switch import Override, bool_check, env_flag, held
+from . import kernels as cpu_qmv
+from ..ops import structure
+from .policy import current_policy
 
-ENV_VAR = "VOICECHAT_COMPILE"
-
-_override = Override(bool_check("set_compile"))
 _compiled: dict = {}
 
 
 def compile_enabled() -> bool:
-    """Whether the pieces run compiled now (default yes; `VOICECHAT_COMPILE=0` turns it off);
-    decided once per frame (`switch.decisions_held`)."""
-    return held("compile", _compile_decision)
-
-
-def _compile_decision() -> bool:
-    if _override.value is not None:
-        return _override.value
-    env = env_flag(ENV_VAR)
-    return True if env is None else env
-
-
-def set_compile(enabled: bool | None) -> None:
-    """Force compiled (True) or uncompiled (False) pieces for this process; None restores the default."""
-    _override.set(enabled)
-
-
-def compile_set(enabled: bool | None):
-    """`set_compile(enabled)` inside a with-block; the previous setting (default or forced) after."""
-    return _override.scoped(enabled)
+    """Whether the bound policy runs the pieces compiled (`ExecutionPolicy.compiled`)."""
+    return current_policy().compiled
 
 
 def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
@@ -59,20 +38,15 @@ def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
     Both versions are cached per key, so a layer stack shares one trace. A trace records which
     products it runs (`voicechat.cpu_qmv`'s or MLX's, decided when traced), so the kernels' switch
     is part of the key too."""
-    compiled = compile_enabled()
-    full = (key, compiled, cpu_qmv_enabled())
+    policy = current_policy()
+    compiled = policy.compiled
+    full = (key, compiled, policy.cpu_kernels)
     entry = _compiled.get(full)
     if entry is None:
         fn = make()
         entry = mx.compile(fn) if compiled else fn
         _compiled[full] = entry
     return entry
-
-
-def structure(trees) -> tuple:
-    """The key sets of a list of dicts (e.g. which layers have a bias): part of a piece's key,
-    since the compiled trace depends on them."""
-    return tuple(tuple(sorted(t)) for t in trees)
 
 
 def layer_weights(layers, x: mx.array) -> list[dict] | None:
@@ -90,7 +64,7 @@ def layer_weights(layers, x: mx.array) -> list[dict] | None:
 
 def linear_piece(name: str, fn: Callable, static: tuple, layers, x: mx.array, *arrays):
     """fn(static, x, *arrays, ws) for a piece around linear layers (`ws[i]` is applied with
-    `voicechat.parallel.apply`): compiled over the layers' weight dicts, or, when one of them
+    `voicechat.ops.apply`): compiled over the layers' weight dicts, or, when one of them
     would split across streams now, run uncompiled over the layers themselves. One definition
     of the piece serves both; `static` (hashable) holds its dimensions and epsilons."""
     weights = layer_weights(layers, x)
@@ -127,15 +101,10 @@ def compiled_layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
     return piece(("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps))(x, p)
 
 
-def norm_params(norm) -> dict:
-    """weight / bias of an nn.LayerNorm as `mx.fast.layer_norm` receives them."""
-    return {k: norm[k] for k in ("weight", "bias") if k in norm}
-
-
 def layer_norm(x: mx.array, p: dict, eps: float) -> mx.array:
     """`mx.fast.layer_norm` with an nn.LayerNorm's params; the CPU kernels' where they serve it."""
     return cpu_qmv.layer_norm(x, p.get("weight"), p.get("bias"), eps)
 
 
-__all__ = ["ENV_VAR", "compile_enabled", "set_compile", "compile_set", "piece", "structure", "layer_weights",
-           "linear_piece", "norm_params", "layer_norm", "rms_norm", "compiled_layer_norm"]
+__all__ = ["compile_enabled", "piece", "layer_weights", "linear_piece", "layer_norm", "rms_norm",
+           "compiled_layer_norm"]

@@ -18,9 +18,8 @@ the cores MLX's streams need (the rest of the frame ran ~20% slower): callers
 wrap their products in `one_blas_thread()`, which runs BLAS on the calling
 thread and restores the user's setting after (threadpoolctl; ~0.06 ms).
 
-The default is on for a CPU default device and off otherwise (on Apple silicon
-MLX's own kernels are the fast path). `VOICECHAT_HOST_GEMM=0|1`, or
-`set_host_gemm(...)` / `host_gemm_set(...)`, override it.
+The bound policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a CPU device
+(on Apple silicon MLX's own kernels are the fast path).
 """
 
 from __future__ import annotations
@@ -32,36 +31,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .constants import derived
-from .switch import Override, bool_check, env_flag, held
+from ..constants import derived
+from ..ops import widen_bf16_bits
+from .policy import current_policy
 
-ENV_VAR = "VOICECHAT_HOST_GEMM"
-
-_override = Override(bool_check("set_host_gemm"))
 _controller = None
 _controller_lock = threading.Lock()
 
 
-def default_host_gemm() -> bool:
-    """On for a CPU default device, off otherwise (or as `VOICECHAT_HOST_GEMM` says)."""
-    env = env_flag(ENV_VAR, "float32 weight products through numpy's BLAS")
-    return mx.default_device().type == mx.DeviceType.cpu if env is None else env
-
-
 def host_gemm_enabled() -> bool:
-    """Whether the codec's float32 products run in numpy now; decided once per frame
-    (`switch.decisions_held`)."""
-    return held("host_gemm", lambda: _override.value if _override.value is not None else default_host_gemm())
-
-
-def set_host_gemm(enabled: bool | None) -> None:
-    """Force the numpy path on (True) or off (False) for this process; None restores the default."""
-    _override.set(enabled)
-
-
-def host_gemm_set(enabled: bool | None):
-    """`set_host_gemm(enabled)` inside a with-block; the previous setting (default or forced) after."""
-    return _override.scoped(enabled)
+    """Whether the codec's float32 products run in numpy under the bound policy."""
+    return current_policy().host_products
 
 
 @contextlib.contextmanager
@@ -81,12 +61,6 @@ def one_blas_thread():
         yield
 
 
-def widen_bf16_bits(bits: np.ndarray, order: str = "K") -> np.ndarray:
-    """float32 values of bfloat16 `bits` (uint16; numpy has no bf16): a bf16 value is the upper
-    half of its float32, so the widening is a 16-bit shift, MLX's own conversion bit for bit."""
-    return np.left_shift(bits, 16, dtype=np.uint32, order=order).view(np.float32)
-
-
 def float32_transposed(a: mx.array) -> np.ndarray:
     """a.T as a C-contiguous float32 numpy array, each value exactly MLX's `a.astype(float32)`;
     a view of a's own buffer when a is float32 and a.T is contiguous there, else a copy.
@@ -99,7 +73,7 @@ def float32_transposed(a: mx.array) -> np.ndarray:
         return widen_bf16_bits(np.asarray(a.view(mx.uint16)).T, order="C")
     if a.dtype == mx.float32:
         # np.asarray views MLX's buffer: when a.T is contiguous there (a weight replaced by
-        # its float32 W.T, voicechat.parallel.replace_weight_by_float32) nothing is copied.
+        # its float32 W.T, voicechat.runtime.linear.replace_weight_transposed) nothing is copied.
         t = np.asarray(a).T
         return t if t.flags.c_contiguous else np.ascontiguousarray(t)
     return np.ascontiguousarray(np.array(a.astype(mx.float32)).T)
@@ -118,5 +92,4 @@ def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
     return mx.array(np.asarray(x) @ w_t)
 
 
-__all__ = ["ENV_VAR", "default_host_gemm", "host_gemm_enabled", "set_host_gemm", "host_gemm_set", "one_blas_thread",
-           "widen_bf16_bits", "float32_transposed", "matmul_t"]
+__all__ = ["host_gemm_enabled", "one_blas_thread", "float32_transposed", "matmul_t"]

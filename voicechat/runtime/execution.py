@@ -1,0 +1,78 @@
+"""`Runtime`: one model's execution policy, as the implementation of the op seam it binds.
+
+`voicechat.ops` names the operations a component computes with; a `Runtime` says how each runs
+under its `ExecutionPolicy` (compiled pieces, the CPU kernels, two CPU streams, numpy's BLAS,
+evaluation ahead of graph building). It is made once per model by `prepare` and bound around
+each frame (`runtime.frame()`) and each offline run, on the thread that runs it: nothing about
+execution is process-wide, so two models with different policies can share a process.
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from . import compiled, host_products, kernels, linear, overlap
+from .policy import ExecutionPolicy
+
+
+class Runtime(ops.PlainOps):
+    """The op seam under `policy` (see `voicechat.ops` for each operation's meaning)."""
+
+    def __init__(self, policy: ExecutionPolicy):
+        if not isinstance(policy, ExecutionPolicy):
+            raise TypeError(f"Runtime expects an ExecutionPolicy, got {type(policy).__name__}")
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.policy.describe()})"
+
+    def frame(self):
+        """A with-block in which this thread's components run under this runtime."""
+        return ops.bound(self)
+
+    def fused(self, key, make):
+        return compiled.piece(key, make)
+
+    def fused_linear(self, name, fn, static, layers, x, *arrays):
+        return compiled.linear_piece(name, fn, static, layers, x, *arrays)
+
+    def linear_weights(self, x, w):
+        return linear.linear(x, w)
+
+    def rms_norm(self, x, weight, eps):
+        return kernels.rms_norm(x, weight, eps)
+
+    def layer_norm(self, x, weight, bias, eps):
+        return kernels.layer_norm(x, weight, bias, eps)
+
+    def fused_rms_norm(self, x, weight, eps):
+        return compiled.rms_norm(x, weight, eps)
+
+    def fused_layer_norm(self, x, weight, bias, eps):
+        params = {k: v for k, v in (("weight", weight), ("bias", bias)) if v is not None}
+        return compiled.compiled_layer_norm(x, params, eps)
+
+    def float32_matmul(self, x, wt):
+        return kernels.float32_matmul(x, wt)
+
+    def rvq_pass(self, residual, books_t, norms):
+        return kernels.rvq_pass(residual, books_t, norms)
+
+    def after_layer(self, *arrays):
+        if self.policy.overlap:
+            overlap.start(*arrays)
+
+    def rowwise(self, fn, x):
+        # With the products on the host (numpy's BLAS), the halves would not run at once.
+        return fn(x) if self.policy.host_products else linear.split_rows(fn, x)
+
+    def host_products(self) -> bool:
+        return self.policy.host_products
+
+    def matmul_t(self, x, w, owner, name):
+        return host_products.matmul_t(x, w, owner, name)
+
+    def products_scope(self):
+        return host_products.one_blas_thread()
+
+
+__all__ = ["Runtime"]
