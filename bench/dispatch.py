@@ -44,7 +44,7 @@ class DispatchCounter:
 
     def record(self, arrays, *, sync: bool = True) -> None:
         """Count the nodes behind `arrays` that would run; `sync`: the caller waits for them
-        (an `mx.async_eval` ahead of the wait, `voicechat.overlap`, does not)."""
+        (an `mx.async_eval` ahead of the wait, `voicechat.runtime.overlap`, does not)."""
         lazy = [a for a in _flatten(arrays) if isinstance(a, mx.array)]
         if not lazy:
             return

@@ -104,11 +104,8 @@ def checkpoint_info(spec: str, folder: Path) -> dict:
 def environment(checkpoints: list[dict] | None = None, *, date: datetime | None = None) -> dict:
     import mlx.core as mx
 
-    from voicechat.compiled import compile_enabled
-    from voicechat.cpu_qmv import ISA_NAMES, cpu_qmv_enabled, extension, unavailable_reason
-    from voicechat.host_gemm import host_gemm_enabled
-    from voicechat.overlap import overlap_enabled
-    from voicechat.parallel import cpu_streams
+    from voicechat.runtime import ExecutionPolicy
+    from voicechat.runtime.kernels import ISA_NAMES, extension, unavailable_reason
 
     date = date or datetime.now(timezone.utc)
     try:
@@ -131,9 +128,9 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "mlx": {"version": getattr(mx, "__version__", None), "default_device": str(mx.default_device()),
-                "metal_available": metal, "voicechat_cpu_streams": cpu_streams(),
-                "voicechat_compile": compile_enabled(), "voicechat_host_gemm": host_gemm_enabled(),
-                "voicechat_cpu_qmv": cpu_qmv_enabled(), "voicechat_overlap": overlap_enabled(),
+                "metal_available": metal,
+                # `voicechat` backend's policy (`voicechat-serial` / `voicechat-gpu-policy` run their own)
+                "voicechat_policy": ExecutionPolicy.for_device().as_dict(),
                 "voicechat_cpu_qmv_isa": ISA_NAMES[extension().isa()] if extension() is not None else None,
                 "voicechat_cpu_qmv_unavailable": unavailable_reason()},
         "packages": package_versions(),

@@ -22,7 +22,7 @@ Integer lookup tables (subword flags, control codes) are not counted.
 Bandwidth: the best effective read rate MLX reaches on this machine for a
 large matrix-vector product in each weight format (bf16, float32, and the
 affine-quantized kernel at 4 and 8 bits: `mx.quantized_matmul` / `mx.matmul`, or
-`voicechat.cpu_qmv`'s products where they are on and faster, as the runtime uses them): matrix
+`voicechat.runtime.kernels`'s products where they are on and faster, as the runtime uses them): matrix
 bytes / wall time, best of several repetitions after a warm-up. The floor of a
 stage is the sum over its weight formats of bytes / bandwidth; the ratio
 measured / floor says how far the implementation is from streaming its weights
@@ -38,10 +38,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from voicechat.cpu_qmv import cpu_qmv_enabled
-from voicechat.cpu_qmv import float32_matmul
-from voicechat.cpu_qmv import quantized_matmul as cpu_qmv_matmul
-from voicechat.parallel import cpu_streams, resident_arrays, secondary_stream
+from voicechat.runtime import ExecutionPolicy, Runtime
+from voicechat.runtime.kernels import cpu_qmv_enabled, float32_matmul
+from voicechat.runtime.kernels import quantized_matmul as cpu_qmv_matmul
+from voicechat.runtime.linear import cpu_streams, resident_arrays, secondary_stream
 
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
@@ -178,7 +178,7 @@ def _best_seconds(fn, reps: int) -> float:
 
 def _rows_split(fn, *mats):
     """fn over the two row halves of `mats`, the second on the second CPU stream, as the
-    runtime splits its large products (voicechat.parallel); plain fn(*mats) on one stream."""
+    runtime splits its large products (voicechat.runtime.linear); plain fn(*mats) on one stream."""
     stream = secondary_stream()
     if stream is None:
         return fn(*mats)
@@ -208,11 +208,18 @@ def _halves_product(x: mx.array, halves_t: list[mx.array], product=float32_matmu
 
 
 
-def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
+def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096,
+                      policy: ExecutionPolicy | None = None) -> dict[str, dict]:
+    """`_measure_bandwidth` under `policy`'s runtime (default: this device's, `ExecutionPolicy.for_device()`)."""
+    with Runtime(ExecutionPolicy.for_device() if policy is None else policy).frame():
+        return _measure_bandwidth(target_mb, reps=reps, cols=cols)
+
+
+def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
     """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
 
     The product runs the way the runtime runs its large products: split in two
-    row halves on two CPU streams when `voicechat.parallel.cpu_streams()` is 2
+    row halves on two CPU streams when the policy's `cpu_streams` is 2
     (each entry records "streams").
 
     Each matrix holds about `target_mb` MB in its format (rows rounded up to a
@@ -234,7 +241,7 @@ def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 40
         return max(64, (r + 63) // 64 * 64)
 
     # float32: x @ W.T on the stored layout, and x @ W_t on contiguous transposed halves (the
-    # runtime's float32 copies, voicechat.parallel.linear); the faster is the rate.
+    # runtime's float32 copies, voicechat.runtime.linear.linear); the faster is the rate.
     w = mx.random.normal((rows_for(4.0), cols), key=key)
     mx.eval(w, x32)
     s_view = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
@@ -311,9 +318,9 @@ def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
 
 def resident_bytes_by_stage(model) -> dict[str, int]:
     """Bytes each stage keeps resident after `voicechat.load`: its parameters (float32 copies
-    replace their 16-bit originals, voicechat.parallel) plus the derived arrays cached on its
-    modules (voicechat.constants.derived, numpy float32 copies of voicechat.host_gemm included;
-    views excluded): `voicechat.parallel.resident_arrays`. Arrays outside the five stages
+    replace their 16-bit originals, voicechat.runtime.linear) plus the derived arrays cached on its
+    modules (voicechat.constants.derived, numpy float32 copies of voicechat.runtime.host_products included;
+    views excluded): `voicechat.runtime.linear.resident_arrays`. Arrays outside the five stages
     (speaker latents, control codes) go to "other"; "total" is the sum."""
     out = {s: 0 for s in (*STAGES, "other")}
     for path, a in resident_arrays(model):

@@ -295,7 +295,17 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
                f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
                f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else ""))
-    if mlx.get("voicechat_cpu_streams") is not None:
+    policy = mlx.get("voicechat_policy")
+    if policy is not None:
+        on = [f for f in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "bf16_transposed")
+              if policy.get(f)]
+        out.append(f"- **Execution policy** of the `voicechat` backend (`voicechat.runtime.ExecutionPolicy`, "
+                   f"chosen at load): {policy.get('cpu_streams')} CPU stream(s); on: {', '.join(on) or 'nothing'}"
+                   + (f"; CPU kernels {mlx.get('voicechat_cpu_qmv_isa')}" if policy.get("cpu_kernels") else
+                      f"; CPU kernels off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'not for this device'})")
+                   + ". `voicechat-serial` runs `ExecutionPolicy.serial()`, `voicechat-gpu-policy` "
+                     "`ExecutionPolicy.gpu()`; the reference runs on one stream")
+    elif mlx.get("voicechat_cpu_streams") is not None:  # env.json written before the policy existed
         out.append(f"- **CPU streams per frame** (this project; `VOICECHAT_CPU_STREAMS`): "
                    f"{mlx['voicechat_cpu_streams']}; the reference runs on one stream"
                    + (f". Compiled fixed-shape pieces (`VOICECHAT_COMPILE`): "

@@ -506,7 +506,7 @@ def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, dro
     b.load(str(folder))
     try:
         if isinstance(b, VoiceChatBackend):
-            with b.execution_settings():  # voicechat-serial: one stream, nothing compiled, codec in MLX
+            with b.execution_settings():  # the backend's execution policy (chosen at its load)
                 rows = count_voicechat(b.model, wave, frames=frames, drop_first=drop_first)
         else:  # mlx-vlm
             rows = count_mlx_vlm(lambda: b.session.create_streaming_session(seed=0), wave, frames=frames,

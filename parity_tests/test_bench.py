@@ -474,7 +474,7 @@ def test_dispatch_counter_counts_graph_nodes_and_syncs():
 
 def test_count_voicechat_stages(tiny_model, long_question_wav):
     from bench.dispatch import STAGES, count_voicechat
-    from voicechat.compiled import compile_set
+    from voicechat.runtime.compiled import compile_set
 
     rows = {r["stage"]: r for r in count_voicechat(tiny_model, long_question_wav, frames=6, drop_first=2)}
     assert set(rows) == {*STAGES, "total"}
@@ -490,7 +490,7 @@ def test_count_voicechat_stages(tiny_model, long_question_wav):
 
 
 def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
-    """The bench's per-stage resident column and `voicechat.parallel.resident_bytes` count the
+    """The bench's per-stage resident column and `voicechat.runtime.linear.resident_bytes` count the
     same arrays (one walk, `resident_arrays`): the stages sum to the model's resident bytes,
     numpy float32 copies of the codec's products included (once: those that view a parameter
     are that parameter)."""
@@ -499,7 +499,7 @@ def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
     import voicechat
     from bench.floor import resident_bytes_by_stage
     from voicechat import host_gemm
-    from voicechat.parallel import resident_bytes
+    from voicechat.runtime.linear import resident_bytes
 
     model = voicechat.load(tiny_ckpt, warmup=False)
     codec = model.tts_model.audio_codec

@@ -67,7 +67,7 @@ def test_published_layout_on_disk(tiny_ckpt, tiny_ckpt_4bit):
 @pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_ckpt_4bit", "tiny_ckpt_8bit"])
 def test_write_load_every_parameter(fixture, request, monkeypatch):
     folder = request.getfixturevalue(fixture)
-    # Without the CPU's float32 copies (voicechat.parallel), which replace dense 16-bit weights
+    # Without the CPU's float32 copies (voicechat.runtime.linear), which replace dense 16-bit weights
     # by the same values in float32 after loading.
     monkeypatch.setenv("VOICECHAT_FLOAT32_COPIES", "0")
     model = voicechat.load(folder)

@@ -259,7 +259,7 @@ def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed, 
     it gave before, bit for bit (the products read the same values)."""
     from voicechat import cpu_qmv
     from voicechat.audio.conformer import ConvModule
-    from voicechat.parallel import FLOAT32_COPIES_ENV, default_bf16_transposed, resident_bytes
+    from voicechat.runtime.linear import FLOAT32_COPIES_ENV, default_bf16_transposed, resident_bytes
 
     monkeypatch.setenv(FLOAT32_COPIES_ENV, "1" if transposed == "float32" else "0")
     if transposed == "bf16" and not default_bf16_transposed():

@@ -1,4 +1,4 @@
-"""voicechat.cpu_qmv: the CPU quantized matrix-vector kernel must give `mx.quantized_matmul`'s
+"""voicechat.runtime.kernels: the CPU quantized matrix-vector kernel must give `mx.quantized_matmul`'s
 float32 bits exactly (every output element, every instruction-set path, every bits / group size /
 scale dtype / shape / stride the language path can meet), its float32 product `mx.matmul`'s
 (every column block, row count and view the conformer / TTS / codebook products meet) and its
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from voicechat import cpu_qmv
-from voicechat.cpu_qmv import BITS, GROUP_SIZES, ISA_NAMES, cpu_qmv_set, platform_served, quantized_matmul
+from voicechat.runtime.kernels import BITS, GROUP_SIZES, ISA_NAMES, cpu_qmv_set, platform_served, quantized_matmul
 
 REQUIRE_ENV = "VOICECHAT_REQUIRE_CPU_QMV"
 
@@ -470,7 +470,7 @@ def test_the_kept_decision_follows_what_it_depends_on(module, monkeypatch):
 def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch):
     """`FastQuantizedLinear` checks once per weight arrays whether the kernel serves them: a
     4-bit layer given 3-bit weights (not served) goes to MLX's kernel, with MLX's result."""
-    from voicechat.parallel import FastQuantizedLinear
+    from voicechat.runtime.linear import FastQuantizedLinear
 
     rng = np.random.default_rng(9)
     calls = []

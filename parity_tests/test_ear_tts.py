@@ -695,7 +695,7 @@ def test_bad_inputs(model, cfg, prompt, silence):
 def test_rope_table_equals_fast_rope(head_dim, n, offset, base):
     """The backbone's RoPE from a per-step table (cos, sin taken from mx.fast.rope itself) gives
     mx.fast.rope's values bit for bit, on q (B, H, n, D) and k (B, KV, n, D) alike, compiled or not."""
-    from voicechat.compiled import compile_set
+    from voicechat.runtime.compiled import compile_set
     from voicechat.tts.ear_tts import _apply_rope, rope_table
 
     x = mx.random.normal((2, 4, n, head_dim), key=mx.random.key(head_dim + n)) * 3.0

@@ -1,4 +1,4 @@
-"""voicechat.heap: `load` on a CPU device sets glibc's trim and mmap thresholds once (so a frame's
+"""voicechat.runtime.heap: `load` on a CPU device sets glibc's trim and mmap thresholds once (so a frame's
 large temporaries stay in the heap), not at all with VOICECHAT_KEEP_HEAP=0 or off glibc, and a
 refusal by glibc is an error that names the switch."""
 

@@ -1,4 +1,4 @@
-"""The codec's float32 products through numpy's BLAS (voicechat.host_gemm) and its rational erf.
+"""The codec's float32 products through numpy's BLAS (voicechat.runtime.host_products) and its rational erf.
 
 The numpy path reorders each product's float32 summation, so it is compared with the
 MLX path within rounding bounds, never bit for bit; the streaming-vs-offline codec
@@ -181,7 +181,7 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     parameters plus numpy's float32 copies, not also as MLX float32 copies (a third copy);
     with the products in MLX, as MLX float32 copies and no numpy ones."""
     from voicechat.audio.codec import ConvNeXtBlock
-    from voicechat.parallel import resident_bytes
+    from voicechat.runtime.linear import resident_bytes
 
     codec = _bf16_codec(seed=1)
     codes = _codes(codec, 2, seed=3)
@@ -228,7 +228,7 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
     taken, and counted by `resident_bytes` and the bench's resident column, at load: decoding
     afterwards adds no resident byte."""
     import voicechat
-    from voicechat.parallel import resident_arrays, resident_bytes
+    from voicechat.runtime.linear import resident_arrays, resident_bytes
 
     with host_gemm.host_gemm_set(numpy_products):
         codec = voicechat.load(tiny_ckpt, warmup=False).tts_model.audio_codec
@@ -258,7 +258,7 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
     before the replacement, bit for bit (the products read the same float32 values in the same
     layout)."""
     from voicechat.audio.codec import ConvNeXtBlock
-    from voicechat.parallel import resident_arrays, resident_bytes
+    from voicechat.runtime.linear import resident_arrays, resident_bytes
 
     codec = _bf16_codec(seed=2)
     codes = _codes(codec, 2, seed=7)

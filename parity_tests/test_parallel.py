@@ -1,4 +1,4 @@
-"""Two CPU streams per frame (voicechat.parallel): every split is bit-identical to the unsplit op.
+"""Two CPU streams per frame (voicechat.runtime.linear): every split is bit-identical to the unsplit op.
 
 Why exact equality is the right tolerance: a split changes only which thread
 computes which output rows (or input rows); each output element is still the
@@ -16,8 +16,8 @@ import pytest
 
 import voicechat
 from voicechat import parallel
-from voicechat.cpu_qmv import cpu_qmv_set, platform_served, unavailable_reason
-from voicechat.parallel import (MIN_SPLIT_MACS, QMV_SPEEDUP, FastLinear, FastQuantizedLinear, ParallelQuantizedLinear,
+from voicechat.runtime.kernels import cpu_qmv_set, platform_served, unavailable_reason
+from voicechat.runtime.linear import (MIN_SPLIT_MACS, QMV_SPEEDUP, FastLinear, FastQuantizedLinear, ParallelQuantizedLinear,
                                 prepare_linears, split_rows)
 
 
@@ -317,7 +317,7 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
     its products run in MLX (with them in numpy the codec runs unsplit): the streamed session
     (outputs and caches) equals the one-stream run bit for bit, and so does offline."""
     from voicechat import cpu_qmv
-    from voicechat.host_gemm import host_gemm_set
+    from voicechat.runtime.host_products import host_gemm_set
 
     monkeypatch.setenv(parallel.FLOAT32_COPIES_ENV, "1" if weights == "float32" else "0")
     if weights == "stored":
@@ -340,7 +340,7 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
     _assert_identical(runs[1], runs[2])
 
 
-# -- compiled pieces (voicechat.compiled)
+# -- compiled pieces (voicechat.runtime.compiled)
 
 
 @pytest.mark.parametrize("module, getter, setter, cpu_only", [("compiled", "compile_enabled", "set_compile", False),
@@ -381,7 +381,7 @@ def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams):
     assert any(key[1] for key in compiled._compiled)  # compiled pieces were built ((key, compiled, kernels))
 
 
-# -- overlapped evaluation (voicechat.overlap)
+# -- overlapped evaluation (voicechat.runtime.overlap)
 
 
 @pytest.mark.parametrize("streams", [1, 2])
@@ -503,7 +503,7 @@ def test_cpu_default_copies_only_within_the_budget(monkeypatch):
 def test_split_point_follows_the_product_size():
     """Half the rows plus half the second stream's start-up lag, at most MAX_MAIN_SHARE: a
     published-shape product splits at half, a small one gives the default stream more."""
-    from voicechat.parallel import MAX_MAIN_SHARE, STREAM_LAG_MACS, split_point
+    from voicechat.runtime.linear import MAX_MAIN_SHARE, STREAM_LAG_MACS, split_point
 
     rows = 3088
     assert split_point(rows, 640 * rows) == round(rows * (0.5 + STREAM_LAG_MACS / (2 * 640 * rows)))
@@ -551,7 +551,7 @@ def test_contiguous_transpose_is_a_row_major_copy_bit_for_bit(rows):
     products read without a per-call copy; an elementwise op over a.T would keep the column-major
     layout), bit for bit for every 16-bit pattern (NaN payloads included) and for float32, from
     a strided view too."""
-    from voicechat.parallel import contiguous_transpose
+    from voicechat.runtime.linear import contiguous_transpose
 
     cols = 65536 // rows + 1
     bits = (np.arange(rows * cols, dtype=np.uint32) * 40503 % 65536).astype(np.uint16).reshape(rows, cols)

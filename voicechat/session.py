@@ -221,7 +221,7 @@ class VoiceChatStreamingSession:
         clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
         audio = self.codec.decode_step(clean, self.codec_state)
         # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
-        # products in numpy, voicechat.host_gemm, the codec evaluated its inputs on the way).
+        # products in numpy, voicechat.runtime.host_products, the codec evaluated its inputs on the way).
         mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays())
         t5 = time.perf_counter()
         tid, fid = int(text_fed.item()), int(function_fed.item())

@@ -12,11 +12,16 @@ def get_backend(name: str) -> "Backend":
         from .voicechat_backend import SerialVoiceChatBackend
 
         return SerialVoiceChatBackend()
+    if name == "voicechat-gpu-policy":
+        from .voicechat_backend import GpuPolicyVoiceChatBackend
+
+        return GpuPolicyVoiceChatBackend()
     if name == "mlx-vlm":
         from .mlx_vlm_backend import MlxVlmBackend
 
         return MlxVlmBackend()
-    raise ValueError(f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial' or 'mlx-vlm'")
+    raise ValueError(f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial', "
+                     "'voicechat-gpu-policy' or 'mlx-vlm'")
 
 
 __all__ = ["Backend", "OfflineRun", "StreamRun", "get_backend"]

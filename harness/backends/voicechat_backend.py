@@ -17,6 +17,7 @@ feed the engine a deliberately broken backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -44,6 +45,16 @@ def _event_dict(e) -> dict:
     return d
 
 
+def _executing(method):
+    """Run a backend method with the model's runtime bound (its execution policy)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.execution_settings():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class VoiceChatBackend(Backend):
     """This project. `VoiceChatBackend(model=...)` wraps an already loaded model.
 
@@ -65,6 +76,7 @@ class VoiceChatBackend(Backend):
     """
 
     name = "voicechat"
+    policy = None  # the ExecutionPolicy to load with; None: `ExecutionPolicy.for_device()`
 
     def __init__(self, model=None, *, numerics: str | None = None, component_max_frames: int | None = None,
                  record_intermediates: bool | None = None):
@@ -96,7 +108,8 @@ class VoiceChatBackend(Backend):
         from voicechat.synthetic import resolve_model_arg
 
         self.checkpoint = str(checkpoint)
-        self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics)
+        self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics,
+                                    policy=self.policy() if callable(self.policy) else self.policy)
         return self.model
 
     def _require(self):
@@ -141,12 +154,13 @@ class VoiceChatBackend(Backend):
         self.model = None
 
     def execution_settings(self):
-        """The execution switches this backend runs under (a context manager); the default ones here.
-        Code that drives `self.model` directly (e.g. the bench's dispatch count) enters it."""
-        return contextlib.nullcontext()
+        """A with-block binding the model's runtime (its execution policy, chosen at load). Code
+        that drives `self.model`'s components directly (e.g. the bench's dispatch count) enters it."""
+        return self._require().executing()
 
     # -- helpers shared by the paths
 
+    @_executing
     def decode_codes(self, codes: np.ndarray) -> np.ndarray:
         """One offline codec decode of (T, Q) codes (control codes replaced as the runtime does)."""
         from voicechat.tts.ear_tts import replace_control_codes
@@ -178,6 +192,7 @@ class VoiceChatBackend(Backend):
 
         return Timeline(self._require(), seed=0).prompt_ids(system_prompt)
 
+    @_executing
     def _frame_tokens(self, encoder_frames: np.ndarray) -> list[list[int]]:
         """RNNT tokens per encoder frame, frame by frame with the streaming decoder."""
         from voicechat.audio.rnnt import RnntStream, RnntText
@@ -190,6 +205,7 @@ class VoiceChatBackend(Backend):
         enc = mx.array(np.asarray(encoder_frames, dtype=np.float32))
         return [rnnt.step(enc[t]) for t in range(enc.shape[0])]
 
+    @_executing
     def _teacher_forced_logits(self, encoder_frames, prompt: list[int], text_ids, function_ids):
         """Text / function logits (T, V) of the audio positions, recomputed over the inputs the given
         ids imply as the offline path computes them: the prompt by `NemotronH.prefill` (as
@@ -211,6 +227,7 @@ class VoiceChatBackend(Backend):
             return None, None
         return np.stack(text), np.stack(function)
 
+    @_executing
     def _timeline_inputs(self, encoder_frames, prompt: list[int], text_ids, function_ids) -> mx.array:
         """LLM inputs (1, P + T, H) of the timeline: prompt positions, then audio positions fed the
         previous position's ids (PAD before the first audio position)."""
@@ -229,6 +246,7 @@ class VoiceChatBackend(Backend):
 
     # -- offline
 
+    @_executing
     def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                 extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
         model = self._require()
@@ -258,6 +276,7 @@ class VoiceChatBackend(Backend):
 
     # -- streamed
 
+    @_executing
     def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
         from voicechat.audio_input import load_audio
@@ -316,6 +335,7 @@ class VoiceChatBackend(Backend):
             _take_frame_records(run, frames, with_logits)
         return run
 
+    @_executing
     def asr_frame_ms(self, audio: np.ndarray, *, chunk_samples: int = 1280) -> list[float]:
         """Wall milliseconds of each `step` of a streaming ASR session fed `chunk_samples` at a time
         (transcript only: log-mel, cache-aware conformer, RNNT), each push's text on the host."""
@@ -334,10 +354,12 @@ class VoiceChatBackend(Backend):
 
     # -- component checks
 
+    @_executing
     def llm_cached_step(self, x: mx.array, state, position: int) -> mx.array:
         """One cached Nemotron-H step (1, 1, H) -> final hidden (1, H). Overridden by broken test backends."""
         return self._require().stt_model.llm.step(x, state)[:, -1]
 
+    @_executing
     def tts_cached_step(self, state, text_token: int, rng, position: int) -> tuple[mx.array, mx.array]:
         """One cached EAR-TTS step -> (hidden (2, hidden), codes (Q,)); advances `state`."""
         model = self._require()
@@ -348,6 +370,7 @@ class VoiceChatBackend(Backend):
         state.previous_codes = codes[None]
         return hidden, codes
 
+    @_executing
     def component_checks(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                          offline: OfflineRun | None = None) -> ComponentRun:
         """Nemotron-H cached steps vs recompute, EAR-TTS cached steps vs recompute-from-history.
@@ -449,42 +472,37 @@ def _take_frame_records(run: StreamRun, frames: list, with_logits: bool) -> None
         run.function_logits = np.stack([f.function_logits for f in frames])
 
 
+def _serial_policy():
+    from voicechat.runtime import ExecutionPolicy
+
+    return ExecutionPolicy.serial()
+
+
+def _gpu_policy():
+    from voicechat.runtime import ExecutionPolicy
+
+    return ExecutionPolicy.gpu()
+
+
 class SerialVoiceChatBackend(VoiceChatBackend):
-    """This project on one CPU stream, nothing compiled, every product in MLX (`voicechat-serial`):
-    the benchmark runs it beside `voicechat` to measure what the two-stream split, the compiled
-    pieces, the codec's numpy products, the CPU kernels and the overlapped evaluation give
-    (voicechat.parallel, voicechat.compiled, voicechat.host_gemm, voicechat.cpu_qmv, voicechat.overlap). Ids, codes and every cache but the codec's are bit-identical to
-    `voicechat`; the audio differs by float32 summation order (~1e-7) when `voicechat` runs
-    the codec products through numpy."""
+    """This project under `ExecutionPolicy.serial()` (`voicechat-serial`): one CPU stream, nothing
+    compiled, every product in MLX. The benchmark runs it beside `voicechat` to measure what the
+    runtime's choices give. Ids, codes and every cache but the codec's are bit-identical to
+    `voicechat`; the audio differs by float32 summation order (~1e-7) where `voicechat` runs the
+    codec products on the host."""
 
     name = "voicechat-serial"
-
-    @contextlib.contextmanager
-    def execution_settings(self):
-        from voicechat.compiled import compile_set
-        from voicechat.cpu_qmv import cpu_qmv_set
-        from voicechat.host_gemm import host_gemm_set
-        from voicechat.overlap import overlap_set
-        from voicechat.parallel import cpu_streams_set
-
-        with cpu_streams_set(1), compile_set(False), host_gemm_set(False), cpu_qmv_set(False), overlap_set(False):
-            yield
-
-    def load(self, checkpoint: str):
-        with self.execution_settings():
-            return super().load(checkpoint)
-
-    def stream(self, *args, **kwargs):
-        with self.execution_settings():
-            return super().stream(*args, **kwargs)
-
-    def offline(self, *args, **kwargs):
-        with self.execution_settings():
-            return super().offline(*args, **kwargs)
-
-    def asr_frame_ms(self, *args, **kwargs):
-        with self.execution_settings():
-            return super().asr_frame_ms(*args, **kwargs)
+    policy = staticmethod(_serial_policy)
 
 
-__all__ = ["VoiceChatBackend", "SerialVoiceChatBackend"]
+class GpuPolicyVoiceChatBackend(VoiceChatBackend):
+    """This project under the policy a GPU device gets (`ExecutionPolicy.gpu()`: no CPU kernels,
+    one stream, no host products, no evaluation ahead, 16-bit weights as stored), run on this
+    device (`voicechat-gpu-policy`): every branch an Apple Silicon user takes runs here first, and
+    its dispatches and host synchronisations are counted (`dispatch.csv`)."""
+
+    name = "voicechat-gpu-policy"
+    policy = staticmethod(_gpu_policy)
+
+
+__all__ = ["VoiceChatBackend", "SerialVoiceChatBackend", "GpuPolicyVoiceChatBackend"]

@@ -36,7 +36,7 @@ def piece(key: tuple, make: Callable[[], Callable]) -> Callable:
     """The function `make()` builds for `key` (static dimensions), compiled when enabled.
 
     Both versions are cached per key, so a layer stack shares one trace. A trace records which
-    products it runs (`voicechat.cpu_qmv`'s or MLX's, decided when traced), so the kernels' switch
+    products it runs (`voicechat.runtime.kernels`'s or MLX's, decided when traced), so the kernels' switch
     is part of the key too."""
     policy = current_policy()
     compiled = policy.compiled

@@ -294,7 +294,7 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
     Netlib reference sgemm, one sequential chain per output, which the extension runs 8 / 16
     columns per vector, widening bf16 weights in its registers). Used for the float32 weight
     copies of the conformer, TTS and codebook products and for bf16 weights stored transposed
-    (`voicechat.parallel.linear`)."""
+    (`voicechat.runtime.linear.linear`)."""
     if (x.dtype == mx.float32 and wt.dtype in (mx.float32, mx.bfloat16) and wt.ndim == 2 and x.ndim >= 1
             and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and cpu_qmv_enabled()):
         return _state["module"].float32_matmul(x, wt, stream=stream)

@@ -450,7 +450,7 @@ def derived_views(name: str) -> bool:
 def resident_arrays(module: nn.Module):
     """(path, array) for each array `module` keeps, each once: its parameters (path = the
     parameter's), then the derived arrays cached on its modules (voicechat.constants.derived,
-    path = the module's: MLX arrays, and the numpy float32 copies of voicechat.host_gemm);
+    path = the module's: MLX arrays, and the numpy float32 copies of voicechat.runtime.host_products);
     derived views of the parameters (`derived_views`) are skipped. What `resident_bytes` and the
     bench's per-stage resident column count."""
     from mlx.utils import tree_flatten

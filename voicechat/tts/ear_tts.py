@@ -913,7 +913,7 @@ class EarTts(nn.Module):
         float32, from the stored dtype with numerics.rvq_norms_in_weight_dtype), made once per weights:
         they are constants, and a TTS step would otherwise convert and square every codebook again (31 x C x latent
         per step). Transposed because MLX's CPU BLAS runs residual @ E.T twice as fast on a
-        contiguous E.T, with the same result (voicechat.parallel.linear)."""
+        contiguous E.T, with the same result (voicechat.runtime.linear.linear)."""
         in_weight_dtype = self.numerics.rvq_norms_in_weight_dtype
 
         def make(stored):

@@ -1,0 +1,33 @@
+"""Execution policies for tests: the device's default policy (environment variables ignored, so a
+developer's `VOICECHAT_*` settings do not change what a test checks) and a with-block that binds a
+policy's runtime on this thread, as a session binds its model's around each frame."""
+
+from __future__ import annotations
+
+from voicechat.runtime import ExecutionPolicy, Runtime
+
+
+def default_policy(**changes) -> ExecutionPolicy:
+    """`ExecutionPolicy.for_device()` without environment overrides, with `changes` applied."""
+    base = ExecutionPolicy.for_device(environ={})
+    return base.replace(**changes) if changes else base
+
+
+def running(policy: ExecutionPolicy | None = None, **changes):
+    """A with-block running components under `policy` (default: `default_policy(**changes)`)."""
+    if policy is None:
+        policy = default_policy(**changes)
+    elif changes:
+        policy = policy.replace(**changes)
+    return Runtime(policy).frame()
+
+
+# The policies every identity test runs: this device's, MLX's own kernels on one stream, and the
+# one a GPU device gets (run on this device, so Apple Silicon's branches run in CI).
+POLICIES = {
+    "device": lambda: default_policy(),
+    "serial": ExecutionPolicy.serial,
+    "gpu": ExecutionPolicy.gpu,
+}
+
+__all__ = ["POLICIES", "default_policy", "running"]
