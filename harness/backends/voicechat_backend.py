@@ -16,7 +16,6 @@ feed the engine a deliberately broken backend.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import Any

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import mlx.core as mx
