@@ -27,6 +27,9 @@ from bench.docs import BEGIN, END, update_docs
 from bench.floor import FORMATS, frame_weight_bytes, measure_bandwidth
 from bench.report import FLOOR_COLUMNS, FRAME_COLUMNS, RUN_COLUMNS, SUMMARY_COLUMNS, render_markdown
 from harness.backends.voicechat_backend import VoiceChatBackend
+from voicechat.runtime import ExecutionPolicy
+
+from .runtime_util import default_policy
 
 FRAME = 1280
 INPUT_FRAMES = 12
@@ -177,6 +180,10 @@ def test_floor_csv_and_env_json(bench_run):
                 "bandwidth"):
         assert key in env, key
     assert env["machine"]["cpu_count"] >= 1 and env["mlx"]["version"] == mx.__version__
+    # the `voicechat` backend's execution policy, as `voicechat.load` chooses it in this process
+    assert env["mlx"]["voicechat_policy"] == ExecutionPolicy.for_device().as_dict()
+    assert not {"voicechat_cpu_streams", "voicechat_compile", "voicechat_cpu_qmv", "voicechat_host_gemm",
+                "voicechat_overlap"} & set(env["mlx"])  # the process-wide switches are gone
     assert env["packages"]["mlx"] and env["packages"]["numpy"] == np.__version__
     ck = env["checkpoints"][0]
     cfg = bench_run["ckpt"] / "config.json"
@@ -212,6 +219,7 @@ def test_docs_generation_is_deterministic(bench_run, tmp_path):
     # What the section says: machine, checkpoint, method, date; links to the plots next to the data.
     env = json.loads((run_dir / "env.json").read_text())
     assert env["machine"]["cpu"] in text and env["date"] in text
+    assert "**Execution policy** of the `voicechat` backend" in text
     assert "2 measured run(s)" in text and "first 2 frames" in text and "0.24 s of silence" in text
     assert "](../run/frame_times.png)" in page.read_text()
     assert render_markdown(run_dir) == render_markdown(run_dir)
@@ -472,18 +480,20 @@ def test_dispatch_counter_counts_graph_nodes_and_syncs():
     assert (mx.eval, mx.array.item, np.asarray) == original  # everything restored
 
 
-def test_count_voicechat_stages(tiny_model, long_question_wav):
+def test_count_voicechat_stages(tiny_ckpt, long_question_wav):
+    import voicechat
     from bench.dispatch import STAGES, count_voicechat
-    from voicechat.runtime.compiled import compile_set
 
-    rows = {r["stage"]: r for r in count_voicechat(tiny_model, long_question_wav, frames=6, drop_first=2)}
+    compiled = voicechat.load(tiny_ckpt, policy=default_policy())
+    assert compiled.policy.compiled
+    rows = {r["stage"]: r for r in count_voicechat(compiled, long_question_wav, frames=6, drop_first=2)}
     assert set(rows) == {*STAGES, "total"}
     assert rows["total"]["dispatches_per_frame"] == sum(rows[s]["dispatches_per_frame"] for s in STAGES)
     for s in ("perception", "language", "tts", "codec"):
         assert rows[s]["dispatches_per_frame"] > 0, s
     assert rows["tts"]["syncs_per_frame"] >= 1  # the text id is read on the host before the TTS step
-    with compile_set(False):
-        uncompiled = {r["stage"]: r for r in count_voicechat(tiny_model, long_question_wav, frames=6, drop_first=2)}
+    plain = voicechat.load(tiny_ckpt, policy=default_policy(compiled=False))
+    uncompiled = {r["stage"]: r for r in count_voicechat(plain, long_question_wav, frames=6, drop_first=2)}
     # compiled pieces fuse elementwise chains: strictly fewer dispatches where they are used
     assert rows["tts"]["dispatches_per_frame"] < uncompiled["tts"]["dispatches_per_frame"]
     assert rows["total"]["dispatches_per_frame"] < uncompiled["total"]["dispatches_per_frame"]
@@ -498,12 +508,11 @@ def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
 
     import voicechat
     from bench.floor import resident_bytes_by_stage
-    from voicechat import host_gemm
     from voicechat.runtime.linear import resident_bytes
 
-    model = voicechat.load(tiny_ckpt, warmup=False)
+    model = voicechat.load(tiny_ckpt, warmup=False, policy=default_policy(host_products=True))
     codec = model.tts_model.audio_codec
-    with host_gemm.host_gemm_set(True):
+    with model.executing():
         mx.eval(codec.decode(np.zeros((2, codec.config.num_quantizers), dtype=np.int32)))
     host = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
             if isinstance(v, np.ndarray)]

@@ -17,6 +17,8 @@ import voicechat.model
 from voicechat.errors import CheckpointError, ConfigError
 from voicechat.synthetic import checkpoint_size, language_path_modules, write_checkpoint
 
+from .runtime_util import default_policy
+
 
 def _hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
@@ -65,12 +67,11 @@ def test_published_layout_on_disk(tiny_ckpt, tiny_ckpt_4bit):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_ckpt_4bit", "tiny_ckpt_8bit"])
-def test_write_load_every_parameter(fixture, request, monkeypatch):
+def test_write_load_every_parameter(fixture, request):
     folder = request.getfixturevalue(fixture)
     # Without the CPU's float32 copies (voicechat.runtime.linear), which replace dense 16-bit weights
     # by the same values in float32 after loading.
-    monkeypatch.setenv("VOICECHAT_FLOAT32_COPIES", "0")
-    model = voicechat.load(folder)
+    model = voicechat.load(folder, policy=default_policy(float32_copies=False))
     params = dict(tree_flatten(model.parameters()))
     fresh = voicechat.model.VoiceChatModel(model.config)
     bits = (model.config.quantization or {}).get("bits")

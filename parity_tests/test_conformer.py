@@ -249,25 +249,29 @@ def _active_after(fn) -> int:
 
 @pytest.mark.parametrize("transposed", ["bf16", "float32"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed, monkeypatch):
-    """`ConvModule.use_transposed_pointwise` (what `load` calls) keeps one copy of each 1x1 conv
-    weight, as W.T: bf16 (the CPU default with the extension on) or float32
-    (`VOICECHAT_FLOAT32_COPIES=1`). MLX's active memory grows by the W.T minus the bf16 bytes
+def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed):
+    """`transpose_pointwise_convs(conv_module, policy)` then `pointwise_weights()` (what the
+    runtime's `prepare` does at load) keeps one copy of each 1x1 conv weight, as W.T: bf16 (the
+    CPU policy with the kernels on) or float32 (a policy asking for float32 copies,
+    `VOICECHAT_FLOAT32_COPIES=1`). MLX's active memory grows by the W.T minus the bf16 bytes
     (0 for bf16, the bf16 bytes for float32; a copy kept beside the original would grow it by
     all of W.T's bytes), plus the biases' widening; `resident_bytes` counts the weight once, the
     parameter holds the stored values in the stored shape, and the module's output is the one
     it gave before, bit for bit (the products read the same values)."""
-    from voicechat import cpu_qmv
     from voicechat.audio.conformer import ConvModule
-    from voicechat.runtime.linear import FLOAT32_COPIES_ENV, default_bf16_transposed, resident_bytes
+    from voicechat.runtime import kernels
+    from voicechat.runtime.linear import resident_bytes
+    from voicechat.runtime.prepare import transpose_pointwise_convs
 
-    monkeypatch.setenv(FLOAT32_COPIES_ENV, "1" if transposed == "float32" else "0")
-    if transposed == "bf16" and not default_bf16_transposed():
+    from .runtime_util import default_policy, running
+
+    policy = default_policy(float32_copies=transposed == "float32")
+    if transposed == "bf16" and not policy.bf16_transposed:
         # bf16 W.T is the default only where the extension's product reads it (a CPU device)
         if os.environ.get("VOICECHAT_REQUIRE_CPU_QMV") == "1":
-            pytest.fail(f"cpu_qmv cannot be used here: {cpu_qmv.unavailable_reason()}")
+            pytest.fail(f"cpu_qmv cannot be used here: {kernels.unavailable_reason()}")
         pytest.skip(f"bf16 W.T is not the default here (device {mx.default_device()}, "
-                    f"cpu_qmv: {cpu_qmv.unavailable_reason() or 'on'})")
+                    f"cpu_qmv: {kernels.unavailable_reason() or 'on'})")
     d, kernel = 256, 9
     mx.random.seed(4)
     conv = ConvModule(d, kernel, bias)
@@ -275,13 +279,14 @@ def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed, 
     mx.eval(conv.parameters())
     stored = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(conv.parameters())}
     x = mx.random.normal((5, d))
-    want = conv(x)
+    with running(policy):
+        want = conv(x)
     mx.eval(want)
     conv.__dict__.pop("_derived", None)  # start from the stored weights alone
     for c in (conv.pointwise_conv1, conv.pointwise_conv2):
         c.__dict__.pop("_derived", None)
     before = _active_after(lambda: None)
-    after = _active_after(conv.use_transposed_pointwise)
+    after = _active_after(lambda: (transpose_pointwise_convs(conv, policy), conv.pointwise_weights()))
     bf16_bytes = 2 * (2 * d * d + d * d)
     # float32: 2 bytes more per weight element (bf16 -> float32); bf16: none; plus the biases'
     # 2 bytes each; slack: one 16 KB page per array for the allocator's rounding.
@@ -297,5 +302,6 @@ def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed, 
     taps = sum(t.nbytes for t in conv.taps()[0])
     float_params = sum(a.nbytes for a in params.values())
     assert resident_bytes(conv) == float_params + taps
-    got = conv(x)
+    with running(policy):
+        got = conv(x)
     assert np.array_equal(np.array(got), np.array(want))

@@ -13,14 +13,18 @@ in a scalar register."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat import cpu_qmv
-from voicechat.runtime.kernels import BITS, GROUP_SIZES, ISA_NAMES, cpu_qmv_set, platform_served, quantized_matmul
+from voicechat.runtime import ExecutionPolicy
+from voicechat.runtime import kernels as cpu_qmv
+from voicechat.runtime.kernels import BITS, GROUP_SIZES, ISA_NAMES, platform_served, quantized_matmul
+
+from .runtime_util import default_policy, running
 
 REQUIRE_ENV = "VOICECHAT_REQUIRE_CPU_QMV"
 
@@ -64,7 +68,11 @@ def test_extension_is_used_where_it_should_be():
     m = _module()
     assert cpu_qmv.unavailable_reason() is None
     assert m.MLX_VERSION == mx.__version__
-    assert cpu_qmv.default_cpu_qmv() and cpu_qmv.cpu_qmv_enabled()
+    policy = default_policy()  # this (CPU) device's, as `voicechat.load` chooses it
+    assert policy.cpu_kernels and policy.bf16_transposed
+    with running(policy):
+        assert cpu_qmv.cpu_qmv_enabled()
+    assert not cpu_qmv.cpu_qmv_enabled()  # no runtime bound: the plain ops
 
 
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
@@ -174,14 +182,14 @@ def test_float32_matmul_views_and_non_finite_values(module):
 
 def test_float32_matmul_router(module, monkeypatch):
     """`cpu_qmv.float32_matmul` takes the kernel for float32 products with a 2-D weight on a CPU
-    stream while the switch is on, MLX's matmul otherwise; the same values either way."""
+    stream while the bound policy has them on, MLX's matmul otherwise; the same values either way."""
     rng = np.random.default_rng(12)
     calls = []
     real = module.float32_matmul
     monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = mx.array(rng.standard_normal((2, 24)).astype(np.float32))
     wt = mx.array(rng.standard_normal((24, 40)).astype(np.float32))
-    with cpu_qmv_set(True):
+    with running(cpu_kernels=True):
         assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt)), _bits(mx.matmul(x, wt)))
         assert calls == [1]
         assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16))),
@@ -191,7 +199,7 @@ def test_float32_matmul_router(module, monkeypatch):
         cpu_qmv.float32_matmul(x, wt.astype(mx.float16))  # a float16 weight
         cpu_qmv.float32_matmul(x, mx.stack([wt, wt]))  # a batched weight
         assert calls == [1, 1]
-    with cpu_qmv_set(False):
+    with running(cpu_kernels=False):
         cpu_qmv.float32_matmul(x, wt)
         assert calls == [1, 1]
 
@@ -299,13 +307,13 @@ def test_norms_on_views_and_inside_compiled_pieces(module):
 
 def test_norm_router_and_bad_arguments(module, monkeypatch):
     """`cpu_qmv.rms_norm` / `layer_norm` take the kernel for float32 x with 1-D float params on a
-    CPU stream while the switch is on, `mx.fast`'s otherwise; the kernel's errors name what it takes."""
+    CPU stream while the bound policy has them on, `mx.fast`'s otherwise; the kernel's errors name what it takes."""
     calls = []
     for name in ("rms_norm", "layer_norm"):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
     x, w = mx.ones((2, 8)), mx.ones((8,))
-    with cpu_qmv_set(True):
+    with running(cpu_kernels=True):
         cpu_qmv.rms_norm(x, w, 1e-6)
         cpu_qmv.layer_norm(x, w, None, 1e-5)
         assert calls == [1, 1]
@@ -316,7 +324,7 @@ def test_norm_router_and_bad_arguments(module, monkeypatch):
         assert calls == [1, 1]
         cpu_qmv.layer_norm(x, w, None, 1e-5, served=True)  # ... or yes, not checked again
         assert calls == [1, 1, 1]
-    with cpu_qmv_set(False):
+    with running(cpu_kernels=False):
         cpu_qmv.rms_norm(x, w, 1e-6)
         assert calls == [1, 1, 1]
     monkeypatch.undo()
@@ -365,9 +373,9 @@ def test_rvq_pass_is_the_per_codebook_ops_bit_for_bit(module):
 
 def test_rvq_pass_router_and_bad_arguments(module):
     books_t, norms, residual = mx.ones((2, 4, 8)), mx.ones((2, 8)), mx.ones((1, 4))
-    with cpu_qmv_set(False):
+    with running(cpu_kernels=False):
         assert cpu_qmv.rvq_pass(residual, books_t, norms) is None
-    with cpu_qmv_set(True):
+    with running(cpu_kernels=True):
         assert cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms) is None
         assert cpu_qmv.rvq_pass(residual, books_t, norms) is not None
     with pytest.raises(ValueError, match="float32 residual, books_t and norms"):
@@ -406,7 +414,7 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
     w, scales, biases = _quantized(rng, 40, 128, 64, 4, mx.float32)
     x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
     ref = _reference(x, w, scales, biases, 64, 4)
-    with cpu_qmv_set(True):
+    with running(cpu_kernels=True):
         assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
         assert calls == [(64, 4)]
         # Not served: bfloat16 activations, no biases (other modes), 3-bit, a GPU stream absent here.
@@ -414,57 +422,80 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
         w3, s3, b3 = mx.quantize(mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
         quantized_matmul(x, w3, s3, b3, group_size=64, bits=3)
         assert calls == [(64, 4)]
-    with cpu_qmv_set(False):
+    with running(cpu_kernels=False):
         assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
         assert calls == [(64, 4)]
 
 
-def test_streams_are_identical_with_and_without_the_kernel(module, tiny_model_4bit, question_wav, monkeypatch):
-    """A 4-bit tiny model streamed with the kernels and with MLX's: the same text, function ids,
-    codes and audio samples, bit for bit, and the kernels (quantized, float32, both norms, the
-    RVQ pass) did run."""
-    calls, f32_calls, norm_calls = [], [], []
+def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bit, question_wav, monkeypatch):
+    """A 4-bit tiny model loaded with the kernels and with MLX's (as `VOICECHAT_CPU_QMV=0` gives
+    it, and with the kernels' weight layout, bf16 W.T, read by MLX's matmul), streamed: the same
+    text, function ids, codes and audio samples, bit for bit; the kernels (quantized, float32,
+    both norms, the RVQ pass) did run in the stream with them on, and not at all (load included)
+    with them off."""
+    import voicechat
+
+    calls = {"quantized_matvec": [], "float32_matmul": [], "norms": []}
     real, real_f32 = module.quantized_matvec, module.float32_matmul
-    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: f32_calls.append(1) or real_f32(*a, **k))
+    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls["quantized_matvec"].append(1)
+                        or real(*a, **k))
+    monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: calls["float32_matmul"].append(1)
+                        or real_f32(*a, **k))
     for name in ("rms_norm", "layer_norm", "rvq_pass"):
         monkeypatch.setattr(module, name, lambda *a, _r=getattr(module, name), _n=name, **k:
-                            norm_calls.append(_n) or _r(*a, **k))
+                            calls["norms"].append(_n) or _r(*a, **k))
+    policies = {"kernels": default_policy(),
+                "mlx": ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_QMV": "0"}),
+                "mlx, the kernels' layout": default_policy(cpu_kernels=False)}
+    assert policies["kernels"].cpu_kernels and policies["kernels"].bf16_transposed
+    assert not policies["mlx"].cpu_kernels and not policies["mlx"].bf16_transposed
     wave = question_wav[: 1280 * 12]
     runs = {}
-    for on in (True, False):
-        with cpu_qmv_set(on):
-            session = tiny_model_4bit.create_streaming_session(seed=0)
-            events = []
-            for start in range(0, wave.size, 1280):
-                events += session.push_audio(wave[start:start + 1280])
-            audio = [e.samples for e in events if e.kind == "audio"]
-            runs[on] = (list(session.text_ids), list(session.function_ids),
-                        np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
-        if on:
-            assert len(calls) > 0 and len(f32_calls) > 0
-            assert {"rms_norm", "layer_norm", "rvq_pass"} <= set(norm_calls)
-            n_on, n_f32, n_norm = len(calls), len(f32_calls), len(norm_calls)
-    assert len(calls) == n_on and len(f32_calls) == n_f32 and len(norm_calls) == n_norm  # none with them off
-    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
-    assert np.array_equal(runs[True][2], runs[False][2]) and np.array_equal(runs[True][3], runs[False][3])
+    for name, policy in policies.items():
+        for c in calls.values():
+            c.clear()
+        model = voicechat.load(tiny_ckpt_4bit, policy=policy)
+        assert model.policy == policy
+        loaded = {k: len(c) for k, c in calls.items()}
+        session = model.create_streaming_session(seed=0)
+        events = []
+        for start in range(0, wave.size, 1280):
+            events += session.push_audio(wave[start:start + 1280])
+        audio = [e.samples for e in events if e.kind == "audio"]
+        runs[name] = (list(session.text_ids), list(session.function_ids),
+                      np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
+        if policy.cpu_kernels:
+            assert all(len(c) > loaded[k] for k, c in calls.items()), (loaded, {k: len(c) for k, c in calls.items()})
+            assert {"rms_norm", "layer_norm", "rvq_pass"} <= set(calls["norms"][loaded["norms"]:])
+        else:
+            assert all(c == [] for c in calls.values()), name  # none with them off
+    want = runs["kernels"]
+    for name, got in runs.items():
+        assert got[0] == want[0] and got[1] == want[1], name
+        assert np.array_equal(got[2], want[2]) and np.array_equal(got[3], want[3]), name
 
 
-def test_the_kept_decision_follows_what_it_depends_on(module, monkeypatch):
-    """`cpu_qmv_enabled()` is kept between calls; a change of the environment, of the forced
-    value or of the loaded module is seen at the next call."""
-    monkeypatch.setenv(cpu_qmv.ENV_VAR, "0")
-    assert cpu_qmv.cpu_qmv_enabled() is False and cpu_qmv.cpu_qmv_enabled() is False
-    monkeypatch.setenv(cpu_qmv.ENV_VAR, "1")
-    assert cpu_qmv.cpu_qmv_enabled() is True
-    with cpu_qmv_set(False):
-        assert cpu_qmv.cpu_qmv_enabled() is False
-    assert cpu_qmv.cpu_qmv_enabled() is True
-    monkeypatch.delenv(cpu_qmv.ENV_VAR)
-    assert cpu_qmv.cpu_qmv_enabled() is True  # the default on a Linux x86-64 CPU device
+def test_the_policy_decides_and_is_fixed_once_chosen(module, monkeypatch):
+    """The kernels are on by default for a CPU device on Linux x86-64 (where they load) and off for
+    a GPU one; `VOICECHAT_CPU_QMV` overrides that when the policy is chosen (`for_device`), and
+    only then: `cpu_qmv_enabled()` reads the policy bound on this thread, whatever the environment
+    says afterwards, and is the previous binding's again after a nested one."""
+    assert ExecutionPolicy.for_device(mx.cpu, environ={}).cpu_kernels is True
+    assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False
+    assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "1"}).cpu_kernels is True
+    assert ExecutionPolicy.for_device(mx.gpu, environ={}).cpu_kernels is False
+    monkeypatch.setenv("VOICECHAT_CPU_QMV", "0")
+    assert ExecutionPolicy.for_device(mx.cpu).cpu_kernels is False  # environ defaults to os.environ
+    with running(cpu_kernels=True):
+        assert cpu_qmv.cpu_qmv_enabled() is True  # chosen: the environment is not read again
+        with running(cpu_kernels=False):
+            assert cpu_qmv.cpu_qmv_enabled() is False
+        assert cpu_qmv.cpu_qmv_enabled() is True
+    assert cpu_qmv.cpu_qmv_enabled() is False  # nothing bound
+    policy = default_policy(cpu_kernels=False)
     monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "substituted"})
-    with cpu_qmv_set(True), pytest.raises(RuntimeError, match="substituted"):
-        cpu_qmv.cpu_qmv_enabled()
+    with pytest.raises(RuntimeError, match="substituted"):  # no policy with them on where they cannot load
+        policy.replace(cpu_kernels=True)
 
 
 def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch):
@@ -479,7 +510,7 @@ def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch
     layer = FastQuantizedLinear(128, 40, bias=False, group_size=64, bits=4)
     layer.weight, layer.scales, layer.biases = _quantized(rng, 40, 128, 64, 4, mx.float32)
     x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
-    with cpu_qmv_set(True):
+    with running(cpu_kernels=True):
         assert np.array_equal(_bits(layer(x)), _bits(_reference(x, layer.weight, layer.scales, layer.biases, 64, 4)))
         assert calls == [4]
         layer.bits = 3
@@ -490,25 +521,31 @@ def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch
 
 
 def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch):
+    """Where the kernels would be on but cannot load, the device's policy has them off, with one
+    warning saying why (and how to silence it), and runs on MLX's kernels without another;
+    forcing them on (`VOICECHAT_CPU_QMV=1`, or a policy with `cpu_kernels=True`) raises."""
     monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "no compiler here"})
-    monkeypatch.delenv(cpu_qmv.ENV_VAR, raising=False)
-    monkeypatch.setattr(cpu_qmv, "default_cpu_qmv", lambda: True)
-    with pytest.warns(RuntimeWarning, match="not used \\(no compiler here\\).*same results"):
-        assert cpu_qmv.cpu_qmv_enabled() is False
+    monkeypatch.setattr(cpu_qmv, "platform_served", lambda: True)  # where they are on by default
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        policy = ExecutionPolicy.for_device(mx.cpu, environ={})
+    assert [w.category for w in seen] == [RuntimeWarning]
+    assert re.search(r"not used \(no compiler here\).*same results.*VOICECHAT_CPU_QMV=0", str(seen[0].message))
+    assert policy.cpu_kernels is False and policy.bf16_transposed is False
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        assert cpu_qmv.cpu_qmv_enabled() is False
-        x = mx.ones((1, 64))
-        w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
-        assert quantized_matmul(x, w, s, b, group_size=64, bits=4).shape == (1, 8)  # MLX's kernel
-    with cpu_qmv_set(True), pytest.raises(RuntimeError, match="cannot be used: no compiler here"):
-        cpu_qmv.cpu_qmv_enabled()
-    monkeypatch.setenv(cpu_qmv.ENV_VAR, "1")
-    with pytest.raises(RuntimeError, match="VOICECHAT_CPU_QMV=1"):
-        cpu_qmv.cpu_qmv_enabled()
-    monkeypatch.setenv(cpu_qmv.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1"):
-        cpu_qmv.cpu_qmv_enabled()
+        warnings.simplefilter("error")  # said once, when the policy was chosen
+        with running(policy):
+            assert cpu_qmv.cpu_qmv_enabled() is False
+            x = mx.ones((1, 64))
+            w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
+            assert quantized_matmul(x, w, s, b, group_size=64, bits=4).shape == (1, 8)  # MLX's kernel
+        assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False  # silent
+    with pytest.raises(RuntimeError, match="cannot be used here: no compiler here"):
+        ExecutionPolicy(name="forced", cpu_kernels=True)
+    with pytest.raises(RuntimeError, match="VOICECHAT_CPU_QMV=1.*cannot be used: no compiler here"):
+        ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "1"})
+    with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1.*'yes'"):
+        ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "yes"})
 
 
 @pytest.mark.skipif(not platform_served(), reason="cpu_qmv serves Linux x86-64 only")

@@ -695,8 +695,9 @@ def test_bad_inputs(model, cfg, prompt, silence):
 def test_rope_table_equals_fast_rope(head_dim, n, offset, base):
     """The backbone's RoPE from a per-step table (cos, sin taken from mx.fast.rope itself) gives
     mx.fast.rope's values bit for bit, on q (B, H, n, D) and k (B, KV, n, D) alike, compiled or not."""
-    from voicechat.runtime.compiled import compile_set
     from voicechat.tts.ear_tts import _apply_rope, rope_table
+
+    from .runtime_util import running
 
     x = mx.random.normal((2, 4, n, head_dim), key=mx.random.key(head_dim + n)) * 3.0
     off = mx.array(offset, dtype=mx.int32)
@@ -704,7 +705,7 @@ def test_rope_table_equals_fast_rope(head_dim, n, offset, base):
     cos, sin = rope_table(n, head_dim, base, off)
     assert cos.shape == sin.shape == (1, 1, n, head_dim // 2)
     plain = _apply_rope(x, cos, sin)
-    with compile_set(True):
+    with running(compiled=True):
         fused = mx.compile(_apply_rope)(x, cos, sin)
     for got in (plain, fused):
         assert got.dtype == want.dtype and got.shape == want.shape

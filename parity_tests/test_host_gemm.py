@@ -14,9 +14,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from voicechat import host_gemm
 from voicechat.audio.codec import Codec, erf_rational
 from voicechat.presets import preset_config
+from voicechat.runtime import ExecutionPolicy
+from voicechat.runtime import host_products as host_gemm
+
+from .runtime_util import default_policy, running
 
 # api.md: streamed and offline audio of the same codes agree within 1e-5 (float32 rounding of
 # samples with RMS ~0.1); two summation orders of the same products are held to the same bound.
@@ -47,22 +50,27 @@ def _bf16_codec(seed: int) -> Codec:
     return codec
 
 
-def test_switch_validation_and_restore(monkeypatch):
-    monkeypatch.setenv(host_gemm.ENV_VAR, "on")
+def test_policy_field_env_var_and_binding(monkeypatch):
+    """`host_products` is on by default exactly for a CPU device; `VOICECHAT_HOST_GEMM` overrides it
+    when the policy is chosen (a bad value names the variable), a policy's field takes only a
+    bool, and `host_gemm_enabled()` reads the policy bound on this thread (off with none)."""
     with pytest.raises(ValueError, match="VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
-        host_gemm.host_gemm_enabled()
-    monkeypatch.setenv(host_gemm.ENV_VAR, "0")
-    assert host_gemm.host_gemm_enabled() is False
-    monkeypatch.setenv(host_gemm.ENV_VAR, "1")
-    assert host_gemm.host_gemm_enabled() is True
-    with host_gemm.host_gemm_set(False):
-        assert host_gemm.host_gemm_enabled() is False
-    assert host_gemm.host_gemm_enabled() is True
-    with pytest.raises(TypeError, match="set_host_gemm expects True, False or None"):
-        host_gemm.set_host_gemm(1)
-    monkeypatch.delenv(host_gemm.ENV_VAR)
+        ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "on"})
+    assert ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "0"}).host_products is False
+    assert ExecutionPolicy.for_device(mx.gpu, environ={"VOICECHAT_HOST_GEMM": "1"}).host_products is True
     # Default: on exactly when MLX computes on the CPU.
-    assert host_gemm.default_host_gemm() is (mx.default_device().type == mx.DeviceType.cpu)
+    assert ExecutionPolicy.for_device(mx.cpu, environ={}).host_products is True
+    assert ExecutionPolicy.for_device(mx.gpu, environ={}).host_products is False
+    assert default_policy().host_products is (mx.default_device().type == mx.DeviceType.cpu)
+    with pytest.raises(TypeError, match="ExecutionPolicy.host_products must be True or False, got 1"):
+        default_policy(host_products=1)
+    monkeypatch.setenv("VOICECHAT_HOST_GEMM", "0")  # read when a policy is chosen, not while it runs
+    with running(host_products=True):
+        assert host_gemm.host_gemm_enabled() is True
+        with running(host_products=False):
+            assert host_gemm.host_gemm_enabled() is False
+        assert host_gemm.host_gemm_enabled() is True
+    assert host_gemm.host_gemm_enabled() is False
 
 
 def test_erf_rational_within_8_ulp():
@@ -92,7 +100,7 @@ def test_matmul_t_numpy_equals_mlx_within_rounding(small_codec):
         exact = x.astype(np.float64) @ np.array(w).astype(np.float64).T
         bound = (k * EPS32 / (1 - k * EPS32)) * (np.abs(x).astype(np.float64) @ np.abs(np.array(w)).T)
         for enabled in (True, False):
-            with host_gemm.host_gemm_set(enabled):
+            with running(host_products=enabled):
                 got = host_gemm.matmul_t(mx.array(x), w, owner, "w")
             assert got.dtype == mx.float32 and got.shape == (rows, out)
             assert (np.abs(np.array(got) - exact) <= bound).all(), (rows, k, out, enabled)
@@ -122,7 +130,7 @@ def test_matmul_t_sees_a_replaced_weight():
     """The numpy copy of w.T is made per weight array: a new array under the same name is used."""
     owner = nn.Module()
     x = mx.ones((2, 3))
-    with host_gemm.host_gemm_set(True):
+    with running(host_products=True):
         first = np.array(host_gemm.matmul_t(x, mx.ones((4, 3)), owner, "w"))
         second = np.array(host_gemm.matmul_t(x, 2 * mx.ones((4, 3)), owner, "w"))
     assert np.array_equal(first, np.full((2, 4), 3.0)) and np.array_equal(second, np.full((2, 4), 6.0))
@@ -132,9 +140,9 @@ def test_codec_decode_numpy_vs_mlx_products(small_codec):
     """Offline decode of the small codec (9 ConvNeXt blocks, K up to 768) with the products in
     numpy vs in MLX: within the streaming-vs-offline audio bound."""
     codes = _codes(small_codec, 4, seed=1)
-    with host_gemm.host_gemm_set(True):
+    with running(host_products=True):
         a = np.array(small_codec.decode(codes))
-    with host_gemm.host_gemm_set(False):
+    with running(host_products=False):
         b = np.array(small_codec.decode(codes))
     assert a.shape == b.shape == (4 * small_codec.samples_per_frame,)
     assert np.abs(a).max() > 1e-3  # not a silent decode
@@ -146,7 +154,7 @@ def test_codec_streaming_matches_offline_either_way(small_codec, enabled):
     """decode_step x T + flush == decode (after lead-in and warm-up samples), within the audio
     bound, with the products in numpy and in MLX."""
     codes = _codes(small_codec, 5, seed=2)
-    with host_gemm.host_gemm_set(enabled):
+    with running(host_products=enabled):
         offline = np.array(small_codec.decode(codes))
         state = small_codec.make_state()
         parts = [np.array(small_codec.decode_step(codes[t], state)) for t in range(codes.shape[0])]
@@ -167,11 +175,11 @@ def test_one_blas_thread_limits_and_restores():
 
     before = blas_threads()
     assert before, "numpy's BLAS should be visible to threadpoolctl"
-    with host_gemm.host_gemm_set(True):
+    with running(host_products=True):
         with host_gemm.one_blas_thread():
             assert blas_threads() == [1] * len(before)
     assert blas_threads() == before
-    with host_gemm.host_gemm_set(False):
+    with running(host_products=False):
         with host_gemm.one_blas_thread():
             assert blas_threads() == before
 
@@ -197,7 +205,7 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
                     and a.size == block.pwconv1.weight.size]
         return out
 
-    with host_gemm.host_gemm_set(True):
+    with running(host_products=True):
         mx.eval(codec.decode(codes))
     used = [b for b in blocks if "_derived" in b.__dict__]
     assert used
@@ -215,7 +223,7 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     mx.random.seed(1)
     fresh = Codec(preset_config("small").codec_config)
     fresh.update(codec.parameters())
-    with host_gemm.host_gemm_set(False):
+    with running(host_products=False):
         mx.eval(fresh.decode(codes))
     for b in (m for _, m in fresh.named_modules() if isinstance(m, ConvNeXtBlock) and "_derived" in m.__dict__):
         assert len(float32_copies(b, mx.array)) == 2 and float32_copies(b, np.ndarray) == []
@@ -230,8 +238,10 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
     import voicechat
     from voicechat.runtime.linear import resident_arrays, resident_bytes
 
-    with host_gemm.host_gemm_set(numpy_products):
-        codec = voicechat.load(tiny_ckpt, warmup=False).tts_model.audio_codec
+    model = voicechat.load(tiny_ckpt, warmup=False, policy=default_policy(host_products=numpy_products))
+    assert model.policy.host_products is numpy_products
+    codec = model.tts_model.audio_codec
+    with model.executing():
         host_copies = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
                        if isinstance(v, np.ndarray)]
         assert bool(host_copies) == numpy_products
@@ -249,7 +259,7 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
 
 @pytest.mark.parametrize("numpy_products", [True, False])
 def test_decoder_weights_become_one_float32_copy(numpy_products):
-    """`CodecDecoder.use_float32_weights` (what `load` calls): each product weight of which a
+    """`voicechat.runtime.prepare.float32_codec_weights` (what `load` calls): each product weight of which a
     float32 copy would be kept (all of them with the products in numpy, the ConvNeXt 1x1 convs
     in MLX) is replaced by float32 as its only copy. MLX's active memory grows by the float32
     minus the bf16 bytes of those weights (keeping the originals too would grow it by the
@@ -259,11 +269,13 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
     layout)."""
     from voicechat.audio.codec import ConvNeXtBlock
     from voicechat.runtime.linear import resident_arrays, resident_bytes
+    from voicechat.runtime.prepare import float32_codec_weights
 
     codec = _bf16_codec(seed=2)
     codes = _codes(codec, 2, seed=7)
     decoder = codec.decoder
-    with host_gemm.host_gemm_set(numpy_products):
+    policy = default_policy(host_products=numpy_products)
+    with running(policy):
         want = np.array(codec.decode(codes))
         stored = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(decoder.parameters())}
         for _, m in decoder.named_modules():
@@ -274,7 +286,7 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
             targets += [layer for layer in decoder.layers if not isinstance(layer, ConvNeXtBlock)]
         mx.clear_cache()
         before = mx.get_active_memory()
-        decoder.use_float32_weights(numpy_products)
+        float32_codec_weights(decoder, policy)
         mx.clear_cache()
         grown = mx.get_active_memory() - before
         want_grown = sum(2 * t.weight.size for t in targets)  # bf16 -> float32: 2 bytes more each

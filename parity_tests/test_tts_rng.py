@@ -117,7 +117,7 @@ def test_bad_seed(bad, exc):
 def test_uniform_then_normal_is_the_global_stream(seed, compiled):
     """The MoG's two draws as one compiled piece give the global stream's values bit for bit
     (the fused bits-to-float conversions must not round differently) and leave the same state."""
-    from voicechat.runtime.compiled import compile_set
+    from .runtime_util import running
 
     shapes = [((1, 1, 1024), (1, 1, 512)), ((1, 1, 16), (1, 1, 16)), ((1, 1, 1024), (1, 1, 32))]
     mx.random.seed(seed)
@@ -128,7 +128,7 @@ def test_uniform_then_normal_is_the_global_stream(seed, compiled):
     want_key = global_key()
     rng = SessionRandom(seed)
     got = []
-    with compile_set(compiled):
+    with running(compiled=compiled):
         for u_shape, n_shape in shapes * 2:
             got += list(rng.uniform_then_normal(u_shape, n_shape))
     mx.eval(got)
