@@ -134,6 +134,7 @@ def _attribute_stages(session, counter: DispatchCounter):
 
     session.perception.push_frame = _staged(counter, session.perception.push_frame, "perception")
     session.rnnt.step = _staged(counter, session.rnnt.step, "rnnt")
+    session.rnnt.step_on_device = _staged(counter, session.rnnt.step_on_device, "rnnt")  # ExecutionPolicy.rnnt_on_device
     session.timeline.language_step = _staged(counter, session.timeline.language_step, "language")
     session.timeline.tts_step = _staged(counter, session.timeline.tts_step, "tts")
     original = session_module.replace_control_codes

@@ -225,8 +225,10 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     fresh.update(codec.parameters())
     with running(host_products=False):
         mx.eval(fresh.decode(codes))
-    for b in (m for _, m in fresh.named_modules() if isinstance(m, ConvNeXtBlock) and "_derived" in m.__dict__):
-        assert len(float32_copies(b, mx.array)) == 2 and float32_copies(b, np.ndarray) == []
+    fresh_used = [m for _, m in fresh.named_modules() if isinstance(m, ConvNeXtBlock) and "_derived" in m.__dict__]
+    assert fresh_used
+    for b in fresh_used:  # MLX's products read the weights as stored (prepare decides any copy): none here
+        assert float32_copies(b, mx.array) == [] and float32_copies(b, np.ndarray) == []
 
 
 @pytest.mark.parametrize("numpy_products", [True, False])

@@ -198,3 +198,29 @@ def test_incremental_transcript():
     # a lone '▁' piece is a space that only shows once text follows it
     assert "".join(deltas) == "hello  world!" == tr.text
     assert deltas[:3] == ["", "", "hel"] and deltas[5] == "" and deltas[6] == "  world"
+
+
+@pytest.mark.parametrize("blank_bias,max_symbols", [(0.5, MAX_SYMBOLS), (-1e9, 3), (1e9, MAX_SYMBOLS), (0.5, 1)])
+def test_on_device_loop_makes_the_host_loops_decisions(blank_bias, max_symbols):
+    """`step_on_device` (ExecutionPolicy.rnnt_on_device: every iteration runs, symbols after the
+    first blank masked out, ids read once per frame) emits what `step` emits, frame by frame,
+    with the same state bit for bit: the masked arithmetic selects, never recomputes, values.
+    Covers blanks, short runs, max_symbols runs (blank never wins) and blank always winning."""
+    dec, joint, enc = _models(blank_bias=blank_bias)
+    enc = enc[:40]
+    host, host_frames = _stream_all(dec, joint, enc, max_symbols=max_symbols, skip_ids={3})
+    device = RnntStream(dec, joint, max_symbols, {3})
+    device_frames = []
+    for t in range(enc.shape[0]):
+        ids = device.step_on_device(enc[t])
+        assert ids.shape == (max_symbols,)
+        device_frames.append(device.finish_on_device(ids))
+        want = {k: np.array(v) for k, v in host.state.arrays().items()} if t == enc.shape[0] - 1 else None
+    assert device_frames == host_frames
+    assert device.state.tokens == host.state.tokens == [k for k in greedy_decode(dec, joint, enc, max_symbols)
+                                                        if k != 3]
+    got = {k: np.array(v) for k, v in device.state.arrays().items()}
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+    with pytest.raises(RuntimeError, match="not finished"):
+        device.step_on_device(enc[0])
+        device.step_on_device(enc[1])

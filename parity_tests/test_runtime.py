@@ -103,7 +103,8 @@ def test_gpu_policy_is_what_a_gpu_gets():
     gpu = ExecutionPolicy.gpu()
     assert gpu == ExecutionPolicy.for_device(mx.gpu, environ={})
     assert (gpu.cpu_streams, gpu.cpu_kernels, gpu.host_products, gpu.overlap, gpu.keep_heap,
-            gpu.float32_copies, gpu.bf16_transposed) == (1, False, False, False, False, False, False)
+            gpu.float32_copies, gpu.bf16_transposed, gpu.rnnt_on_device) == (1, False, False, False, False, False,
+                                                                             True, True)
     assert gpu.compiled  # fewer dispatches on any device
 
 
@@ -193,7 +194,9 @@ def test_gpu_policy_runs_no_cpu_kernel_and_keeps_weights_as_stored(tiny_ckpt, qu
     from voicechat.runtime import kernels
 
     model = voicechat.load(tiny_ckpt, policy=ExecutionPolicy.gpu())
-    assert model.prepared.linears["float32"] == [] and model.prepared.linears["bf16_transposed"] == []
+    assert model.prepared.linears["float32"] == [] and model.prepared.linears["bf16_transposed"]
+    stored = [ops.stored_transposed(m) for _, m in model.named_modules() if ops.stored_transposed(m) is not None]
+    assert stored and all(w.dtype == mx.bfloat16 for w in stored)  # the stored bytes, transposed; no copies
 
     class Poisoned:
         def __getattr__(self, name):

@@ -119,6 +119,7 @@ class VoiceChatStreamingSession:
         self.config = cfg
         # The model's runtime, fixed for the session's life and bound around its work.
         self._runtime_ops = model.runtime if model.runtime is not None else ops.PLAIN
+        self._rnnt_on_device = bool(model.policy is not None and model.policy.rnnt_on_device)
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
@@ -198,12 +199,12 @@ class VoiceChatStreamingSession:
             mx.eval(enc, emb)
         t1 = time.perf_counter()
         events = []
-        tokens = self.rnnt.step(enc)
-        if tokens:
-            self.transcript_tokens.extend(tokens)
-            delta, text = self.transcript.add(tokens)
-            if delta:
-                events.append(UserTranscriptDelta(self.frame_index, delta, text))
+        if self._rnnt_on_device:  # the symbols are read with the frame's other results, below
+            rnnt_ids = self.rnnt.step_on_device(enc)
+            if prof:
+                mx.eval(rnnt_ids)
+        else:
+            tokens = self._transcribe(self.rnnt.step(enc), events)
         t2 = time.perf_counter()
         tl = self.timeline
         tc = self.tool_channel
@@ -222,8 +223,11 @@ class VoiceChatStreamingSession:
         audio = self.codec.decode_step(clean, self.codec_state)
         # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
         # products in numpy, voicechat.runtime.host_products, the codec evaluated its inputs on the way).
-        mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays())
+        mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays(),
+                *((rnnt_ids, self.rnnt.state.lstm) if self._rnnt_on_device else ()))
         t5 = time.perf_counter()
+        if self._rnnt_on_device:
+            tokens = self._transcribe(self.rnnt.finish_on_device(rnnt_ids), events)
         tid, fid = int(text_fed.item()), int(function_fed.item())
         self.text_ids.append(tid)
         self.function_ids.append(fid)
@@ -250,6 +254,15 @@ class VoiceChatStreamingSession:
         if record is not None:  # the session is consistent before the observer runs
             self._on_frame(record)
         return events
+
+    def _transcribe(self, tokens: list[int], events: list) -> list[int]:
+        """Add the frame's RNNT tokens to the transcript; its delta event goes first in `events`."""
+        if tokens:
+            self.transcript_tokens.extend(tokens)
+            delta, text = self.transcript.add(tokens)
+            if delta:
+                events.insert(0, UserTranscriptDelta(self.frame_index, delta, text))
+        return tokens
 
     def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio, text_fed,
                 function_fed, forced) -> FrameRecord:

@@ -207,16 +207,10 @@ class ConvNeXtBlock(nn.Module):
                        lambda nw, nb, b1, b2: {"norm_w": _f32(nw), "norm_b": _f32(nb), "b1": _f32(b1), "b2": _f32(b2)})
 
     def _pointwise_matrices(self) -> tuple[mx.array, mx.array]:
-        """The two 1x1 conv weights (O, 1, I) as (O, I) matrices: views of the stored weights
-        when the products run on the host (which keeps its own float32 copy) or the weights are
-        stored as float32 W.T (the runtime's `prepare`), else float32 copies made once per
-        weights (MLX would convert a bf16 weight at every call). Never both copies."""
-        if ops.host_products() or (ops.stored_transposed(self.pwconv1) is not None
-                                   and ops.stored_transposed(self.pwconv2) is not None):
-            return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
-                           lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
-        return derived(self, "pointwise_float32", (self.pwconv1.weight, self.pwconv2.weight),
-                       lambda w1, w2: (_f32(w1)[:, 0, :], _f32(w2)[:, 0, :]))
+        """The two 1x1 conv weights (O, 1, I) as (O, I) matrices: views of the weights as the
+        runtime's `prepare` stored them (a float32 W.T, or as loaded), no copies."""
+        return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
+                       lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
 
     def _pointwise_part(self, y: mx.array) -> mx.array:
         """pw2(gelu(pw1(y))) of the normalised frames."""
@@ -552,11 +546,10 @@ class Codec(nn.Module):
         return host.astype(np.int32)
 
     def _latent(self, codes: np.ndarray) -> mx.array:
-        """Validated host codes (T, Q) -> latent (T, latent_dim): on the host when the codec's
-        products are (`ops.host_products`), else with MLX; the same values either way."""
-        if ops.host_products():
-            return mx.array(self.prvq.dequantize_host(codes))
-        return self.prvq.dequantize(mx.array(codes))
+        """Validated host codes (T, Q) -> latent (T, latent_dim), summed on the host: the codes are
+        there already, and the same float32 additions as `dequantize` (bit for bit) cost no
+        device operations (~5 per codebook on the device)."""
+        return mx.array(self.prvq.dequantize_host(codes))
 
     # -- spectral head and iSTFT pieces
 

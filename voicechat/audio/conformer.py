@@ -590,7 +590,7 @@ class ConformerStream:
         st.mel_cache = cache[keep_from - cache_start :]
         st.mel_consumed = consumed
         st.frames_emitted = n1
-        mx.eval(x, st.arrays())
+        mx.async_eval(x, st.arrays())  # the frame's state, cut from its history; no wait
         return x
 
     def push_one(self, mel) -> mx.array:

@@ -85,7 +85,10 @@ def as_waveform(samples, what: str = "waveform") -> mx.array:
                 f"{what}: expected floating samples in [-1, 1], got dtype {samples.dtype}; "
                 "convert integer PCM first (e.g. int16 / 32768.0)"
             )
-        x = mx.array(samples.astype(np.float32, copy=False))
+        samples = samples.astype(np.float32, copy=False)
+        if samples.size and not np.isfinite(samples).all():  # on the host: no device round trip
+            raise ValueError(f"{what}: contains NaN or infinite samples")
+        return mx.array(samples)
     elif isinstance(samples, mx.array):
         if samples.ndim != 1:
             raise ValueError(f"{what}: expected a 1-D array of samples, got shape {tuple(samples.shape)}")
@@ -277,7 +280,7 @@ class StreamingLogMel:
         if keep_from > self.buffer_start:
             self.buffer = self.buffer[keep_from - self.buffer_start :]
             self.buffer_start = keep_from
-        mx.eval(out, self.buffer)  # cut the graph so the retained tail does not pin history
+        mx.async_eval(out, self.buffer)  # cut the graph (the retained tail must not pin history); no wait
         return out
 
     def _reference_edge(self, end: int, final: bool) -> tuple[int, int | None]:

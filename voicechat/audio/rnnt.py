@@ -17,12 +17,14 @@ docs/model.md §6.3); the joint has vocab_size + 1 outputs.
 from __future__ import annotations
 
 import math
+import functools
 import re
 from typing import Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import ops
 from ..config import AudioConfig
 
 # --------------------------------------------------------------------------- prediction net
@@ -40,10 +42,14 @@ class LstmCell(nn.Module):
 
     def __call__(self, x: mx.array, h: mx.array, c: mx.array) -> tuple[mx.array, mx.array]:
         gates = x @ self.Wx.T + h @ self.Wh.T + self.bias
-        i, f, g, o = mx.split(gates, 4, axis=-1)
-        c = mx.sigmoid(f) * c + mx.sigmoid(i) * mx.tanh(g)
-        h = mx.sigmoid(o) * mx.tanh(c)
-        return h, c
+        return ops.fused(("lstm_cell_update",), lambda: _lstm_cell_update)(gates, c)
+
+
+def _lstm_cell_update(gates: mx.array, c: mx.array) -> tuple[mx.array, mx.array]:
+    """(h, c) from the gate pre-activations (i, f, g, o) and the previous cell state."""
+    i, f, g, o = mx.split(gates, 4, axis=-1)
+    c = mx.sigmoid(f) * c + mx.sigmoid(i) * mx.tanh(g)
+    return mx.sigmoid(o) * mx.tanh(c), c
 
 
 class _DecRnn(nn.Module):
@@ -92,6 +98,18 @@ class RnntDecoder(nn.Module):
         else:
             # Through the module: works for a dense and a quantized (packed) embedding alike.
             x = self.prediction.embed(mx.array([token]))[0].astype(mx.float32)
+        return self._layers(x, state)
+
+    def predict_array(self, token: mx.array, state: LstmState | None) -> tuple[mx.array, LstmState]:
+        """`predict` for a token held on the device (an int32 scalar, possibly not yet computed):
+        the blank's input is the zero vector, selected, so the values are `predict`'s."""
+        if state is None:
+            state = self.initial_state()
+        embedded = self.prediction.embed(token.reshape(1)).astype(mx.float32)  # (1, hidden), as the state is
+        x = mx.where(token == self.blank_id, mx.zeros_like(embedded), embedded)
+        return self._layers(x, state)
+
+    def _layers(self, x: mx.array, state: LstmState) -> tuple[mx.array, LstmState]:
         new_state = []
         for cell, (h, c) in zip(self.prediction.dec_rnn.lstm, state):
             h, c = cell(x, h, c)
@@ -202,15 +220,12 @@ class RnntState:
         return other
 
     def arrays(self) -> dict[str, mx.array]:
+        """The state proper: the last token and the LSTM state. (The memoised prediction is a value
+        of these two, recomputed when absent, so it is not listed.)"""
         out: dict[str, mx.array] = {"last_token": mx.array(self.last_token, dtype=mx.int32)}
         if self.lstm is not None:
             for i, (h, c) in enumerate(self.lstm):
                 out[f"lstm.{i}.h"], out[f"lstm.{i}.c"] = h, c
-        if self.pred_out is not None:
-            out["pred_out"] = self.pred_out
-            out["pred_proj"] = self.pred_proj
-            for i, (h, c) in enumerate(self.pred_state):
-                out[f"pred_state.{i}.h"], out[f"pred_state.{i}.c"] = h, c
         return out
 
 
@@ -262,6 +277,63 @@ class RnntStream:
         st.tokens.extend(new)
         st.frames += 1
         return new
+
+    def step_on_device(self, enc_frame: mx.array) -> mx.array:
+        """`step`'s decisions as masked arithmetic: all `max_symbols` iterations run, each symbol
+        after the first blank is masked out, so nothing is read on the host. Returns the
+        (max_symbols,) int32 ids, emitted ones first, then -1; the state's last token and LSTM
+        state follow the emitted symbols. `finish_on_device(ids)` reads the ids (once per frame,
+        with whatever else the frame reads) and completes the state."""
+        d = self.joint.encoder_hidden
+        if not isinstance(enc_frame, mx.array) or enc_frame.reshape(-1).shape != (d,):
+            raise ValueError(f"RnntStream.step_on_device: expected one encoder frame of shape ({d},)")
+        st = self.state
+        if not isinstance(st.last_token, int):
+            raise RuntimeError("RnntStream.step_on_device: the previous frame was not finished (finish_on_device)")
+        self._frame_start = (st.last_token, st.lstm)
+        enc_proj = self.joint.project_encoder(enc_frame.reshape(1, d))
+        last = mx.array(st.last_token, dtype=mx.int32)
+        # Rows (1, hidden) inside the loop (no per-product reshapes); the state keeps (hidden,).
+        lstm = st.lstm if st.lstm is not None else self.decoder.initial_state()
+        flat = [a.reshape(1, -1) for pair in lstm for a in pair]
+        update = ops.fused(("rnnt_masked_update", self.decoder.blank_id, len(flat)),
+                           lambda: functools.partial(_masked_update, self.decoder.blank_id))
+        active = mx.array(True)
+        ids = []
+        for _ in range(self.max_symbols):
+            pred, proposed = self.decoder.predict_array(last, tuple(zip(flat[0::2], flat[1::2])))
+            st.prediction_calls += 1
+            k = mx.argmax(self.joint.logits(enc_proj, self.joint.project_prediction(pred)), axis=-1)[0]
+            active, emitted, last, *flat = update(active, k.astype(mx.int32), last,
+                                                  *[a for pair in proposed for a in pair], *flat)
+            ids.append(emitted)
+        st.last_token = last
+        st.lstm = tuple((h.reshape(-1), c.reshape(-1)) for h, c in zip(flat[0::2], flat[1::2]))
+        st.pred_out = st.pred_proj = st.pred_state = None
+        return mx.stack(ids)
+
+    def finish_on_device(self, ids: mx.array) -> list[int]:
+        """The new token ids of a `step_on_device` frame (`ids` read here); completes the state."""
+        st = self.state
+        emitted = [int(k) for k in ids.tolist() if k >= 0]
+        if emitted:
+            st.last_token = emitted[-1]
+        else:  # nothing emitted: the state is the frame's start (the same values, selected)
+            st.last_token, st.lstm = self._frame_start
+        new = [k for k in emitted if k not in self.skip_ids]
+        st.tokens.extend(new)
+        st.frames += 1
+        return new
+
+
+def _masked_update(blank: int, active, k, last, *arrays):
+    """One masked greedy iteration's bookkeeping: a symbol counts while no blank came before it;
+    a counted symbol becomes the last token and its proposed LSTM state (the first half of
+    `arrays`) replaces the current one (the second half). -> (active, id or -1, last, state...)."""
+    active = active & (k != blank)
+    n = len(arrays) // 2
+    state = [mx.where(active, proposed, current) for proposed, current in zip(arrays[:n], arrays[n:])]
+    return (active, mx.where(active, k, -1), mx.where(active, k, last), *state)
 
 
 # --------------------------------------------------------------------------- text

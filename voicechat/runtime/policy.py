@@ -10,8 +10,12 @@ differently (float32 summation order). The fields:
 - `host_products`: the codec's float32 products through numpy's BLAS (`runtime.host_products`).
 - `overlap`: each layer's output evaluated while the next is built (`mx.async_eval`).
 - `keep_heap`: glibc keeps freed large temporaries for the next frame (`runtime.heap`).
-- `float32_copies` (True, False, or None = while they add at most 1 GiB) and `bf16_transposed`:
-  the layout `prepare` gives 16-bit dense weights outside the language path.
+- `rnnt_on_device`: the RNNT's greedy symbols as masked device arithmetic, read once per frame
+  with the frame's other results, instead of one host round trip per symbol (a GPU's queue
+  stalls at each; on a CPU a round trip is cheaper than the masked iterations).
+- `float32_copies` (True, False, or None = while they add at most 1 GiB) and `bf16_transposed`
+  (bf16 dense weights stored as their W.T, the same bytes): the layout `prepare` gives 16-bit
+  dense weights.
 
 `ExecutionPolicy.for_device(device)` is the default for a device; the environment variables
 `VOICECHAT_CPU_STREAMS`, `VOICECHAT_COMPILE`, `VOICECHAT_CPU_QMV`, `VOICECHAT_HOST_GEMM`,
@@ -72,12 +76,14 @@ class ExecutionPolicy:
     host_products: bool = False
     overlap: bool = False
     keep_heap: bool = False
+    rnnt_on_device: bool = False
     float32_copies: bool | None = False
     bf16_transposed: bool = False
 
     def __post_init__(self):
         _streams(self.cpu_streams, "ExecutionPolicy.cpu_streams")
-        for field in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "bf16_transposed"):
+        for field in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device",
+                      "bf16_transposed"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"ExecutionPolicy.{field} must be True or False, got {getattr(self, field)!r}")
         if self.float32_copies not in (True, False, None):
@@ -132,8 +138,11 @@ class ExecutionPolicy:
             host_products=pick("host_products", cpu),
             overlap=pick("overlap", cpu),
             keep_heap=pick("keep_heap", cpu and heap.served()),
+            rnnt_on_device=not cpu,
             float32_copies=pick("float32_copies", None if cpu else False),
-            bf16_transposed=cpu and kernels_on,
+            # bf16 W.T keeps the stored bytes: on a GPU (and where the CPU kernels widen it) the
+            # product reads it as is; MLX's CPU kernels would convert it per call (float32 copies then).
+            bf16_transposed=kernels_on if cpu else True,
         )
 
     @classmethod
@@ -157,8 +166,8 @@ class ExecutionPolicy:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        on = [f for f in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "bf16_transposed")
-              if getattr(self, f)]
+        on = [f for f in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device",
+                          "bf16_transposed") if getattr(self, f)]
         return (f"{self.name}: {self.cpu_streams} CPU stream{'s' if self.cpu_streams > 1 else ''}, "
                 + (", ".join(on) if on else "nothing else")
                 + f", float32 copies {'by budget' if self.float32_copies is None else self.float32_copies}")

@@ -49,17 +49,18 @@ def transpose_pointwise_convs(conv_module, policy: ExecutionPolicy) -> None:
 
 
 def float32_codec_weights(decoder, policy: ExecutionPolicy) -> None:
-    """The codec decoder's product weights as float32 W.T, the only resident copy, where a float32
-    copy would be kept anyway: the ConvNeXt 1x1 convs always (their float32 matrices), and with
-    the products on the host every upsampler and the final 1x1 conv too (numpy's float32 W.T is
-    then a view of the same buffer). Evaluated layer by layer: at most one layer's originals
-    beside their copies."""
+    """The codec decoder's product weights as float32 W.T, the only resident copy: with the
+    products on the host every 1x1 conv and upsampler (numpy's float32 W.T is then a view of the
+    same buffer); otherwise the ConvNeXt 1x1 convs unless the policy keeps weights as stored
+    (`float32_copies` False: MLX converts them per product). Evaluated layer by layer: at most one
+    layer's originals beside their copies."""
     from ..audio.codec import ConvNeXtBlock
 
     last = len(decoder.layers) - 1
     for n, layer in enumerate(decoder.layers):
         if isinstance(layer, ConvNeXtBlock):
-            targets = [(layer.pwconv1, _one_by_one()), (layer.pwconv2, _one_by_one())]
+            copies = policy.host_products or policy.float32_copies is not False
+            targets = [(layer.pwconv1, _one_by_one()), (layer.pwconv2, _one_by_one())] if copies else []
         elif not policy.host_products:
             targets = []
         elif n == last:
