@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -292,7 +293,26 @@ class NemotronHState:
 # --------------------------------------------------------------------------- mixers
 
 
-def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w, *taps_and_bias):
+@dataclass(frozen=True)
+class MambaStepShape:
+    """The fixed dimensions and constants of one Mamba-2 step (part of its fused piece's key)."""
+
+    padding_columns: int  # leading in_proj columns to skip (§7.2)
+    d_inner: int
+    conv_dim: int
+    conv_kernel: int
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    eps: float
+    dt_min: float
+    dt_max: float
+    conv_bias: bool
+
+
+def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w,
+                     *taps_and_bias):
     """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
     recurrence, the gated grouped RMSNorm. -> (u, new conv rows, new SSM state).
 
@@ -301,22 +321,20 @@ def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, nor
     state, y = (C·B)·Δx + exp(ΔA)·(S_old·C) + D·x, with C·B one dot product per group and
     the same product shapes, so both round alike (mathematically the two are equal).
 
-    Written for few dispatches (each costs a few µs on a CPU whatever its size): the heads
-    are laid out as (groups, heads per group) so a group's C·B and B broadcast over its heads
-    without a repeat; the conv state is its K-1 rows (no concatenate / slice per step);
-    `a` and `d_skip` arrive shaped (G, rep, 1). The arithmetic is `_project` /
-    `_gated_norm_out`'s, element for element."""
-    pad, d_inner, conv_dim, k, heads, head_dim, groups, state_size, eps, dt_min, dt_max, has_bias = dims
-    taps = taps_and_bias[:k]
-    conv_bias = taps_and_bias[k] if has_bias else None
+    The heads are laid out as (groups, heads per group) so a group's C·B and B broadcast over
+    its heads without a repeat; the conv state is its K-1 rows; `a` and `d_skip` arrive shaped
+    (G, rep, 1). The arithmetic is `_project` / `_gated_norm_out`'s, element for element."""
+    d_inner, heads, head_dim, groups, state_size = dims.d_inner, dims.heads, dims.head_dim, dims.groups, dims.state_size
+    taps = taps_and_bias[:dims.conv_kernel]
+    conv_bias = taps_and_bias[dims.conv_kernel] if dims.conv_bias else None
     rep = heads // groups
     gs = groups * state_size
-    z, xbc, dt = _split_projection(zxbcdt, pad, d_inner, conv_dim)
+    z, xbc, dt = _split_projection(zxbcdt, dims.padding_columns, d_inner, dims.conv_dim)
     xbc_act = nn.silu(_tap_sum_of([*conv_rows, xbc], taps, conv_bias))
     x_h = xbc_act[..., :d_inner].reshape(1, groups, rep, head_dim)
     b = xbc_act[..., d_inner : d_inner + gs]
     c = xbc_act[..., d_inner + gs :]
-    dt = _time_steps(dt, dt_bias, dt_min, dt_max).reshape(1, groups, rep, 1)
+    dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(1, groups, rep, 1)
     dtx = dt * x_h  # (1, G, rep, P)
     decay = mx.exp(dt * a)  # (1, G, rep, 1)
     cb = c.reshape(1, groups, 1, state_size) @ b.reshape(1, groups, state_size, 1)  # (1, G, 1, 1): C·B per group
@@ -326,7 +344,7 @@ def _mamba_step_core(dims, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, nor
     y = y + d_skip * x_h
     ssm = dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size) \
         + decay.reshape(1, groups, rep, 1, 1) * ssm5
-    u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, eps, norm_w)  # a group's channels = its heads
+    u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, dims.eps, norm_w)  # a group's channels = its heads
     # The newest row in the state's dtype (a no-op for float32 states).
     rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
     return u, *rows, ssm.reshape(1, heads, head_dim, state_size)
@@ -429,10 +447,10 @@ class Mamba2Mixer(nn.Module):
         shape = (self.n_groups, self.num_heads // self.n_groups, 1)
         a_g, d_g = derived(self, "a_D_grouped", (a, self.D),
                            lambda a, d: (a.reshape(shape), d.astype(mx.float32).reshape(shape)))
-        dims = (self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel, self.num_heads,
-                self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min, self.dt_max,
-                conv_bias is not None)
-        core = ops.fused(("mamba_step",) + dims, lambda: functools.partial(_mamba_step_core, dims))
+        dims = MambaStepShape(self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel,
+                              self.num_heads, self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min,
+                              self.dt_max, conv_bias is not None)
+        core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
         u, *rows, state.ssm = core(zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(),
                                    *taps, *extra)

@@ -360,19 +360,27 @@ def _qkv_core(dims, x, scales, rope, proj):
     heads, kv_heads, head_dim, in_eps, q_eps, k_eps = dims
     b, n, _ = x.shape
     cos, sin = rope
-    x = _norm(x, scales[0], in_eps)
-    q = _norm(apply(x, proj[0]).reshape(b, n, heads, head_dim), scales[1], q_eps).transpose(0, 2, 1, 3)
-    k = _norm(apply(x, proj[1]).reshape(b, n, kv_heads, head_dim), scales[2], k_eps).transpose(0, 2, 1, 3)
-    v = apply(x, proj[2]).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    in_scale, q_scale, k_scale = scales
+    q_proj, k_proj, v_proj = proj
+    x = _norm(x, in_scale, in_eps)
+    q = _norm(apply(x, q_proj).reshape(b, n, heads, head_dim), q_scale, q_eps).transpose(0, 2, 1, 3)
+    k = _norm(apply(x, k_proj).reshape(b, n, kv_heads, head_dim), k_scale, k_eps).transpose(0, 2, 1, 3)
+    v = apply(x, v_proj).reshape(b, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
+def _in_groups(items, size: int) -> list[tuple]:
+    """[a, b, c, d, ...] -> [(a, b), (c, d), ...] for size 2."""
+    return list(zip(*[iter(items)] * size))
+
+
 def _mog_trunk_core(eps, x, scales, mlps):
-    """MogHead.trunk: per block x + norm(mlp(norm(x))), then the final norm; `mlps` holds
-    gate, up, down of each block in turn."""
-    for blk in range(len(mlps) // 3):
-        u = _norm(x, scales[2 * blk], eps[2 * blk])
-        x = x + _norm(gated_mlp(u, *mlps[3 * blk : 3 * blk + 3]), scales[2 * blk + 1], eps[2 * blk + 1])
+    """MogHead.trunk: per block x + post_norm(mlp(pre_norm(x))), then the final norm. `scales` /
+    `eps` list each block's (pre, post) norms, then the final norm's; `mlps` each block's
+    (gate, up, down) layers."""
+    norms = _in_groups(zip(scales[:-1], eps[:-1]), 2)
+    for ((pre_scale, pre_eps), (post_scale, post_eps)), (gate, up, down) in zip(norms, _in_groups(mlps, 3)):
+        x = x + _norm(gated_mlp(_norm(x, pre_scale, pre_eps), gate, up, down), post_scale, post_eps)
     return _norm(x, scales[-1], eps[-1])
 
 
@@ -388,13 +396,29 @@ def _mus_rows(mus, k, num_predictions: int, low_rank: int, hidden: int, quant) -
     return mx.dequantize(*rows, group_size=group_size, bits=bits, mode=mode)  # biases None: scale-only modes
 
 
-def _mog_sample_core(static, x, u, eps, mus, low_mat, proj):
+@dataclass(frozen=True)
+class MogSampling:
+    """The fixed settings of one `MogHead.sample_residual` (part of its fused piece's key)."""
+
+    top_p: float
+    noise_scale: float
+    min_log_std: float
+    num_predictions: int
+    low_rank: int
+    log_of_softmax: bool
+    mus_quant: tuple | None  # (group_size, bits, mode) when proj_mus is stored quantized
+
+
+def _mog_sample_core(static: MogSampling, x, u, eps, mus, low_mat, proj):
     """MogHead.sample_residual after the draws (u: the Gumbel uniforms, eps: the noise):
     top-p filtered component log-probabilities, Gumbel-max choice k, then the latent
     mu_k * std + proj_else(x) + std * eps * noise_scale. `proj` holds proj_logits,
     proj_logs, proj_else."""
-    top_p, noise_scale, min_log_std, num_predictions, low_rank, log_of_softmax, mus_quant = static
-    logits = apply(x, proj[0])[None].astype(mx.float32)  # (1, 1, P)
+    top_p, noise_scale, min_log_std = static.top_p, static.noise_scale, static.min_log_std
+    num_predictions, low_rank, log_of_softmax, mus_quant = (static.num_predictions, static.low_rank,
+                                                            static.log_of_softmax, static.mus_quant)
+    proj_logits, proj_logs, proj_else = proj
+    logits = apply(x, proj_logits)[None].astype(mx.float32)  # (1, 1, P)
     filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
     if log_of_softmax:
         log_probs = mx.log(mx.softmax(filtered, axis=-1))  # the reference's rounding
@@ -408,9 +432,9 @@ def _mog_sample_core(static, x, u, eps, mus, low_mat, proj):
     mus_rows = _mus_rows(mus, k, num_predictions, low_rank, hidden, mus_quant)
     low = mx.take(low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
     mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
-    log_std = mx.maximum(apply(x, proj[1]), min_log_std)  # (1, 1)
+    log_std = mx.maximum(apply(x, proj_logs), min_log_std)  # (1, 1)
     std = mx.exp(log_std)
-    mean = mu * std + apply(x, proj[2])
+    mean = mu * std + apply(x, proj_else)
     return mean + std * eps * noise_scale
 
 
@@ -434,16 +458,17 @@ def _depth_sum(books: mx.array, index: mx.array, codes: mx.array, mask_code: int
 
 def _embed_codes_core(static, codes, arrays, proj):
     """EarTts.embed_codes: the depth sum, then embed_code."""
-    (mask_code,) = static
-    return apply(_depth_sum(*arrays, codes, mask_code), proj[0])
+    (mask_code,), (embed_code,) = static, proj
+    return apply(_depth_sum(*arrays, codes, mask_code), embed_code)
 
 
 def _post_attention_core(eps, x, merged, scales, proj):
     """BackboneLayer after the attention: attn = o_proj(merged heads); h = x + norm(attn);
     h + norm(mlp(norm(h))). proj = o_proj, gate, up, down."""
-    attn = apply(merged, proj[0])
-    h = x + _norm(attn, scales[0], eps[0])
-    return h + _norm(gated_mlp(_norm(h, scales[1], eps[1]), *proj[1:]), scales[2], eps[2])
+    o_proj, gate, up, down = proj
+    (attn_scale, mlp_in_scale, mlp_out_scale), (attn_eps, mlp_in_eps, mlp_out_eps) = scales, eps
+    h = x + _norm(apply(merged, o_proj), attn_scale, attn_eps)
+    return h + _norm(gated_mlp(_norm(h, mlp_in_scale, mlp_in_eps), gate, up, down), mlp_out_scale, mlp_out_eps)
 
 
 class BackboneAttention(nn.Module):
@@ -621,7 +646,7 @@ class MogHead(nn.Module):
         norms = [n for b in blocks for n in (b.pre_norm, b.post_norm)] + [final]
         mlps = [lin for b in blocks for lin in (b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj)]
         return ops.fused_linear("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
-                            [n.scale() for n in norms])
+                                [n.scale() for n in norms])
 
     def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float,
                         log_of_softmax: bool = False) -> mx.array:
@@ -635,10 +660,10 @@ class MogHead(nn.Module):
         quantized = isinstance(mus, nn.QuantizedLinear)
         mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
         mus_arrays = (mus.weight, mus.scales, mus.biases) if quantized else (mus.weight,)
-        static = (float(top_p), float(noise_scale), self.min_log_std, self.num_predictions, self.low_rank,
-                  bool(log_of_softmax), mus_quant)
-        return ops.fused_linear("mog_sample", _mog_sample_core, static, (self.proj_logits, self.proj_logs, self.proj_else),
-                            x, u, eps, mus_arrays, self.low_mat)
+        static = MogSampling(float(top_p), float(noise_scale), self.min_log_std, self.num_predictions,
+                             self.low_rank, bool(log_of_softmax), mus_quant)
+        return ops.fused_linear("mog_sample", _mog_sample_core, static,
+                                (self.proj_logits, self.proj_logs, self.proj_else), x, u, eps, mus_arrays, self.low_mat)
 
 
 # --------------------------------------------------------------------------- model
