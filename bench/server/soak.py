@@ -1,6 +1,6 @@
 """Memory and handles of a `voicechat serve` process over many sequential sessions.
 
-    python -m voicechat.server.soak [-m synthetic:tiny] [--sessions 50] [--every 10]
+    python -m bench.server.soak [-m synthetic:tiny] [--sessions 50] [--every 10]
 
 Starts the server as a subprocess, streams the bundled sample (fast) `--sessions` times and
 records the server process's RSS (VmRSS) and open file descriptors (/proc, Linux) before the
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
 
     from voicechat.samples import sample_path
 
-    from .client import run_stream_audio
-    from .compare import free_port, start_process, stop_process
+    from voicechat.server.client import run_stream_audio
+    from voicechat.server.compare import free_port, start_process, stop_process
 
     pcm, _ = sf.read(str(sample_path("question")), dtype="int16")
     port = free_port()

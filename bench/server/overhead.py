@@ -1,6 +1,6 @@
 """The server's per-frame overhead over the in-process session, measured side by side.
 
-    python -m voicechat.server.overhead [-m synthetic:tiny] [--rounds 3] [--audio long_question]
+    python -m bench.server.overhead [-m synthetic:tiny] [--rounds 3] [--audio long_question]
 
 Alternates, round by round, (a) an in-process streaming session pushed one 1280-sample
 frame at a time (wall time of each `push_audio`) and (b) `voicechat serve` in a subprocess
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,13 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _stats(xs) -> dict:
-    from voicechat.profiler import percentile
-
-    xs = list(xs)
-    return {"mean_ms": round(float(np.mean(xs)), 3), "p95_ms": round(percentile(xs, 0.95), 3),
-            "p50_ms": round(percentile(xs, 0.5), 3), "frames": len(xs)}
+from . import frame_stats, sample_pcm16
 
 
 def main(argv=None) -> int:
@@ -44,17 +37,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="reports/server/overhead.json")
     args = p.parse_args(argv)
 
-    import soundfile as sf
-
     import voicechat
-    from voicechat.samples import sample_path
     from voicechat.synthetic import resolve_model_arg
 
-    from .client import run_stream_audio, to_pcm16
+    from voicechat.server.client import run_stream_audio
 
-    path = args.audio if os.path.exists(args.audio) else str(sample_path(args.audio))
-    audio, sr = sf.read(path, dtype="float32")
-    pcm = to_pcm16(audio)
+    pcm = sample_pcm16(args.audio)
     ckpt = resolve_model_arg(args.model)
     model = voicechat.load(ckpt)
     servers = {}
@@ -110,15 +98,15 @@ def main(argv=None) -> int:
                     comp[name] += [e["compute_ms"] for e in deltas[args.drop_first:len(rts)]]
                     rmc[name] += [a - e["compute_ms"] for a, e in zip(rts[args.drop_first:],
                                                                         deltas[args.drop_first:])]
-        out = {"model": args.model, "audio": Path(path).name, "rounds": args.rounds, "drop_first": args.drop_first,
-               "in_process_push_ms": _stats(inproc)}
+        out = {"model": args.model, "audio": Path(args.audio).name, "rounds": args.rounds, "drop_first": args.drop_first,
+               "in_process_push_ms": frame_stats(inproc)}
         for name in servers:
             out[name] = {
-                "server_round_trip_ms": _stats(rt[name]),
-                "server_compute_ms": _stats(comp[name]) if comp[name] else None,
+                "server_round_trip_ms": frame_stats(rt[name]),
+                "server_compute_ms": frame_stats(comp[name]) if comp[name] else None,
                 "overhead_mean_ms": round(float(np.mean(rt[name]) - np.mean(inproc)), 3),
-                "overhead_p95_ms": round(_stats(rt[name])["p95_ms"] - _stats(inproc)["p95_ms"], 3),
-                "round_trip_minus_compute_ms": _stats(rmc[name]) if rmc[name] else None,
+                "overhead_p95_ms": round(frame_stats(rt[name])["p95_ms"] - frame_stats(inproc)["p95_ms"], 3),
+                "round_trip_minus_compute_ms": frame_stats(rmc[name]) if rmc[name] else None,
             }
     finally:
         for proc, _ in servers.values():

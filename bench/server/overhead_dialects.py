@@ -1,6 +1,6 @@
 """Per-frame overhead of each wire dialect over the in-process session, side by side in one run.
 
-    python -m voicechat.server.overhead_dialects [-m synthetic:small] [--rounds 2] [--audio long_question]
+    python -m bench.server.overhead_dialects [-m synthetic:small] [--rounds 2] [--audio long_question]
 
 One `voicechat serve` process; round by round, interleaved: (a) the in-process session pushed one
 frame at a time (wall time of each `push_audio`), (b) mlx-vlm's dialect in lock-step (one frame
@@ -18,20 +18,13 @@ import argparse
 import asyncio
 import base64
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-
-def _stats(xs) -> dict:
-    from voicechat.profiler import percentile
-
-    xs = list(xs)
-    return {"mean_ms": round(float(np.mean(xs)), 3), "p95_ms": round(percentile(xs, 0.95), 3), "frames": len(xs)}
+from . import frame_stats, sample_pcm16
 
 
 def _b64(pcm) -> str:
@@ -116,20 +109,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="reports/server/overhead_dialects.json")
     args = p.parse_args(argv)
 
-    import soundfile as sf
     import soxr
 
     import voicechat
-    from voicechat.samples import sample_path
     from voicechat.synthetic import resolve_model_arg
 
-    from .client import run_stream_audio, to_pcm16
-    from .compare import free_port, start_process
-    from .resample import StreamResampler
+    from voicechat.server.client import run_stream_audio, to_pcm16
+    from voicechat.server.compare import free_port, start_process
+    from voicechat.server.resample import StreamResampler
 
-    path = args.audio if os.path.exists(args.audio) else str(sample_path(args.audio))
-    audio, sr = sf.read(path, dtype="float32")
-    pcm = to_pcm16(audio)
+    pcm = sample_pcm16(args.audio)
     ckpt = resolve_model_arg(args.model)
     model = voicechat.load(ckpt)
     n = model.config.frame_samples
@@ -169,13 +158,13 @@ def main(argv=None) -> int:
     finally:
         proc.terminate()
         proc.wait(15)
-    out = {"model": args.model, "audio": Path(path).name, "rounds": args.rounds, "drop_first": args.drop_first}
-    base = _stats(res["in_process"])
-    base_ga = _stats(res["in_process_ga_steps"])
+    out = {"model": args.model, "audio": Path(args.audio).name, "rounds": args.rounds, "drop_first": args.drop_first}
+    base = frame_stats(res["in_process"])
+    base_ga = frame_stats(res["in_process_ga_steps"])
     out["in_process_push_ms"] = base
     out["in_process_push_ga_steps_ms"] = base_ga
     for name, ref in (("mlx_vlm", base), ("ga", base_ga), ("live", base)):
-        st = _stats(res[name])
+        st = frame_stats(res[name])
         out[name] = {"round_trip_ms": st, "overhead_mean_ms": round(st["mean_ms"] - ref["mean_ms"], 3),
                      "overhead_p95_ms": round(st["p95_ms"] - ref["p95_ms"], 3)}
     s = model.create_streaming_session()
