@@ -32,6 +32,7 @@ def _rel(run_dir: Path, start: str) -> str:
 
 # Named sections (`--section NAME`, e.g. the full-shape run beside the default one).
 SECTION_TITLES = {"full": "Full published shapes (synthetic weights on a CPU)",
+                  "gpu_policy": "The GPU's execution policy, run on this CPU: dispatches and host synchronisations",
                   "prompt_sweep": "Prompt states: session start per prompt length"}
 
 

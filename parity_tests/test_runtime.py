@@ -115,8 +115,11 @@ def test_load_takes_a_policy_and_keeps_it(tiny_ckpt_4bit, monkeypatch):
     model = voicechat.load(tiny_ckpt_4bit, warmup=False)
     assert model.policy.cpu_streams == 1
     monkeypatch.setenv("VOICECHAT_CPU_STREAMS", "2")  # read once, at load
-    session = model.create_streaming_session()
+    session = model.create_streaming_session(profile=True)
     session.push_audio(np.zeros(1280, np.float32))
+    summary = session.profile.summary()
+    assert summary["execution_policy"] == model.policy.as_dict() and summary["execution_policy"]["cpu_streams"] == 1
+    assert "execution policy" in session.profile.table()
     with model.executing():
         assert current_policy() is model.policy
     assert model.policy.cpu_streams == 1

@@ -50,8 +50,9 @@ def stage_stats(values) -> dict:
 class Profile:
     """Collected `FrameTiming`s of one session."""
 
-    def __init__(self, frame_duration_ms: float = 80.0):
+    def __init__(self, frame_duration_ms: float = 80.0, policy: dict | None = None):
         self.frame_duration_ms = frame_duration_ms
+        self.policy = policy  # the model's ExecutionPolicy fields (`as_dict`) the frames ran under
         self.frames: list[FrameTiming] = []
 
     def add(self, timing: FrameTiming) -> None:
@@ -65,6 +66,7 @@ class Profile:
             "frames": len(kept),
             "dropped_cold_frames": min(drop_first, len(self.frames)),
             "frame_duration_ms": self.frame_duration_ms,
+            "execution_policy": self.policy,
         }
         for stage in STAGES:
             out[stage] = stage_stats(getattr(f, f"{stage}_ms") for f in kept)
@@ -83,4 +85,8 @@ class Profile:
             lines.append(f"{stage:<11}{st['mean_ms']:>9.2f}{st['p50_ms']:>9.2f}{st['p95_ms']:>9.2f}{st['max_ms']:>9.2f}")
         lines.append(f"real-time factor {s['realtime_factor']:.3f} (mean total / {self.frame_duration_ms:g} ms), "
                      f"{s['processing_frames_per_second']:.2f} frames/s")
+        if self.policy is not None:
+            on = [k for k, v in self.policy.items() if v is True]
+            lines.append(f"execution policy {self.policy.get('name')}: {self.policy.get('cpu_streams')} CPU stream(s), "
+                         + (", ".join(on) if on else "nothing else on"))
         return "\n".join(lines)

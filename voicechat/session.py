@@ -153,7 +153,8 @@ class VoiceChatStreamingSession:
         specials = cfg.special_text_ids
         self.text = IncrementalDecoder(model.tokenizer, specials)
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
-        self.profile = Profile(cfg.frame_duration * 1000.0) if profile else None
+        self.profile = Profile(cfg.frame_duration * 1000.0,
+                               model.policy.as_dict() if model.policy is not None else None) if profile else None
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False

@@ -112,8 +112,8 @@ class Timeline:
         if st.position == 0:
             return self.silence_codes  # reference: no TTS step at timeline position 0
         # The id on the host: the char encoder then runs the token's own characters (as the
-        # reference does) instead of the table's max_chars padded rows (~5 ms per frame at the
-        # small widths). The sync costs nothing here: the TTS cannot start before the id exists.
+        # reference does) instead of the table's max_chars padded rows. The wait costs little:
+        # the TTS cannot start before the id exists.
         token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
         return self.model.tts_model.tts_model.step(
             st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes,

@@ -3,10 +3,9 @@
 The warm-up (the codec encoder over 38 frames of silence, then the TTS backbone
 over the 37 prompt positions of the guidance pair) depends only on the weights
 and on how the products are computed. It is the largest part of `voicechat.load`
-after reading the weights: 0.6 s of 1.4 s at the `small` preset on the benchmark
-machine, where MLX's CPU GEMM runs the 74-row products at ~3 GMAC/s. Its result
-(prompt codes and the TTS K/V buffers) is a few MB even at the published shapes,
-so it is computed once per checkpoint and read back on later loads.
+after reading the weights (docs/performance.md). Its result (prompt codes and the TTS K/V
+buffers) is a few MB even at the published shapes, so it is computed once per checkpoint
+and read back on later loads.
 
 The key covers everything the result depends on: config.json (its bytes),
 tokenizer.json and each safetensors file (name, size, modification time), the

@@ -49,8 +49,7 @@ CONVNEXT_EXPANSION = 4
 
 # erf(x) = x P(x^2) / Q(x^2) on x clamped to [-4, 4] (|erf| rounds to 1 beyond): the float32
 # rational approximation of Eigen / XLA, within 8 ulp of the exact erf over the whole line
-# (tested; 7.03 ulp at worst measured). mx.erf on MLX's CPU backend costs ~26 ns per element
-# (the codec's GELUs alone took ~9 ms per frame) and is no closer (4.5e-7 absolute vs 4.2e-7).
+# (tested). mx.erf is no closer and is slow on MLX's CPU backend (docs/performance.md).
 _ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
           -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
 _ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,

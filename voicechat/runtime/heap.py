@@ -1,13 +1,12 @@
 """glibc's heap kept for a frame's large temporaries (Linux, CPU device).
 
 MLX's CPU allocator is malloc. At the published shapes a frame allocates and frees large
-temporaries (bf16 weights widened to float32 for MLX's products: 4-64 MB each, tens per frame).
+temporaries (bf16 weights widened to float32 for MLX's products, tens per frame).
 By default glibc gives the top of the heap back to the kernel whenever more than 128 KB is free
 there, and serves requests over a moving threshold with mmap; which temporaries end up unmapped
 (and fault their pages in again on the next frame) then depends on whatever small buffers happen
-to be live beside them. Measured here at the published shapes, 4-bit: one change elsewhere (the
-norm kernels, which free a few small buffers sooner) moved perception from 0.32 to 0.9 s per
-frame through page faults; with the two settings below every variant measured 0.31-0.34 s.
+to be live beside them, so an unrelated change could make a frame several times slower through
+page faults (docs/performance.md); with the two settings below it does not.
 
 `keep_heap()` sets M_TRIM_THRESHOLD to 1 GiB and M_MMAP_THRESHOLD to 32 MiB (the most glibc's
 moving threshold reaches on 64-bit; setting either stops it moving), once per process. Freed memory then stays in

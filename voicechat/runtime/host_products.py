@@ -1,22 +1,20 @@
 """Float32 products with a fixed weight through numpy's BLAS, on MLX's CPU backend.
 
-MLX's Linux CPU wheels link the Netlib reference BLAS: a float32 GEMM such as
-(441, 48) @ (48, 192) runs at 1.0-1.7 GMAC/s on the benchmark machine, while
-numpy's bundled OpenBLAS does the same product about 40x faster. The codec
-decoder's 1x1 convolutions and upsamplers are the frame's compute-bound
-products (about 46 M multiply-adds per frame at the `small` widths, each
-weight reused by up to 441 rows), so on the CPU backend they go through numpy.
+MLX's Linux CPU wheels link the Netlib reference BLAS, while numpy bundles OpenBLAS, many times
+faster for the same product (docs/performance.md). The codec decoder's 1x1 convolutions and
+upsamplers are the frame's compute-bound products (each weight reused by hundreds of rows), so
+on the CPU backend they go through numpy.
 
 `matmul_t(x, w, owner, name)` is x @ w.T either way: numpy when
 `host_gemm_enabled()`, else MLX. The numpy path evaluates `x` (a host round
-trip, ~0.05 ms) and returns a new array; the two paths differ only by float32
-summation order (~1e-7 relative, tested), and the offline and streaming decodes
-use the same path, so their agreement is unchanged.
+trip) and returns a new array; the two paths differ only by float32 summation
+order (tested), and the offline and streaming decodes use the same path, so
+their agreement is unchanged.
 
 numpy's OpenBLAS worker threads spin for a while after each product and take
-the cores MLX's streams need (the rest of the frame ran ~20% slower): callers
-wrap their products in `one_blas_thread()`, which runs BLAS on the calling
-thread and restores the user's setting after (threadpoolctl; ~0.06 ms).
+the cores MLX's streams need: callers wrap their products in `one_blas_thread()`,
+which runs BLAS on the calling thread and restores the user's setting after
+(threadpoolctl).
 
 The bound policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a CPU device
 (on Apple silicon MLX's own kernels are the fast path).
@@ -56,7 +54,7 @@ def one_blas_thread():
             if _controller is None:
                 from threadpoolctl import ThreadpoolController
 
-                _controller = ThreadpoolController()  # scans the loaded BLAS libraries once (~2 ms)
+                _controller = ThreadpoolController()  # scans the loaded BLAS libraries, once
     with _controller.limit(limits=1, user_api="blas"):
         yield
 
@@ -66,9 +64,8 @@ def float32_transposed(a: mx.array) -> np.ndarray:
     a view of a's own buffer when a is float32 and a.T is contiguous there, else a copy.
 
     A bf16 weight is transposed as uint16 and widened by `widen_bf16_bits`: one pass over half
-    the bytes instead of MLX's conversion, a copy to numpy and a float32 transpose (~2.7x faster
-    for a 3072 x 3072 matrix here; the codec's preparation in a full-shape `load`, 367 MB of copies, took 0.47 s
-    instead of 0.67 s), and no MLX float32 temporary."""
+    the bytes instead of MLX's conversion, a copy to numpy and a float32 transpose, and no MLX
+    float32 temporary."""
     if a.dtype == mx.bfloat16:
         return widen_bf16_bits(np.asarray(a.view(mx.uint16)).T, order="C")
     if a.dtype == mx.float32:

@@ -9,9 +9,8 @@ frame's large products in two halves, one per stream, and joins them:
   two halves (views of the stored weight, no copy), `concatenate` of the two
   products. Each output element is the same dot product over the same inputs
   in the same order, so the result is bit-identical to the unsplit layer
-  (tested); only layers with at least `MIN_SPLIT_MACS` (256K) multiply-adds per
-  input row are split, because each split costs one cross-stream hand-over
-  (~0.1 ms on the benchmark machine).
+  (tested); only layers with at least `MIN_SPLIT_MACS` multiply-adds per input
+  row are split, because each split costs one cross-stream hand-over.
 * `split_rows(fn, x)`: a row-wise function (LayerNorm, 1x1 convs, GELU) over
   the two halves of its input rows; used by the codec's ConvNeXt blocks.
 
@@ -36,27 +35,19 @@ from ..ops import stored_transposed
 from .kernels import float32_matmul, quantized_matmul, weights_served
 from .policy import ExecutionPolicy, current_policy
 
-# A split pays when the product is long compared with one cross-stream
-# hand-over: 256K multiply-adds take ~0.25 ms in MLX's CPU 4-bit kernel here.
-# Measured at the small preset (Nemotron-H step, 3 interleaved rounds): 256K
-# beat 1M by ~4-7% at 4 and 8 bits (it adds the Mamba out_proj and the attention
-# q / o projections); 64K-128K split nothing more there and were no faster.
+# A split pays when the product is long compared with one cross-stream hand-over; the
+# threshold was chosen by interleaved runs at the small preset (docs/performance.md).
 MIN_SPLIT_MACS = 1 << 18
 # The second stream's thread sleeps between parts and starts its part about one wake-up after the
 # default stream starts its own, so equal halves leave the default stream waiting. The default
 # stream takes the first `split_point` rows: half, plus half of that lag expressed as the
-# multiply-adds it could do meanwhile (`STREAM_LAG_MACS`), at most `MAX_MAIN_SHARE`. Measured on
-# the benchmark machine (Nemotron-H step, alternating runs): `small`'s in_proj (2.0 M MACs)
-# runs best near 0.56 of the rows (language stage 64 -> 60 ms), `small16`'s (0.5 M) near 0.6;
-# at the published shapes (tens of M) the lag is noise and the split stays at half (a fixed
-# 0.56 there made the language stage ~12% slower: the default stream did 56% of a 2-3 s stage).
+# multiply-adds it could do meanwhile (`STREAM_LAG_MACS`), at most `MAX_MAIN_SHARE`; at the
+# published shapes (tens of M multiply-adds) the lag is noise and the split stays at half.
 STREAM_LAG_MACS = 240_000
 MAX_MAIN_SHARE = 0.6
-# `cpu_qmv`'s quantized products run about this many times faster than MLX's CPU kernel (measured
-# at the small16 / small shapes, 4-bit: 3.8-7x per layer), so a quantized layer is split, and its
-# split point placed, as if it had 1 / QMV_SPEEDUP of its multiply-adds. Measured at small16
-# 4-bit (language stage, 3 interleaved rounds): splitting from 1M actual multiply-adds took
-# 15.9 ms against 19.2 ms from 256K and 16.9 ms from 4M.
+# The CPU kernels' quantized products run about this many times faster than MLX's CPU kernel,
+# so a quantized layer is split, and its split point placed, as if it had 1 / QMV_SPEEDUP of its
+# multiply-adds (docs/performance.md).
 QMV_SPEEDUP = 4
 
 _local = threading.local()
@@ -182,9 +173,8 @@ def _language_path(path: str) -> bool:
 
 # The CPU default makes float32 copies (of the 16-bit weights bf16 W.T does not serve: float16,
 # or bf16 with the extension off) only while they add at most this many bytes (2 per copied
-# element). Measured on this machine: at `small` (+0.04 GB) they pay; at the published shapes
-# (+2.57 GB) a 4-bit run without them had a frame of 11.0 s against mlx-vlm's 12.9 s and the same
-# MLX peak as mlx-vlm (10.7 GB), while the copies would put the peak 2.6 GB above it.
+# element): at the small presets they pay; at the published shapes they would raise the peak
+# memory by gigabytes for little speed (docs/performance.md, "Float32 copies").
 FLOAT32_COPY_BUDGET_BYTES = 1 << 30
 
 
@@ -281,17 +271,15 @@ def replaced_transposed(module: nn.Module) -> bool:
     return stored_transposed(module) is not None
 
 
-# Rows per piece of `contiguous_transpose` (measured, (4096, 4096) bf16: 64 -> 36 ms, 256 -> 34 ms).
+# Rows per piece of `contiguous_transpose` (a few MB per piece stay in cache).
 TRANSPOSE_BLOCK_ROWS = 256
 
 
 def contiguous_transpose(a: mx.array) -> mx.array:
     """a.T of a 2-D array, stored row-contiguous, bit for bit (a copy). MLX's copy of a whole
-    transposed view (`mx.contiguous(a.T)`) runs ~0.2 GB/s on a CPU, which made `load` at the
-    published shapes take 5.9 s to store the bf16 W.T's; concatenating the transposes of
-    blocks of `TRANSPOSE_BLOCK_ROWS` rows (each read from a few MB in cache) runs ~1 GB/s
-    ((4096, 4096) bf16: 163 -> 34 ms). (An elementwise op over `a.T` would be faster still,
-    but its output keeps the column-major layout.)"""
+    transposed view (`mx.contiguous(a.T)`) is slow on a CPU (it strides over the whole matrix);
+    concatenating the transposes of blocks of `TRANSPOSE_BLOCK_ROWS` rows reads each block from
+    cache. (An elementwise op over `a.T` would keep the column-major layout.)"""
     rows = a.shape[0]
     if rows <= TRANSPOSE_BLOCK_ROWS:
         return mx.contiguous(a.T)
@@ -328,9 +316,8 @@ def replace_weight_transposed(module: nn.Module, to_matrix=None, from_matrix_t=N
     return w_t
 
 
-# The copies are evaluated in batches of about this many bytes: one evaluation per layer cost
-# ~0.2 ms each (441 layers at `small`), while a batch keeps at most this much of 16-bit originals
-# alive beside their copies.
+# The copies are evaluated in batches of about this many bytes: fewer evaluations than one per
+# layer, while a batch keeps at most this much of 16-bit originals alive beside their copies.
 COPY_EVAL_BYTES = 64 * 1024**2
 
 
