@@ -127,22 +127,22 @@ def _staged(counter: DispatchCounter, fn, stage: str, after: str | None = None):
 
 @contextlib.contextmanager
 def _attribute_stages(session, counter: DispatchCounter):
-    """Wrappers on the session's stage calls (voicechat/session.py `_frame`): instance attributes
-    for perception, RNNT, language and TTS; the codec part of the frame starts with the session
-    module's `replace_control_codes`, wrapped inside the block only."""
-    import voicechat.session as session_module
+    """Wrappers on the session's stage calls (`voicechat.runtime.frame.FrameExecutor`): instance
+    attributes for perception, RNNT, language and TTS; the codec part of the frame starts with the
+    frame module's `replace_control_codes`, wrapped inside the block only."""
+    import voicechat.runtime.frame as frame_module
 
     session.perception.push_frame = _staged(counter, session.perception.push_frame, "perception")
     session.rnnt.step = _staged(counter, session.rnnt.step, "rnnt")
     session.rnnt.step_on_device = _staged(counter, session.rnnt.step_on_device, "rnnt")  # ExecutionPolicy.rnnt_on_device
     session.timeline.language_step = _staged(counter, session.timeline.language_step, "language")
     session.timeline.tts_step = _staged(counter, session.timeline.tts_step, "tts")
-    original = session_module.replace_control_codes
-    session_module.replace_control_codes = _staged(counter, original, "codec")
+    original = frame_module.replace_control_codes
+    frame_module.replace_control_codes = _staged(counter, original, "codec")
     try:
         yield
     finally:
-        session_module.replace_control_codes = original
+        frame_module.replace_control_codes = original
 
 
 def _per_frame(frames: list[tuple[Counter, Counter]], drop_first: int) -> tuple[dict, dict]:

@@ -15,7 +15,6 @@ another thread raises `WrongThreadError`.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,10 +29,10 @@ from .events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, Funct
 from .tools import FunctionChannel, normalize_tools, render_system_prompt, timeout_frames
 from . import ops
 from .profiler import FrameTiming, Profile
+from .runtime.frame import FrameExecutor
 from .prompt_state import UNSET, resolve_prompt_arguments
 from .timeline import Timeline
 from .tokenizer import IncrementalDecoder
-from .tts.ear_tts import replace_control_codes
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,6 @@ class VoiceChatStreamingSession:
         self.config = cfg
         # The model's runtime, fixed for the session's life and bound around its work.
         self._runtime_ops = model.runtime if model.runtime is not None else ops.PLAIN
-        self._rnnt_on_device = bool(model.policy is not None and model.policy.rnnt_on_device)
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
@@ -155,6 +153,7 @@ class VoiceChatStreamingSession:
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
         self.profile = Profile(cfg.frame_duration * 1000.0,
                                model.policy.as_dict() if model.policy is not None else None) if profile else None
+        self._executor = FrameExecutor(self._runtime_ops, profile=profile)
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False
@@ -189,50 +188,15 @@ class VoiceChatStreamingSession:
     # -- one frame
 
     def _frame(self, samples: np.ndarray) -> list:
-        with ops.bound(self._runtime_ops):  # the model's execution policy, for the frame
-            return self._run_frame(samples)
-
-    def _run_frame(self, samples: np.ndarray) -> list:
-        prof = self.profile is not None
-        t0 = time.perf_counter()
-        enc, emb = self.perception.push_frame(samples)
-        if prof:
-            mx.eval(enc, emb)
-        t1 = time.perf_counter()
-        events = []
-        if self._rnnt_on_device:  # the symbols are read with the frame's other results, below
-            rnnt_ids = self.rnnt.step_on_device(enc)
-            if prof:
-                mx.eval(rnnt_ids)
-        else:
-            tokens = self._transcribe(self.rnnt.step(enc), events)
-        t2 = time.perf_counter()
-        tl = self.timeline
         tc = self.tool_channel
         forced = tc.forced_token(self.frame_index) if tc is not None else None
-        text_id, function_id, text_logits, function_logits = tl.language_step(emb)
-        text_fed, function_fed = tl.feed(text_id, function_id, forced)
-        if prof:
-            mx.eval(text_id, function_id)
-        t3 = time.perf_counter()
-        codes = tl.tts_step(text_fed, function_fed)
-        if prof:
-            mx.eval(codes)
-        t4 = time.perf_counter()
-        tts = self.model.tts_model
-        clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
-        audio = self.codec.decode_step(clean, self.codec_state)
-        # The frame's synchronisation: ids, codes, audio and the codec state (with the codec's
-        # products in numpy, voicechat.runtime.host_products, the codec evaluated its inputs on the way).
-        mx.eval(text_id, function_id, codes, clean, audio, self.codec_state.arrays(),
-                *((rnnt_ids, self.rnnt.state.lstm) if self._rnnt_on_device else ()))
-        t5 = time.perf_counter()
-        if self._rnnt_on_device:
-            tokens = self._transcribe(self.rnnt.finish_on_device(rnnt_ids), events)
-        tid, fid = int(text_fed.item()), int(function_fed.item())
+        out = self._executor.run(self, samples, forced)  # the five stages, under the model's runtime
+        events = []
+        self._transcribe(out.rnnt_tokens, events)
+        tid, fid = int(out.text_fed.item()), int(out.function_fed.item())
         self.text_ids.append(tid)
         self.function_ids.append(fid)
-        self.raw_audio_codes.append(np.array(codes, dtype=np.int32))
+        self.raw_audio_codes.append(np.array(out.codes, dtype=np.int32))
         r = self.text.push(tid)
         if r is not None:
             events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
@@ -242,28 +206,26 @@ class VoiceChatStreamingSession:
                 events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
         if tc is not None:
             events.extend(tc.observe(self.frame_index, fid, forced is not None))
-        events.append(Audio(self.frame_index, np.array(audio, dtype=np.float32), np.array(clean, dtype=np.int32)))
+        events.append(Audio(self.frame_index, np.array(out.audio, dtype=np.float32), np.array(out.clean, dtype=np.int32)))
         record = None  # after the timed frame; the arrays are already evaluated
         if self._on_frame is not None:
-            record = self._record(enc, tokens, text_logits, function_logits, text_id.item(), function_id.item(),
-                                  codes, clean, audio, tid, fid, forced is not None)
-        if prof:
-            ms = lambda a, b: (b - a) * 1000.0  # noqa: E731
-            self.profile.add(FrameTiming(self.frame_index, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
-                                         ms(t4, t5), ms(t0, t5)))
+            record = self._record(out.encoder, out.rnnt_tokens, out.text_logits, out.function_logits,
+                                  out.text_id.item(), out.function_id.item(), out.codes, out.clean, out.audio, tid,
+                                  fid, forced is not None)
+        if out.stage_ms is not None:
+            self.profile.add(FrameTiming(self.frame_index, *out.stage_ms))
         self.frame_index += 1
         if record is not None:  # the session is consistent before the observer runs
             self._on_frame(record)
         return events
 
-    def _transcribe(self, tokens: list[int], events: list) -> list[int]:
-        """Add the frame's RNNT tokens to the transcript; its delta event goes first in `events`."""
+    def _transcribe(self, tokens: list[int], events: list) -> None:
+        """Add the frame's RNNT tokens to the transcript, with its delta event."""
         if tokens:
             self.transcript_tokens.extend(tokens)
             delta, text = self.transcript.add(tokens)
             if delta:
-                events.insert(0, UserTranscriptDelta(self.frame_index, delta, text))
-        return tokens
+                events.append(UserTranscriptDelta(self.frame_index, delta, text))
 
     def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio, text_fed,
                 function_fed, forced) -> FrameRecord:

@@ -30,4 +30,18 @@ def sample_pcm16(audio: str) -> np.ndarray:
     return to_pcm16(data)
 
 
-__all__ = ["frame_stats", "sample_pcm16"]
+def push_times_ms(model, pcm: np.ndarray, chunk: int) -> list[float]:
+    """Wall time (ms) of each `push_audio` of `chunk` samples of `pcm` into a new in-process
+    session of `model` (flushed at the end): what a server's frame is compared with."""
+    import time
+
+    session, times = model.create_streaming_session(), []
+    for i in range(0, pcm.size, chunk):
+        t0 = time.perf_counter()
+        session.push_audio(pcm[i:i + chunk])
+        times.append((time.perf_counter() - t0) * 1000.0)
+    session.flush()
+    return times
+
+
+__all__ = ["frame_stats", "push_times_ms", "sample_pcm16"]

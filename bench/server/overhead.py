@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import frame_stats, sample_pcm16
+from . import frame_stats, push_times_ms, sample_pcm16
 
 
 def main(argv=None) -> int:
@@ -80,14 +80,7 @@ def main(argv=None) -> int:
         warm = model.create_streaming_session()
         warm.push_audio(pcm[:n * 10])
         for r in range(args.rounds):
-            s = model.create_streaming_session()
-            times = []
-            for i in range(0, whole.size, n):
-                t0 = time.perf_counter()
-                s.push_audio(whole[i:i + n])
-                times.append((time.perf_counter() - t0) * 1000.0)
-            s.flush()
-            inproc += times[args.drop_first:]
+            inproc += push_times_ms(model, whole, n)[args.drop_first:]
             for name, (proc, port) in servers.items():
                 res = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n,
                                        model=ckpt)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import frame_stats, sample_pcm16
+from . import frame_stats, push_times_ms, sample_pcm16
 
 
 def _b64(pcm) -> str:
@@ -136,13 +136,7 @@ def main(argv=None) -> int:
         warm = model.create_streaming_session()
         warm.push_audio(pcm[:n * 10])
         for _ in range(args.rounds):
-            s = model.create_streaming_session()
-            t = []
-            for i in range(0, pcm.size, n):
-                t0 = time.perf_counter()
-                s.push_audio(pcm[i:i + n])
-                t.append((time.perf_counter() - t0) * 1000.0)
-            res["in_process"] += t[args.drop_first:]
+            res["in_process"] += push_times_ms(model, pcm, n)[args.drop_first:]
             # The GA steps: the same 16 kHz pieces the server's resampler makes of each 80 ms append.
             s, r, t = model.create_streaming_session(), StreamResampler(24000, 16000), []
             for i in range(0, pcm24.size - chunk24 + 1, chunk24):
