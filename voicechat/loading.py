@@ -20,6 +20,7 @@ from .errors import CheckpointError
 from .ops import stored_transposed
 from .progress import bar
 from .runtime import ExecutionPolicy, prepare
+from .runtime.prepare import before_reading
 from .tokenizer import TextTokenizer
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -130,6 +131,7 @@ def load(path_or_repo, *, revision: str | None = None, numerics: str = "referenc
         policy = ExecutionPolicy.for_device()
     elif not isinstance(policy, ExecutionPolicy):
         raise TypeError(f"load(policy=...) expects a voicechat.runtime.ExecutionPolicy, got {type(policy).__name__}")
+    before_reading(policy)  # e.g. glibc's heap thresholds, before the weights are allocated
     folder = resolve_checkpoint(path_or_repo, revision)
     cfg: VoiceChatConfig = load_config(folder)
     steps = bar(total=4 if warmup else 3, desc=f"loading {folder.name}", unit="step")  # a TTY bar, see progress.py

@@ -74,6 +74,16 @@ def float32_codec_weights(decoder, policy: ExecutionPolicy) -> None:
         mx.eval(made)
 
 
+def before_reading(policy: ExecutionPolicy) -> bool:
+    """What the policy sets up before a checkpoint's weights are read: glibc's heap thresholds
+    (`keep_heap`), so the weights and every later temporary are placed under them from the
+    start (set after the read, the weights' allocations would sit where glibc's defaults put
+    them). Returns whether the heap is kept."""
+    if policy.keep_heap and mx.default_device().type == mx.DeviceType.cpu:
+        return heap.keep_heap()
+    return False
+
+
 def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
     """Rewrite `model`'s weight layout for `policy` (bit for bit the same values) and make the
     per-weights constants its frames use, under the runtime it returns; sets `model.runtime`."""
@@ -81,8 +91,7 @@ def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
 
     runtime = Runtime(policy)
     done = Prepared(runtime)
-    if policy.keep_heap and mx.default_device().type == mx.DeviceType.cpu:
-        done.heap_kept = heap.keep_heap()  # glibc keeps freed large temporaries for the next frame
+    done.heap_kept = before_reading(policy)  # glibc keeps freed large temporaries (once per process)
     with runtime.frame():
         done.linears = prepare_linears(model, policy)
         model.tts_model.tts_model.rvq_books()  # float32 codebooks and their norms, once
@@ -98,4 +107,4 @@ def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
     return done
 
 
-__all__ = ["Prepared", "float32_codec_weights", "prepare", "transpose_pointwise_convs"]
+__all__ = ["Prepared", "before_reading", "float32_codec_weights", "prepare", "transpose_pointwise_convs"]
