@@ -233,3 +233,22 @@ def test_unbound_components_run_the_plain_ops():
     assert np.array_equal(np.array(ops.rms_norm(x, w, 1e-5)), np.array(mx.fast.rms_norm(x, w, 1e-5)))
     assert ops.fused(("k",), lambda: lambda a: a + 1)(x).shape == x.shape
     assert ops.rvq_pass(x[:1], mx.zeros((1, 16, 4)), mx.zeros((1, 4))) is None
+
+
+def test_gpu_policy_waits_three_times_a_frame(tiny_ckpt_4bit, question_wav):
+    """Under the GPU's policy a streamed frame waits for the device three times (counted by the
+    bench's dispatch counter, bench/dispatch.py): the TTS reads the text id, the codec validates
+    the codes, and the frame's end reads everything else; no wait in perception (the mel and
+    conformer cut their graphs with async_eval) or in the RNNT (its symbols are read at the
+    frame's end). The device policy's RNNT reads each symbol (a CPU waits cheaply)."""
+    from bench.dispatch import count_voicechat
+
+    syncs = {}
+    for name in ("gpu", "device"):
+        model = voicechat.load(tiny_ckpt_4bit, policy=POLICIES[name]())
+        rows = count_voicechat(model, question_wav, frames=8, drop_first=3)
+        syncs[name] = {r["stage"]: r["syncs_per_frame"] for r in rows}
+    gpu = syncs["gpu"]
+    assert gpu["perception"] == gpu["rnnt"] == gpu["language"] == 0
+    assert gpu["tts"] == 1 and gpu["total"] == 3
+    assert syncs["device"]["rnnt"] >= 1
