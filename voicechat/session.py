@@ -153,7 +153,7 @@ class VoiceChatStreamingSession:
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
         self.profile = Profile(cfg.frame_duration * 1000.0,
                                model.policy.as_dict() if model.policy is not None else None) if profile else None
-        self._executor = FrameExecutor(self._runtime_ops, profile=profile)
+        self._executor = FrameExecutor(self._runtime_ops)
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False
@@ -190,7 +190,8 @@ class VoiceChatStreamingSession:
     def _frame(self, samples: np.ndarray) -> list:
         tc = self.tool_channel
         forced = tc.forced_token(self.frame_index) if tc is not None else None
-        out = self._executor.run(self, samples, forced)  # the five stages, under the model's runtime
+        # The five stages, under the model's runtime (the server samples which frames it profiles).
+        out = self._executor.run(self, samples, forced, profile=self.profile is not None)
         events = []
         self._transcribe(out.rnnt_tokens, events)
         tid, fid = int(out.text_fed.item()), int(out.function_fed.item())

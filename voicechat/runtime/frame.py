@@ -42,20 +42,19 @@ class FrameOutputs:
 class FrameExecutor:
     """Runs frames of one session under `runtime` (a `voicechat.runtime.Runtime`, or the plain ops)."""
 
-    def __init__(self, runtime, *, profile: bool = False):
+    def __init__(self, runtime):
         self.runtime = runtime if runtime is not None else ops.PLAIN
         policy = getattr(self.runtime, "policy", None)
         self.rnnt_on_device = bool(policy is not None and policy.rnnt_on_device)
-        self.profile = profile
 
-    def run(self, session, samples, forced) -> FrameOutputs:
+    def run(self, session, samples, forced, *, profile: bool = False) -> FrameOutputs:
         """One frame of `session` (its `perception`, `rnnt`, `timeline`, `codec`, `codec_state`) on
-        `samples`; `forced`: a tool-response token to feed on the function channel, or None."""
+        `samples`; `forced`: a tool-response token to feed on the function channel, or None;
+        `profile`: time the stages (each ends with its outputs evaluated)."""
         with ops.bound(self.runtime):
-            return self._run(session, samples, forced)
+            return self._run(session, samples, forced, profile)
 
-    def _run(self, s, samples, forced) -> FrameOutputs:
-        prof = self.profile
+    def _run(self, s, samples, forced, prof: bool) -> FrameOutputs:
         t0 = time.perf_counter()
         enc, emb = s.perception.push_frame(samples)
         if prof:
