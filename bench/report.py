@@ -297,8 +297,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else ""))
     policy = mlx.get("voicechat_policy")
     if policy is not None:
-        on = [f for f in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device",
-                          "bf16_transposed") if policy.get(f)]
+        from voicechat.runtime.policy import switched_on
+
+        on = switched_on(policy)
         out.append(f"- **Execution policy** of the `voicechat` backend (`voicechat.runtime.ExecutionPolicy`, "
                    f"chosen at load): {policy.get('cpu_streams')} CPU stream(s); on: {', '.join(on) or 'nothing'}"
                    + (f"; CPU kernels {mlx.get('voicechat_cpu_qmv_isa')}" if policy.get("cpu_kernels") else

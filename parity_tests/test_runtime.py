@@ -43,8 +43,7 @@ def _imports(path: Path) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
-            names += [base] + [f"{base}.{a.name}" if base.endswith(".") is False else base + a.name
-                               for a in node.names]
+            names += [base] + [base + ("" if base.endswith(".") else ".") + a.name for a in node.names]
     return names
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import mlx.nn as nn
 
@@ -36,10 +36,21 @@ def derived(module: nn.Module, name: str, params: tuple, fn: Callable[..., objec
     return hit[1]
 
 
+def env_flag(name: str, environ: Mapping[str, str] | None = None, what: str = "") -> bool | None:
+    """The 0 / 1 variable `name` of `environ` (default os.environ): True, False, or None when unset
+    or empty; anything else raises, naming the variable (and `what` it switches, when given)."""
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    if value == "":
+        return None
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{name} must be 0 or 1{f' ({what})' if what else ''}, got {value!r}")
+
+
 def cache_home() -> Path:
     """This project's cache folder: `$VOICECHAT_CACHE`, default `~/.cache/voicechat` (synthetic
     checkpoints, the TTS warm-up cache)."""
     return Path(os.environ.get("VOICECHAT_CACHE", Path.home() / ".cache" / "voicechat"))
 
 
-__all__ = ["derived", "cache_home"]
+__all__ = ["derived", "cache_home", "env_flag"]

@@ -86,7 +86,7 @@ class Profile:
         lines.append(f"real-time factor {s['realtime_factor']:.3f} (mean total / {self.frame_duration_ms:g} ms), "
                      f"{s['processing_frames_per_second']:.2f} frames/s")
         if self.policy is not None:
-            on = [k for k, v in self.policy.items() if v is True]
-            lines.append(f"execution policy {self.policy.get('name')}: {self.policy.get('cpu_streams')} CPU stream(s), "
-                         + (", ".join(on) if on else "nothing else on"))
+            from .runtime.policy import describe_fields
+
+            lines.append(f"execution policy {describe_fields(self.policy)}")
         return "\n".join(lines)

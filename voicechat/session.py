@@ -116,8 +116,9 @@ class VoiceChatStreamingSession:
         self._on_frame = on_frame
         self.model = model
         self.config = cfg
-        # The model's runtime, fixed for the session's life and bound around its work.
-        self._runtime_ops = model.runtime if model.runtime is not None else ops.PLAIN
+        # Runs the frames under the model's runtime, fixed for the session's life; the prefill and
+        # the codec's tail are bound to the same runtime.
+        self._executor = FrameExecutor(model.runtime)
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
@@ -141,7 +142,7 @@ class VoiceChatStreamingSession:
         if should_stop is not None and not callable(should_stop):
             raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
         if prompt_state is None:
-            with ops.bound(self._runtime_ops):
+            with ops.bound(self._executor.runtime):
                 self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
         else:  # a copy of the state after that very prefill (voicechat/prompt_state.py)
             self.prompt_positions = prompt_state.restore(self.timeline)
@@ -153,7 +154,6 @@ class VoiceChatStreamingSession:
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
         self.profile = Profile(cfg.frame_duration * 1000.0,
                                model.policy.as_dict() if model.policy is not None else None) if profile else None
-        self._executor = FrameExecutor(self._runtime_ops)
         self._pending = np.zeros(0, dtype=np.float32)
         self.frame_index = 0
         self.closed = False
@@ -299,7 +299,7 @@ class VoiceChatStreamingSession:
                 events.extend(self._frame(chunk))
         self._pending = np.zeros(0, dtype=np.float32)
         if self.frame_index > 0:
-            with ops.bound(self._runtime_ops):
+            with ops.bound(self._executor.runtime):
                 tail = self.codec.flush(self.codec_state)
                 mx.eval(tail)
             events.append(AudioTail(self.frame_index - 1, np.array(tail, dtype=np.float32)))

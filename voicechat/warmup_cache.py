@@ -30,7 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .constants import cache_home
+from .constants import cache_home, env_flag
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
 # 2: the prompt codes use the codec RVQ norms of the numerics setting (stored dtype under "reference").
@@ -42,10 +42,7 @@ MAX_ENTRIES = 8
 
 def enabled() -> bool:
     """Whether the warm-up is cached on disk (default yes; `VOICECHAT_WARMUP_CACHE=0` turns it off)."""
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{ENV_VAR} must be 0 or 1 (cache the TTS speaker warm-up on disk), got {env!r}")
-    return env != "0"
+    return env_flag(ENV_VAR, what="cache the TTS speaker warm-up on disk") is not False
 
 
 def cache_dir() -> Path:

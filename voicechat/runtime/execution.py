@@ -58,8 +58,7 @@ class Runtime(ops.PlainOps):
         return kernels.rvq_pass(residual, books_t, norms)
 
     def after_layer(self, *arrays):
-        if self.policy.overlap:
-            overlap.start(*arrays)
+        overlap.start(*arrays)
 
     def rowwise(self, fn, x):
         # With the products on the host (numpy's BLAS), the halves would not run at once.

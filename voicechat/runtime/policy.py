@@ -36,6 +36,7 @@ from typing import Mapping
 import mlx.core as mx
 
 from .. import ops
+from ..constants import env_flag
 
 ENV_VARS = {
     "cpu_streams": "VOICECHAT_CPU_STREAMS",
@@ -46,15 +47,6 @@ ENV_VARS = {
     "keep_heap": "VOICECHAT_KEEP_HEAP",
     "float32_copies": "VOICECHAT_FLOAT32_COPIES",
 }
-
-
-def _flag(environ: Mapping[str, str], name: str) -> bool | None:
-    value = environ.get(name, "").strip()
-    if value == "":
-        return None
-    if value in ("0", "1"):
-        return value == "1"
-    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
 
 
 def _streams(value, where: str) -> int:
@@ -108,7 +100,7 @@ class ExecutionPolicy:
         environ = os.environ if environ is None else environ
         device = mx.default_device() if device is None else mx.Device(device) if not isinstance(device, mx.Device) else device
         cpu = device.type == mx.DeviceType.cpu
-        env = {field: _flag(environ, var) for field, var in ENV_VARS.items() if field != "cpu_streams"}
+        env = {field: env_flag(var, environ) for field, var in ENV_VARS.items() if field != "cpu_streams"}
         streams_env = environ.get(ENV_VARS["cpu_streams"], "").strip()
         if streams_env:
             streams = _streams(streams_env, ENV_VARS["cpu_streams"])
@@ -166,11 +158,24 @@ class ExecutionPolicy:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        on = [f for f in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device",
-                          "bf16_transposed") if getattr(self, f)]
-        return (f"{self.name}: {self.cpu_streams} CPU stream{'s' if self.cpu_streams > 1 else ''}, "
-                + (", ".join(on) if on else "nothing else")
-                + f", float32 copies {'by budget' if self.float32_copies is None else self.float32_copies}")
+        return describe_fields(self.as_dict())
+
+
+# The on / off fields, in the order reports list them.
+SWITCHES = ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device", "bf16_transposed")
+
+
+def switched_on(fields: Mapping) -> list[str]:
+    """The on / off fields that are on, of a policy's fields (`as_dict()`, or as read from a report)."""
+    return [f for f in SWITCHES if fields.get(f)]
+
+
+def describe_fields(fields: Mapping) -> str:
+    """One line for a policy's fields (`as_dict()`, or as read from a report)."""
+    streams, copies, on = fields.get("cpu_streams"), fields.get("float32_copies"), switched_on(fields)
+    return (f"{fields.get('name')}: {streams} CPU stream{'s' if streams != 1 else ''}, "
+            + (", ".join(on) if on else "nothing else")
+            + f", float32 copies {'by budget' if copies is None else copies}")
 
 
 # What runs when no model's runtime is bound (a component called on its own): the plain ops.
@@ -183,4 +188,4 @@ def current_policy() -> ExecutionPolicy:
     return UNBOUND if policy is None else policy
 
 
-__all__ = ["ENV_VARS", "ExecutionPolicy", "UNBOUND", "current_policy"]
+__all__ = ["ENV_VARS", "ExecutionPolicy", "SWITCHES", "UNBOUND", "current_policy", "describe_fields", "switched_on"]
