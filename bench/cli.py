@@ -118,8 +118,8 @@ def cmd_bench(args) -> int:
         return 0
 
     from .runner import BenchOptions, Progress, run_bench
-    from voicechat.audio_input import resolve_input_path
-    from voicechat.progress import set_quiet
+    from voicechat.io.audio_input import resolve_input_path
+    from voicechat.io.progress import set_quiet
 
     if args.quiet:
         set_quiet(True)

@@ -127,10 +127,10 @@ def _staged(counter: DispatchCounter, fn, stage: str, after: str | None = None):
 
 @contextlib.contextmanager
 def _attribute_stages(session, counter: DispatchCounter):
-    """Wrappers on the session's stage calls (`voicechat.runtime.frame.FrameExecutor`): instance
+    """Wrappers on the session's stage calls (`voicechat.streaming.engine.FrameExecutor`): instance
     attributes for perception, RNNT, language and TTS; the codec part of the frame starts with the
     frame module's `replace_control_codes`, wrapped inside the block only."""
-    import voicechat.runtime.frame as frame_module
+    import voicechat.streaming.engine as frame_module
 
     session.perception.push_frame = _staged(counter, session.perception.push_frame, "perception")
     session.rnnt.step = _staged(counter, session.rnnt.step, "rnnt")

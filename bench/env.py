@@ -86,7 +86,7 @@ def checkpoint_info(spec: str, folder: Path) -> dict:
                   "index_sha256": sha256_file(folder / "model.safetensors.index.json"),
                   "synthetic": False}
     if str(spec).startswith("synthetic:"):
-        from voicechat.synthetic import parse_synthetic_spec
+        from voicechat.synthetic.checkpoint import parse_synthetic_spec
 
         preset, bits, seed = parse_synthetic_spec(spec)
         info.update(synthetic=True, preset=preset, bits=bits, seed=seed)

@@ -100,7 +100,7 @@ def _stage_of(name: str) -> str | None:
 
 
 def _mog_passes(cfg) -> int:
-    from voicechat.tts.ear_tts import mog_pass_schedule
+    from voicechat.model.tts.ear_tts import mog_pass_schedule
 
     t = cfg.tts_config
     return sum(1 for c in mog_pass_schedule(t.num_quantizers, t.num_iterations, t.exponent) if c > 0)
@@ -319,7 +319,7 @@ def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
 def resident_bytes_by_stage(model) -> dict[str, int]:
     """Bytes each stage keeps resident after `voicechat.load`: its parameters (float32 copies
     replace their 16-bit originals, voicechat.runtime.linear) plus the derived arrays cached on its
-    modules (voicechat.constants.derived, numpy float32 copies of voicechat.runtime.host_products included;
+    modules (voicechat.model.derived.derived, numpy float32 copies of voicechat.runtime.host_products included;
     views excluded): `voicechat.runtime.linear.resident_arrays`. Arrays outside the five stages
     (speaker latents, control codes) go to "other"; "total" is the sum."""
     out = {s: 0 for s in (*STAGES, "other")}

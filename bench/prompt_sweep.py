@@ -72,7 +72,7 @@ def _first_frame_ms(model, session) -> float:
 def run_prompt_sweep(checkpoint: str, lengths: list[int], out: Path, *, runs: int = 2, numerics: str = "reference",
                      progress: bool = True) -> Path:
     import voicechat
-    from voicechat.synthetic import resolve_model_arg
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     from .env import checkpoint_info, environment
 

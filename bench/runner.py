@@ -102,7 +102,7 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         if self.enabled:
-            from voicechat.progress import write
+            from voicechat.io.progress import write
 
             write(f"[bench {self.elapsed()}] {msg}", file=self.stream)  # above the runs bar, if one is drawn
 
@@ -176,8 +176,8 @@ def _release_memory() -> None:
 
 def resolve_checkpoint(spec: str) -> Path:
     """A -m value -> a local checkpoint folder (synthetic specs are written to the cache on first use)."""
-    from voicechat.loading import resolve_checkpoint as resolve
-    from voicechat.synthetic import resolve_model_arg
+    from voicechat.io.loading import resolve_checkpoint as resolve
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     return Path(resolve(resolve_model_arg(str(spec))))
 
@@ -201,7 +201,7 @@ def read_through(folder: Path, chunk_bytes: int = 16 << 20) -> int:
 
 
 def load_input(path: str) -> np.ndarray:
-    from voicechat.audio_input import load_audio
+    from voicechat.io.audio_input import load_audio
 
     return load_audio(str(path), 16000, allow_empty=False)
 
@@ -379,7 +379,7 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
     frame_rows: list[dict] = []
     total_runs = len(ckpts) * len(inputs) * (opts.warmup + opts.runs) * len(opts.backends)
     done = 0
-    from voicechat.progress import bar
+    from voicechat.io.progress import bar
 
     runs_bar = bar(total=total_runs, desc="bench", unit="run", enabled=None if progress.enabled else False)
     for ci, ck in enumerate(ckpts):

@@ -82,7 +82,7 @@ def make_backend(name: str, checkpoint: str, *, numerics: str | None = None,
 
 
 def _resolve(checkpoint: str) -> str:
-    from voicechat.synthetic import resolve_model_arg
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     return resolve_model_arg(checkpoint)
 
@@ -124,10 +124,10 @@ def run_parity_cli(args) -> int:
         print(f"error: --chunk-samples must be >= 1, got {args.chunk_samples}", file=sys.stderr)
         return 2
     if args.quiet:
-        from voicechat.progress import set_quiet
+        from voicechat.io.progress import set_quiet
 
         set_quiet(True)
-    from voicechat.audio_input import resolve_input_path
+    from voicechat.io.audio_input import resolve_input_path
 
     if not resolve_input_path(args.audio).exists():  # before minutes of loading
         raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
@@ -142,7 +142,7 @@ def run_parity_cli(args) -> int:
                         checkpoint=args.model, input_name=Path(name).name, chunk_samples=args.chunk_samples,
                         components=not args.no_components)
     if args.tools:
-        from voicechat.tool_runners import tools_from_file
+        from voicechat.tools.runners import tools_from_file
 
         from .tool_rows import tool_schedule_rows
 
@@ -157,7 +157,7 @@ def run_parity_cli(args) -> int:
                                           system_prompt=args.prompt, seed=args.seed,
                                           chunk_samples=min(args.chunk_samples, 1280))
     if args.prompt_state_rows:
-        from voicechat.tool_runners import tools_from_file
+        from voicechat.tools.runners import tools_from_file
 
         from .prompt_state_rows import prompt_state_rows
 

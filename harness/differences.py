@@ -109,7 +109,7 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
     ),
     DocumentedDifference(
         id="float32_numerics",
-        spec="docs/model.md §12.2 item 6; voicechat/tts/numerics.py",
+        spec="docs/model.md §12.2 item 6; voicechat/model/tts/numerics.py",
         summary="The reference rounds parts of EAR-TTS to the weight dtype (bf16): the backbone norms' "
                 "'1 + w' (§12.2 item 6), the text side, the RVQ codebook norms, the MoG log-probabilities. "
                 "A model loaded with numerics='float32' computes them in float32, so its codes may differ "

@@ -73,7 +73,7 @@ def read_input(audio, sample_rate: int = 16000) -> tuple[np.ndarray, str]:
     """A path (any WAV/FLAC/OGG, converted to mono at `sample_rate`; or a bundled sample name such
     as question.wav) or a 1-D float array -> (float32 samples, display name)."""
     if isinstance(audio, (str, Path)):
-        from voicechat.audio_input import read_audio_file, resolve_input_path
+        from voicechat.io.audio_input import read_audio_file, resolve_input_path
 
         return read_audio_file(resolve_input_path(audio), sample_rate), str(audio)
     arr = np.asarray(audio)
@@ -91,7 +91,7 @@ def audio_digest(audio: np.ndarray) -> str:
 
 def collect_runs(backend: Backend, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                  chunk_samples: int = 1280, components: bool = True) -> Runs:
-    from voicechat.progress import bar
+    from voicechat.io.progress import bar
 
     checks = getattr(backend, "component_checks", None)
     with bar(total=3 if components and callable(checks) else 2, desc=f"parity {backend.name}", unit="run") as b:

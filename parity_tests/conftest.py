@@ -31,7 +31,7 @@ def long_question_wav() -> np.ndarray:
 
 
 def _write(tmp_path_factory, name, **kw):
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp(name), "tiny", **kw)
 
@@ -74,9 +74,9 @@ TIME_TOOL = {"type": "function", "name": "get_current_time", "description": "Get
 
 @pytest.fixture(scope="session", params=[4, 8])
 def toolcall_model(request, tmp_path_factory):
-    """The toolcall preset (voicechat/synthetic_toolcall.py) at 4 and 8 bits: it calls get_current_time."""
+    """The toolcall preset (voicechat/synthetic/toolcall.py) at 4 and 8 bits: it calls get_current_time."""
     import voicechat
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp(f"toolcall_{request.param}bit"), "toolcall", bits=request.param,
                             tool=TOOLCALL_TOOL, arguments=TOOLCALL_ARGUMENTS)

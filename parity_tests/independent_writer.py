@@ -1,7 +1,7 @@
 """A second, independent checkpoint writer, written from docs/model.md §1-3 only.
 
 It does not import `voicechat` (neither `voicechat.synthetic` nor
-`voicechat.checkpoint` nor the config classes): the tensor inventory below is
+`voicechat.io.checkpoint` nor the config classes): the tensor inventory below is
 the spec's table (§2.3) in raw NeMo names and layouts (§2.1-2.2), the config is
 the runtime-v2 schema (§1.2-1.6) written as a plain dict, and the tokenizer is
 a byte-level BPE *trained* with the `tokenizers` library on a small corpus (the

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from voicechat.errors import SessionClosedError
-from voicechat.generate import offline_perception, offline_transcript
+from voicechat.streaming.generate import offline_perception, offline_transcript
 
 
 def offline_text(model, audio):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from voicechat.audio_input import as_mono_float32, check_sample_rate, load_audio, read_audio_file
+from voicechat.io.audio_input import as_mono_float32, check_sample_rate, load_audio, read_audio_file
 
 
 def test_int_pcm_scaled():

@@ -235,7 +235,7 @@ def test_docs_page_without_markers_is_refused(bench_run, tmp_path):
 
 def test_cli_exit_status_and_errors(monkeypatch, tiny_ckpt_4bit, wav_path, tmp_path, capsys):
     import bench.runner
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     counter = {"streams": 0}
     monkeypatch.setattr(bench.runner, "_default_factory", lambda name: FlakyBackend(counter))

@@ -12,10 +12,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import voicechat
-import voicechat.loading
-import voicechat.model
+import voicechat.io.loading
+import voicechat.model.voicechat
 from voicechat.errors import CheckpointError, ConfigError
-from voicechat.synthetic import checkpoint_size, language_path_modules, write_checkpoint
+from voicechat.synthetic.checkpoint import checkpoint_size, language_path_modules, write_checkpoint
 
 from .runtime_util import default_policy
 
@@ -73,7 +73,7 @@ def test_write_load_every_parameter(fixture, request):
     # by the same values in float32 after loading.
     model = voicechat.load(folder, policy=default_policy(float32_copies=False))
     params = dict(tree_flatten(model.parameters()))
-    fresh = voicechat.model.VoiceChatModel(model.config)
+    fresh = voicechat.model.voicechat.VoiceChatNetwork(model.config)
     bits = (model.config.quantization or {}).get("bits")
     qmods = set(language_path_modules(fresh))
     if bits:
@@ -158,7 +158,7 @@ def test_save_and_reload_round_trip(tmp_path, tiny_ckpt_4bit, tiny_model_4bit):
     """`save` writes the checkpoint it was loaded from, tensor for tensor in the stored dtypes
     (the weights `load` replaced by float32 copies go back to bf16), and reloads to the same
     parameters."""
-    out = voicechat.loading.save(tiny_model_4bit, tmp_path / "saved")
+    out = voicechat.io.loading.save(tiny_model_4bit, tmp_path / "saved")
     original, written = _raw(tiny_ckpt_4bit), _raw(out)
     # the mel front end's window and filterbank (stored in the published layout) are not
     # written back: sanitize drops them (docs/model.md), the front end computes its own
@@ -185,7 +185,7 @@ def test_save_and_reload_round_trip(tmp_path, tiny_ckpt_4bit, tiny_model_4bit):
 
 def _edit_shards(folder: Path, fn):
     """Apply fn(weights: dict) to the union of shards, rewriting the shards and index."""
-    from voicechat.checkpoint import write_shards
+    from voicechat.io.checkpoint import write_shards
 
     raw = _raw(folder)
     fn(raw)
@@ -235,7 +235,7 @@ def test_read_weights_names_every_nonfinite_tensor_across_groups(monkeypatch):
     each) a bad tensor in the first, a middle and the last group is named, in order, and nothing
     else; float64 goes through MLX's own test, integers are not scanned, a clean set passes and
     is evaluated."""
-    from voicechat import loading
+    from voicechat.io import loading
 
     monkeypatch.setattr(loading, "READ_GROUP_BYTES", 1000)
     rng = np.random.default_rng(0)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from voicechat.audio.codec import Codec, CodecState, ConvNeXtBlock, StreamingGeometry
-from voicechat.presets import preset_config
+from voicechat.model.audio.codec import Codec, CodecState, ConvNeXtBlock, StreamingGeometry
+from voicechat.synthetic.presets import preset_config
 
 TOL = 1e-5
 
@@ -245,7 +245,7 @@ def test_istft_against_numpy(codec):
 
 def test_fast_convs_match_mlx_convs(tiny):
     """The matmul/shift forms of the convolutions equal MLX's conv ops on the same weights."""
-    from voicechat.audio.codec import _downsample, _upsample
+    from voicechat.model.audio.codec import _downsample, _upsample
 
     cfg = tiny.config
     mx.random.seed(1)

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from voicechat.config import VoiceChatConfig, dump_config, parse_config_text
+from voicechat.model.config import VoiceChatConfig, dump_config, parse_config_text
 from voicechat.errors import ConfigError
-from voicechat.presets import PRESETS, preset_dict
+from voicechat.synthetic.presets import PRESETS, preset_dict
 
 
 @pytest.mark.parametrize("preset", PRESETS)

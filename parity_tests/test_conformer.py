@@ -12,15 +12,15 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx.utils import tree_map as nn_tree_map
 
-from voicechat.audio.conformer import (
+from voicechat.model.audio.conformer import (
     ConformerStream,
     FastConformer,
     Perception,
     PerceptionFallback,
     subsampled_length,
 )
-from voicechat.audio.mel import StreamingLogMel, log_mel
-from voicechat.presets import preset_config
+from voicechat.model.audio.mel import StreamingLogMel, log_mel
+from voicechat.synthetic.presets import preset_config
 
 AUDIO = preset_config("tiny").audio_config
 ENC = AUDIO.encoder
@@ -258,7 +258,7 @@ def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed):
     all of W.T's bytes), plus the biases' widening; `resident_bytes` counts the weight once, the
     parameter holds the stored values in the stored shape, and the module's output is the one
     it gave before, bit for bit (the products read the same values)."""
-    from voicechat.audio.conformer import ConvModule
+    from voicechat.model.audio.conformer import ConvModule
     from voicechat.runtime import kernels
     from voicechat.runtime.linear import resident_bytes
     from voicechat.runtime.prepare import transpose_pointwise_convs

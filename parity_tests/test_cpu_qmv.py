@@ -345,7 +345,7 @@ def test_rvq_pass_is_the_per_codebook_ops_bit_for_bit(module):
     wins), and inf / NaN in a codebook (argmin takes the first NaN, as MLX's)."""
     import functools
 
-    from voicechat.tts.ear_tts import _rvq_core
+    from voicechat.model.tts.ear_tts import _rvq_core
 
     rng = np.random.default_rng(15)
     for trial in range(40):

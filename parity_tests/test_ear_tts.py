@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from voicechat.presets import preset_config
-from voicechat.tts import ear_tts as ear_tts_module
-from voicechat.tts.char_encoder import FLAG_TABLE_VOCAB, CharTable
-from voicechat.tts.ear_tts import EarTts, EarTtsState, mog_pass_schedule, replace_control_codes
-from voicechat.tts.rng import SessionRandom
-from voicechat.tts.numerics import FLOAT32, NUMERICS, REFERENCE, numerics_from
+from voicechat.synthetic.presets import preset_config
+from voicechat.model.tts import ear_tts as ear_tts_module
+from voicechat.model.tts.char_encoder import FLAG_TABLE_VOCAB, CharTable
+from voicechat.model.tts.ear_tts import EarTts, EarTtsState, mog_pass_schedule, replace_control_codes
+from voicechat.model.tts.rng import SessionRandom
+from voicechat.model.tts.numerics import FLOAT32, NUMERICS, REFERENCE, numerics_from
 
 F32_TOL = 1e-4
 EOS, PAD = 2, 12
@@ -695,7 +695,7 @@ def test_bad_inputs(model, cfg, prompt, silence):
 def test_rope_table_equals_fast_rope(head_dim, n, offset, base):
     """The backbone's RoPE from a per-step table (cos, sin taken from mx.fast.rope itself) gives
     mx.fast.rope's values bit for bit, on q (B, H, n, D) and k (B, KV, n, D) alike, compiled or not."""
-    from voicechat.tts.ear_tts import _apply_rope, rope_table
+    from voicechat.model.tts.ear_tts import _apply_rope, rope_table
 
     from .runtime_util import running
 
@@ -741,7 +741,7 @@ def test_quantize_pass_equals_the_plain_search(model, cfg, first, count):
 def test_text_embedding_cache(model, prompt, silence, monkeypatch):
     """A step with the per-session text cache equals one without it (codes and caches), runs the
     character encoder only for ids not held, and the cache keeps at most max_entries ids."""
-    from voicechat.tts.ear_tts import TextEmbeddingCache
+    from voicechat.model.tts.ear_tts import TextEmbeddingCache
 
     tokens = [PAD, 300, 269, 300, 300, 269, PAD, 13 + 72, 300]
     calls = []
@@ -777,7 +777,7 @@ def test_text_embedding_cache(model, prompt, silence, monkeypatch):
 
 
 def test_text_embedding_cache_is_least_recently_used():
-    from voicechat.tts.ear_tts import TextEmbeddingCache
+    from voicechat.model.tts.ear_tts import TextEmbeddingCache
 
     cache = TextEmbeddingCache(max_entries=2)
     a, b, c = mx.array([1.0]), mx.array([2.0]), mx.array([3.0])
@@ -792,7 +792,7 @@ def test_text_embedding_cache_is_least_recently_used():
 def test_rope_blocks_equal_per_step_tables(model, start):
     """A single step's RoPE sliced from a cached block of ROPE_BLOCK positions equals the table
     made for that position alone, bit for bit, on both sides of block boundaries."""
-    from voicechat.tts.ear_tts import rope_table
+    from voicechat.model.tts.ear_tts import rope_table
 
     backbone = model.backbone
     for layer in backbone.layers[:2]:

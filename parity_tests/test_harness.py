@@ -408,7 +408,7 @@ def test_reference_dump_round_trip(model, question_wav, tmp_path):
 
 
 def test_cli_exit_status(tiny_ckpt_4bit, tmp_path, model, question_wav):
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     wav = str(tmp_path / "q.wav")
     import soundfile as sf

@@ -14,8 +14,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from voicechat.audio.codec import Codec, erf_rational
-from voicechat.presets import preset_config
+from voicechat.model.audio.codec import Codec, erf_rational
+from voicechat.synthetic.presets import preset_config
 from voicechat.runtime import ExecutionPolicy
 from voicechat.runtime import host_products as host_gemm
 
@@ -188,7 +188,7 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     """With the products in numpy, a ConvNeXt block's 1x1 weights exist as the stored (bf16)
     parameters plus numpy's float32 copies, not also as MLX float32 copies (a third copy);
     with the products in MLX, as MLX float32 copies and no numpy ones."""
-    from voicechat.audio.codec import ConvNeXtBlock
+    from voicechat.model.audio.codec import ConvNeXtBlock
     from voicechat.runtime.linear import resident_bytes
 
     codec = _bf16_codec(seed=1)
@@ -269,7 +269,7 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
     each once, the parameters hold the stored values, and a decode gives the samples it gave
     before the replacement, bit for bit (the products read the same float32 values in the same
     layout)."""
-    from voicechat.audio.codec import ConvNeXtBlock
+    from voicechat.model.audio.codec import ConvNeXtBlock
     from voicechat.runtime.linear import resident_arrays, resident_bytes
     from voicechat.runtime.prepare import float32_codec_weights
 

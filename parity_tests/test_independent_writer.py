@@ -1,6 +1,6 @@
 """Checkpoints from the independent writer (parity_tests/independent_writer.py) load and stream.
 
-The writer shares no code with `voicechat.synthetic` / `voicechat.checkpoint`:
+The writer shares no code with `voicechat.synthetic` / `voicechat.io.checkpoint`:
 its own tensor inventory from docs/model.md, its own trained byte-level BPE
 tokenizer, MLX's `mx.quantize` for packing. Every layout it can write must
 load with `voicechat.load`, stream, and give in the streamed path exactly the

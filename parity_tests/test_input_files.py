@@ -20,8 +20,8 @@ import pytest
 import soundfile as sf
 import soxr
 
-from voicechat.audio_input import read_audio_file, resolve_input_path
-from voicechat.generate_cli import to_pcm16
+from voicechat.io.audio_input import read_audio_file, resolve_input_path
+from voicechat.cli.generate import to_pcm16
 from voicechat.samples import sample_path
 
 
@@ -263,7 +263,7 @@ def test_progress_bar_on_terminal_only(tmp_path, tiny_ckpt):
 def test_parity_cli_reads_any_file(tmp_path, tiny_ckpt, stereo44, capsys):
     import json
 
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     p, x44 = stereo44
     assert main(["parity", "-m", str(tiny_ckpt), "--audio", str(p), "--out", str(tmp_path), "--no-components"]) == 0
@@ -276,8 +276,8 @@ def test_parity_cli_reads_any_file(tmp_path, tiny_ckpt, stereo44, capsys):
 
 def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
     import bench.runner
-    import voicechat.progress
-    from voicechat.cli import main
+    import voicechat.io.progress
+    from voicechat.cli.main import main
 
     seen = []
 
@@ -286,7 +286,7 @@ def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
         raise ValueError("stop here")  # the CLI turns it into exit status 2
 
     monkeypatch.setattr(bench.runner, "run_bench", fake_run_bench)
-    monkeypatch.setattr(voicechat.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.setattr(voicechat.io.progress, "_quiet", False)  # --quiet below must not leak to other tests
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "-m", "ckpt", "--quiet", "--out", str(tmp_path / "a")]) == 2
     assert main(["bench", "-m", "ckpt", "--audio", "question.wav", "--audio", "long_question",
@@ -297,11 +297,11 @@ def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
 
 def test_base_install_without_serve_extra(monkeypatch, tmp_path, tiny_ckpt, capsys):
     """`pip install -e .` has no server packages: generate works, serve says what to install."""
-    import voicechat.progress
-    from voicechat.cli import main
+    import voicechat.io.progress
+    from voicechat.cli.main import main
 
-    monkeypatch.setattr(voicechat.progress, "_quiet", False)  # --quiet below must not leak to other tests
-    monkeypatch.setitem(sys.modules, "voicechat.server.cli", None)  # its import now raises ImportError
+    monkeypatch.setattr(voicechat.io.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.setitem(sys.modules, "voicechat.cli.serve", None)  # its import now raises ImportError
     assert main(["generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"), "--quiet"]) == 0
     assert sf.info(tmp_path / "o.wav").subtype == "PCM_16"
     assert main(["serve"]) == 2

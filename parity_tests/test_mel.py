@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.audio.mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
-from voicechat.presets import preset_config
+from voicechat.model.audio.mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
+from voicechat.synthetic.presets import preset_config
 
 TINY = preset_config("tiny").audio_config.preprocessor
 FULL = preset_config("full").audio_config.preprocessor

@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat import synthetic
-from voicechat.audio.codec import ResidualVectorQuantizer
-from voicechat.presets import preset_config
+from voicechat.synthetic import checkpoint as synthetic
+from voicechat.model.audio.codec import ResidualVectorQuantizer
+from voicechat.synthetic.presets import preset_config
 
 from . import independent_writer
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from voicechat.llm.nemotron_h import KV_ALLOC_STEP, NemotronH, NemotronHState
-from voicechat.presets import preset_config
+from voicechat.model.llm.nemotron_h import KV_ALLOC_STEP, NemotronH, NemotronHState
+from voicechat.synthetic.presets import preset_config
 
 F32_TOL = 1e-4
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import voicechat
-from voicechat.tts.ear_tts import replace_control_codes
+from voicechat.model.tts.ear_tts import replace_control_codes
 
 PROMPT = "hello"
 

@@ -29,8 +29,15 @@ from voicechat.runtime import ENV_VARS, ExecutionPolicy, current_policy
 from voicechat.runtime import compiled, overlap
 from voicechat.runtime import linear as parallel
 from voicechat.runtime.kernels import platform_served, unavailable_reason
-from voicechat.runtime.linear import (MIN_SPLIT_MACS, QMV_SPEEDUP, FastLinear, FastQuantizedLinear, ParallelQuantizedLinear,
-                                      prepare_linears, split_rows)
+from voicechat.runtime.linear import (
+    MIN_SPLIT_MACS,
+    QMV_SPEEDUP,
+    FastLinear,
+    FastQuantizedLinear,
+    ParallelQuantizedLinear,
+    prepare_linears,
+    split_rows,
+)
 from voicechat.runtime.policy import UNBOUND
 
 from .runtime_util import default_policy, running

@@ -56,11 +56,11 @@ def runs(vlm4, clip):
 
 
 def _expected_quantized(bits):
-    from voicechat.model import VoiceChatModel
-    from voicechat.presets import preset_config
-    from voicechat.synthetic import language_path_modules
+    from voicechat.model.voicechat import VoiceChatNetwork
+    from voicechat.synthetic.presets import preset_config
+    from voicechat.synthetic.checkpoint import language_path_modules
 
-    return set(language_path_modules(VoiceChatModel(preset_config("tiny")))) if bits else set()
+    return set(language_path_modules(VoiceChatNetwork(preset_config("tiny")))) if bits else set()
 
 
 @pytest.mark.parametrize("bits", [None, 4, 8])

@@ -4,7 +4,7 @@
 issue 4 / issue 15: with default arguments the ids, function ids and all codes equal
 the reference's for the same checkpoint, input and seed, on every frame, offline
 and streamed, with and without a system prompt. The default `numerics="reference"`
-rounds EAR-TTS as the reference does (voicechat/tts/numerics.py); `numerics="float32"`
+rounds EAR-TTS as the reference does (voicechat/model/tts/numerics.py); `numerics="float32"`
 is the float32 option, whose codes differ (the power check). One frame is apart: the
 reference's offline frame 0 without a prompt is an all-zero row (§12.2 item 7, a bug of
 its own); ours is the silence row, as both streams have.
@@ -65,7 +65,7 @@ def _trained_bpe(folder, vocab_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def greedy_ckpt(tmp_path_factory):
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     folder = write_checkpoint(tmp_path_factory.mktemp("greedy31x64"), "tiny", bits=4, overrides={
         "tts_config": {"num_quantizers": 31, "codebook_size": 64, "top_p": 1e-6, "noise_scale": 0.0},

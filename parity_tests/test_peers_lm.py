@@ -33,7 +33,7 @@ LOGITS_ABS = 1e-5
 
 @pytest.fixture(scope="module")
 def small_ckpt_4bit(tmp_path_factory):
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("small_4bit"), "small", bits=4)
 
@@ -138,7 +138,7 @@ def test_streaming_mel_equals_the_references(tiny_ckpt_4bit, question_wav, looka
     from mlx_audio.stt.models.nemotron_asr.audio import StreamingLogMelSpectrogram
 
     import voicechat
-    from voicechat.audio.mel import StreamingLogMel
+    from voicechat.model.audio.mel import StreamingLogMel
 
     cfg = voicechat.load(str(tiny_ckpt_4bit)).config.audio_config.preprocessor
     b = get_backend("mlx-vlm")

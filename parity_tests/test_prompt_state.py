@@ -1,4 +1,4 @@
-"""Prompt states (api.md, "Prompt state"; voicechat/prompt_state.py): a session or an offline run from
+"""Prompt states (api.md, "Prompt state"; voicechat/streaming/prompt_state.py): a session or an offline run from
 `model.prepare_prompt(...)`'s state equals one that prefilled the same prompt, bit for bit, at the
 real geometry (`small16`: 31 codebooks, the real depth) at 4 and 8 bits, with and without tools;
 the state is never changed by its sessions; files refuse every mismatch and corruption."""
@@ -22,10 +22,10 @@ FRAMES = 14
 @pytest.fixture(scope="module", params=[4, 8])
 def real_model(request, tmp_path_factory):
     """small16 at 4 / 8 bits: the published layout at the real depth and frame geometry."""
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
-    from voicechat.synthetic_toolcall import SPECIAL_COUNT
-    from voicechat.tokenizer import write_synthetic_tokenizer
+    from voicechat.synthetic.toolcall import SPECIAL_COUNT
+    from voicechat.io.tokenizer import write_synthetic_tokenizer
 
     path = write_checkpoint(tmp_path_factory.mktemp(f"small16_{request.param}bit"), "small16", bits=request.param,
                             progress=False)
@@ -177,7 +177,7 @@ def test_state_holds_no_copy_of_the_model(real_model):
     arrays = state._arrays()
     assert not params & {id(a) for a in arrays.values()}
     assert state.nbytes == sum(a.nbytes for a in arrays.values())
-    from voicechat.prompt_state import state_nbytes
+    from voicechat.streaming.prompt_state import state_nbytes
 
     assert state.nbytes == state_nbytes(real_model.config, state.prompt_positions)  # the documented formula
     # An empty prompt leaves the TTS warm-up as it is: the state holds the model's buffers, uncounted.
@@ -325,7 +325,7 @@ def test_harness_rows_pass_and_fail(tiny_model, question_wav, monkeypatch):
     rows = prompt_state_rows(tiny_model, wave, system_prompt="Be brief.", seed=1)
     assert rows and all(r.status == PASS for r in rows), [(r.metric, r.observed) for r in rows if r.status != PASS]
     # A state whose random stream was not restored: the rows must see it.
-    from voicechat.prompt_state import PromptState
+    from voicechat.streaming.prompt_state import PromptState
 
     real = PromptState.restore
 
@@ -342,7 +342,7 @@ def test_harness_rows_pass_and_fail(tiny_model, question_wav, monkeypatch):
 def test_cli_cache_prompt_then_generate(tiny_ckpt, tiny_ckpt_4bit, tmp_path, capsys):
     import soundfile as sf
 
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     state = tmp_path / "s.safetensors"
     assert main(["cache-prompt", "-m", str(tiny_ckpt), "-p", "Be brief.", "--seed", "2", "-o", str(state)]) == 0
@@ -368,7 +368,7 @@ def test_cli_cache_prompt_then_generate(tiny_ckpt, tiny_ckpt_4bit, tmp_path, cap
 def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
     from bench.docs import update_docs
     from bench.prompt_sweep import prompt_of_positions
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     m = voicechat.load(tiny_ckpt)
     for n in (5, 19, 95):
@@ -391,7 +391,7 @@ def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
 def test_state_bytes_formula_at_every_capacity_step(tiny_model):
     """`state_nbytes` (docs' per-preset table) equals `nbytes` across the 256-position K/V steps."""
     from bench.prompt_sweep import prompt_of_positions
-    from voicechat.prompt_state import state_nbytes
+    from voicechat.streaming.prompt_state import state_nbytes
 
     sizes = []
     for n in (0, 3, 219, 220, 221, 476, 477, 600):

@@ -71,8 +71,8 @@ def test_growing_caches_are_written_in_place(tiny_model):
     frame's new position in their buffer: between two capacity steps no frame copies the
     positions before it. A copy per frame would make each frame O(context) in memory traffic,
     a drift the 10-minute test (slow suite) could only see as time."""
-    from voicechat.llm.nemotron_h import KV_ALLOC_STEP as LLM_STEP
-    from voicechat.tts.ear_tts import KV_ALLOC_STEP as TTS_STEP
+    from voicechat.model.llm.nemotron_h import KV_ALLOC_STEP as LLM_STEP
+    from voicechat.model.tts.ear_tts import KV_ALLOC_STEP as TTS_STEP
 
     cfg = tiny_model.config
     tts_cfg = cfg.tts_config

@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from voicechat.audio.rnnt import (
-    RnntDecoder,
-    RnntJoint,
-    RnntStream,
-    RnntText,
-    RnntTranscript,
-    greedy_decode,
-)
-from voicechat.presets import preset_config
+from voicechat.model.audio.rnnt import RnntDecoder, RnntJoint, RnntStream, RnntText, RnntTranscript, greedy_decode
+from voicechat.synthetic.presets import preset_config
 
 CFG = preset_config("tiny")
 AUDIO = CFG.audio_config

@@ -1,4 +1,4 @@
-"""The seam between what a component computes and how a frame is executed (voicechat.ops,
+"""The seam between what a component computes and how a frame is executed (voicechat.model.ops,
 voicechat.runtime): every execution policy gives the same numbers, a policy is a frozen value on
 the model, and the model code does not know the runtime.
 
@@ -23,7 +23,7 @@ import pytest
 
 import voicechat
 from harness.families import codec_cross_tolerance
-from voicechat import ops
+from voicechat.model import ops
 from voicechat.runtime import ENV_VARS, ExecutionPolicy, current_policy
 from voicechat.runtime.policy import UNBOUND
 
@@ -31,7 +31,7 @@ from . import independent_writer
 from .runtime_util import POLICIES, default_policy
 
 PACKAGE = Path(voicechat.__file__).parent
-COMPONENT_DIRS = ("audio", "llm", "tts")
+COMPONENT_DIRS = ("model/audio", "model/llm", "model/tts")
 EXECUTION_MODULES = {"runtime", "compiled", "parallel", "cpu_qmv", "host_gemm", "overlap", "heap", "switch"}
 
 
@@ -49,7 +49,7 @@ def _imports(path: Path) -> list[str]:
 
 def test_component_modules_do_not_import_the_runtime():
     """mel, conformer, rnnt, nemotron_h, ear_tts (with its char encoder, layers, rng) and the codec
-    compute with mlx and `voicechat.ops` only; how they execute is not theirs to know."""
+    compute with mlx and `voicechat.model.ops` only; how they execute is not theirs to know."""
     files = sorted(p for d in COMPONENT_DIRS for p in (PACKAGE / d).glob("*.py"))
     assert len(files) >= 10
     offending = {}
@@ -62,7 +62,7 @@ def test_component_modules_do_not_import_the_runtime():
 
 
 def test_the_op_seam_imports_no_runtime():
-    assert not [n for n in _imports(PACKAGE / "ops.py") if "runtime" in n]
+    assert not [n for n in _imports(PACKAGE / "model" / "ops.py") if "runtime" in n]
 
 
 def test_execution_variables_are_read_only_by_the_policy():
@@ -148,7 +148,7 @@ def _checkpoints():
 
 @pytest.fixture(scope="module", params=list(_checkpoints()))
 def checkpoint(request, tmp_path_factory):
-    import voicechat.synthetic  # noqa: F401
+    import voicechat.synthetic.checkpoint
 
     return _checkpoints()[request.param](tmp_path_factory.mktemp(request.param))
 

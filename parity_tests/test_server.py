@@ -368,7 +368,7 @@ def test_api_key_and_origin(make_server):
 
 
 def test_default_bind_and_origin(server):
-    from voicechat.cli import build_parser
+    from voicechat.cli.main import build_parser
 
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.model == "synthetic:tiny" and args.api_key is None
@@ -421,7 +421,7 @@ def test_healthz_and_metrics(server, question_wav):
 def test_file_client_cli(server, tmp_path):
     import soundfile as sf
 
-    from voicechat.cli import main
+    from voicechat.cli.main import main
     from voicechat.samples import sample_path
 
     out = tmp_path / "answer.wav"
@@ -452,7 +452,7 @@ def test_talk_jitter_buffer_plays_every_sample_in_order():
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
     import sys
 
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     monkeypatch.setitem(sys.modules, "starlette", None)  # as on the base install
     assert main(["serve", "--port", "1"]) == 2
@@ -518,7 +518,7 @@ def test_voicechat_serve_process(tiny_ckpt, question_wav, tmp_path):
 
 
 def test_serve_with_a_missing_checkpoint_is_one_clear_error(tmp_path, capsys):
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     assert main(["serve", "-m", str(tmp_path / "nothing-here"), "--port", "1"]) == 2
     err = capsys.readouterr().err

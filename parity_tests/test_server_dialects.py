@@ -112,7 +112,7 @@ def frames_audio(events) -> np.ndarray:
 @pytest.fixture(scope="module")
 def small_model_ckpt(tmp_path_factory):
     import voicechat
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp("small"), "small")
     return path, voicechat.load(path)
@@ -138,8 +138,8 @@ def test_ga_sdk_session_audio_and_events_equal_in_process(small_server, small_mo
     pcm24 = pcm16(soxr.resample(question_wav, 16000, 24000))  # the sample as a 24 kHz client sends it
     events, x16 = reference(model, pcm24, 24000, close=False)
     frames = [e for e in events if e.kind == "audio"]
-    from voicechat.server.dialect import DialectOptions
-    from voicechat.server.dialect_ga import GaMapper
+    from voicechat.server.dialects.common import DialectOptions
+    from voicechat.server.dialects.ga import GaMapper
 
     m = GaMapper(model_rate=22050, client_rate=24000, silence_codes=np.asarray(model.tts_model.codec_silence_tokens),
                  options=DialectOptions())
@@ -455,7 +455,7 @@ def test_auth_applies_to_both_openai_dialects(make_server):
 @pytest.fixture(scope="module")
 def toolcall(tmp_path_factory):
     import voicechat
-    from voicechat.synthetic import write_checkpoint
+    from voicechat.synthetic.checkpoint import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp("toolcall_srv"), "toolcall", bits=8, tool=TOOLCALL_TOOL,
                             arguments=TOOLCALL_ARGUMENTS)
@@ -464,8 +464,8 @@ def toolcall(tmp_path_factory):
 
 def reported_transcript(model, events) -> str:
     """The assistant transcript GA reports for these session events (the mapping; its own tests are below)."""
-    from voicechat.server.dialect import DialectOptions
-    from voicechat.server.dialect_ga import GaMapper
+    from voicechat.server.dialects.common import DialectOptions
+    from voicechat.server.dialects.ga import GaMapper
 
     m = GaMapper(model_rate=22050, client_rate=24000, options=DialectOptions(),
                  silence_codes=np.asarray(model.tts_model.codec_silence_tokens))
@@ -576,8 +576,8 @@ class _Text:
 
 
 def _mapper(**kw):
-    from voicechat.server.dialect import DialectOptions
-    from voicechat.server.dialect_ga import GaMapper
+    from voicechat.server.dialects.common import DialectOptions
+    from voicechat.server.dialects.ga import GaMapper
 
     return GaMapper(model_rate=22050, client_rate=24000, silence_codes=[0, 0, 0, 0],
                     options=DialectOptions(silence_frames=3, **kw))

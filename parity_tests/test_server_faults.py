@@ -118,7 +118,7 @@ def test_origin_normalised_and_null_refused(make_server):
 
 
 def test_key_edge_cases_at_start(capsys, tmp_path):
-    from voicechat.cli import main
+    from voicechat.cli.main import main
     from voicechat.server.security import check_api_key
 
     for bad, why in (("", "empty"), (" key", "whitespace"), ("ke y", "whitespace"), ("key\n", "cannot send"),
@@ -444,7 +444,7 @@ def test_append_larger_than_the_queue_bound_is_accepted(make_server, long_questi
 def test_voicechat_client_with_a_large_chunk_gets_everything(server, long_question_wav, tmp_path):
     import soundfile as sf
 
-    from voicechat.cli import main
+    from voicechat.cli.main import main
 
     audio = long_question_wav[:8 * 16000]
     wav = tmp_path / "in.wav"
@@ -468,7 +468,7 @@ def test_voicechat_client_splits_a_chunk_larger_than_the_message_limit(make_serv
 
 
 def test_voicechat_client_exits_nonzero_on_an_error_event(make_server, question_wav, tmp_path, capsys):
-    from voicechat.cli import main
+    from voicechat.cli.main import main
     from voicechat.samples import sample_path
 
     srv = make_server(max_session_audio_seconds=1.0)  # question.wav is longer: some appends are refused
@@ -741,7 +741,7 @@ def test_stoppable_prefill_is_bit_identical_and_stops(numerics, tiny_ckpt, tiny_
 
     import voicechat
     from voicechat.errors import PrefillStoppedError
-    from voicechat.timeline import PREFILL_PIECE
+    from voicechat.streaming.timeline import PREFILL_PIECE
 
     model = tiny_model if numerics == "reference" else voicechat.load(tiny_ckpt, numerics=numerics)
     prompt = " ".join(["hello world"] * 12)  # ~100 tokens: several pieces

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("mlx_vlm", reason="needs the `peers` extra")
-from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
-from voicechat.server.compare import ServerPair, compare_streams  # noqa: E402
+from voicechat.server.client import run_stream_audio, to_pcm16
+from voicechat.server.compare import ServerPair, compare_streams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_same_client_same_events_as_mlx_vlm_server(servers, tiny_ckpt, question_
 
 @pytest.mark.peers
 def test_parity_row_against_mlx_vlm_server(tiny_ckpt, tmp_path):
-    from voicechat.cli import main
+    from voicechat.cli.main import main
     from voicechat.samples import sample_path
 
     rc = main(["parity", "-m", str(tiny_ckpt), "--audio", str(sample_path("question")), "--against", "mlx-vlm-server",

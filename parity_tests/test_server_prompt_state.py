@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from voicechat.server.client import run_stream_audio, to_pcm16  # noqa: E402
+from voicechat.server.client import run_stream_audio, to_pcm16
 
 from .server_util import Raw, run, stop_server, wait_released  # noqa: E402
 from .test_server import _expected_events, _wire_events  # noqa: E402

@@ -41,7 +41,7 @@ def _open_fds(pid="self") -> int:
 
 
 def _live_sessions() -> int:
-    from voicechat.session import VoiceChatStreamingSession
+    from voicechat.streaming.session import VoiceChatStreamingSession
 
     gc.collect()
     return sum(isinstance(o, VoiceChatStreamingSession) for o in gc.get_objects())

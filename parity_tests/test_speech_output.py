@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.audio.codec import Codec
-from voicechat.presets import preset_config
-from voicechat.speech_output import AudioChunk, ChunkedSpeechOutput, iter_chunks
+from voicechat.model.audio.codec import Codec
+from voicechat.synthetic.presets import preset_config
+from voicechat.streaming.speech_output import AudioChunk, ChunkedSpeechOutput, iter_chunks
 
 TOL = 1e-5
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-import voicechat.synthetic as synthetic
+import voicechat.synthetic.checkpoint as synthetic
 from mlx.utils import tree_flatten
-from voicechat.model import VoiceChatModel
-from voicechat.presets import preset_config
+from voicechat.model.voicechat import VoiceChatNetwork
+from voicechat.synthetic.presets import preset_config
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -34,7 +34,7 @@ def test_writer_memory_does_not_scale_with_the_checkpoint(tmp_path, dtype):
     # 327 MB in float32); this one holds a few copies of the largest tensor at most (draw,
     # conversion; the init evaluated for its statistics).
     total = synthetic.checkpoint_size("small")["bytes"] * (2 if dtype == "float32" else 1)
-    model = VoiceChatModel(preset_config("small"))
+    model = VoiceChatNetwork(preset_config("small"))
     largest = max(a.size for _, a in tree_flatten(model.parameters())) * 4
     del model
     assert 3 * largest < total / 2  # else this test could not tell the two writers apart
@@ -53,10 +53,10 @@ def test_writer_memory_does_not_scale_with_the_checkpoint(tmp_path, dtype):
 def test_small16_has_the_published_layout():
     """`small16` (real depth, widths / ~16): every language-path module quantizable with group
     size 64, so its 4/8-bit checkpoints quantize the same 123 modules as the published ones."""
-    from voicechat.synthetic import language_path_modules
+    from voicechat.synthetic.checkpoint import language_path_modules
 
     cfg = preset_config("small16")
-    model = VoiceChatModel(cfg)
+    model = VoiceChatNetwork(cfg)
     modules = dict(model.named_modules())
     paths = language_path_modules(model)
     assert len(paths) == 123

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from voicechat.tokenizer import BYTE_TO_CHAR, IncrementalDecoder, TextTokenizer, build_synthetic_tokenizer
+from voicechat.io.tokenizer import BYTE_TO_CHAR, IncrementalDecoder, TextTokenizer, build_synthetic_tokenizer
 
 SKIP = {12, 11, 1, 2}
 

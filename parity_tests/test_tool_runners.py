@@ -1,4 +1,4 @@
-"""Tool runners (voicechat/tool_runners.py): Python callables and a real MCP server over stdio."""
+"""Tool runners (voicechat/tools/runners.py): Python callables and a real MCP server over stdio."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parity_tests.conftest import TOOLCALL_ARGUMENTS
-from voicechat.tool_runners import McpToolRunner, PythonToolRunner, tools_from_file
+from voicechat.tools.runners import McpToolRunner, PythonToolRunner, tools_from_file
 
 TIME_SERVER = [sys.executable, "-m", "mcp_server_time", "--local-timezone", "UTC"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from parity_tests.conftest import TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
-from voicechat.tools import FunctionChannel, render_system_prompt
+from voicechat.tools.channel import FunctionChannel, render_system_prompt
 
 FOOTER = ('</AVAILABLE_TOOLS>\n\nIf you decide to call any tool(s), use the following format:\n'
           '<TOOLCALL>[{"name": "tool_name1", "arguments": "tool_args1"}, {"name": "tool_name2", '
@@ -115,7 +115,8 @@ def test_call_list_parsed_with_wrapper_and_string_arguments():
     forced = []
     while (t := ch.forced_token(end + 1 + len(forced))) is not None:
         forced.append(t)
-    assert CharTokenizer().decode(forced) == '<TOOL_RESPONSE>[{"temp":20},5]</TOOL_RESPONSE>'
+    # the str as given, the value as json.dumps writes it, joined as the tools block's template shows
+    assert CharTokenizer().decode(forced) == '<TOOL_RESPONSE>[{"temp": 20}, 5]</TOOL_RESPONSE>'
     assert ch.observe(200, EOTR, False)[0].kind == "tool_result_done"
     assert ch.state == "idle"
 
@@ -161,7 +162,22 @@ def test_results_for_unknown_or_answered_calls_change_nothing():
     forced = []
     while (t := ch.forced_token(len(forced) + 100)) is not None:
         forced.append(t)
-    assert CharTokenizer().decode(forced) == "<TOOL_RESPONSE>[1,2]</TOOL_RESPONSE>"  # an array is not nested again
+    assert CharTokenizer().decode(forced) == "<TOOL_RESPONSE>[[1, 2]]</TOOL_RESPONSE>"  # the str exactly as given
+
+
+@pytest.mark.parametrize("output, text", [
+    ('{"temp":20,  "unit":"C"}', '{"temp":20,  "unit":"C"}'),  # spacing kept: not parsed and re-dumped
+    ("sunny, 20 °C", "sunny, 20 °C"),  # not JSON, not quoted, not escaped
+    ({"b": 1, "a": [1.5, None]}, '{"b": 1, "a": [1.5, null]}'),  # json.dumps, default separators
+])
+def test_a_str_result_goes_in_as_given_and_a_value_as_json_dumps(output, text):
+    ch = channel()
+    feed(ch, call_tokens('[{"name": "add"}]'))
+    ch.submit(ch.pending_call_ids[0], output)
+    forced = []
+    while (t := ch.forced_token(len(forced) + 100)) is not None:
+        forced.append(t)
+    assert CharTokenizer().decode(forced) == f"<TOOL_RESPONSE>[{text}]</TOOL_RESPONSE>"
 
 
 def test_timeout_injects_an_error_result_after_its_frames():
@@ -174,7 +190,7 @@ def test_timeout_injects_an_error_result_after_its_frames():
     rest = []
     while (t := ch.forced_token(f + 5 + len(rest))) is not None:
         rest.append(t)
-    assert CharTokenizer().decode([first] + rest) == '<TOOL_RESPONSE>[{"error":"timeout"}]</TOOL_RESPONSE>'
+    assert CharTokenizer().decode([first] + rest) == '<TOOL_RESPONSE>[{"error": "timeout"}]</TOOL_RESPONSE>'
 
 
 def test_tools_are_refused_without_the_markers(tiny_model):
@@ -185,7 +201,7 @@ def test_tools_are_refused_without_the_markers(tiny_model):
 # -- the whole loop on the toolcall preset
 
 def _script_len(model):
-    from voicechat.synthetic_toolcall import ToolcallScript
+    from voicechat.synthetic.toolcall import ToolcallScript
 
     return len(ToolcallScript(model.tokenizer._tok, TOOLCALL_TOOL, TOOLCALL_ARGUMENTS).script)
 
@@ -217,7 +233,7 @@ def test_toolcall_preset_streamed_timeline(toolcall_model):
     assert calls[0].call_id == f"call_{n}_0"
     assert records[1].function_fed == 20 and records[n].function_fed == 21  # SOTC at frame 1, EOTC at frame n
     forced = [r.frame_index for r in records if r.forced]
-    response = toolcall_model.tokenizer.encode('<TOOL_RESPONSE>[{"datetime":"2026-12-03T12:00:00+00:00"}]'
+    response = toolcall_model.tokenizer.encode('<TOOL_RESPONSE>[{"datetime": "2026-12-03T12:00:00+00:00"}]'
                                                '</TOOL_RESPONSE>')
     assert forced == list(range(submit_after + 1, submit_after + 1 + len(response)))
     assert [records[f].function_fed for f in forced] == response

@@ -1,4 +1,4 @@
-"""SessionRandom (voicechat/tts/rng.py): bit-identical to MLX's global generator
+"""SessionRandom (voicechat/model/tts/rng.py): bit-identical to MLX's global generator
 after `mx.random.seed(seed)`, without touching the global state.
 
 Comparisons here are exact (array_equal): both sides run the same kernels on
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.tts.rng import SessionRandom
+from voicechat.model.tts.rng import SessionRandom
 
 # A mixed sequence of 20 draws: the MoG shapes (uniform (1,1,P), normal (1,1,latent))
 # interleaved with other shapes, dtypes and orders.

@@ -1,4 +1,4 @@
-"""The on-disk TTS warm-up cache (voicechat/warmup_cache.py) and the loader's NaN / inf test."""
+"""The on-disk TTS warm-up cache (voicechat/io/warmup_cache.py) and the loader's NaN / inf test."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import voicechat
-from voicechat import warmup_cache
-from voicechat.checkpoint import has_nonfinite
-from voicechat.tts.ear_tts import EarTts
+from voicechat.io import warmup_cache
+from voicechat.io.checkpoint import has_nonfinite
+from voicechat.model.tts.ear_tts import EarTts
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_cache_keeps_the_most_recent_entries(cache, monkeypatch):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None])
 def test_has_nonfinite(dtype, bad, monkeypatch):
-    import voicechat.checkpoint as ck
+    import voicechat.io.checkpoint as ck
 
     monkeypatch.setattr(ck, "NONFINITE_CHUNK_ELEMENTS", 7 * 11)  # several chunks, the bad value in the last
     finfo = {mx.bfloat16: 3.3895e38, mx.float16: 65504.0, mx.float32: 3.4028235e38}[dtype]

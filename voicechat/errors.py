@@ -30,5 +30,5 @@ class WrongThreadError(VoiceChatError, RuntimeError):
 
 
 class PromptStateError(VoiceChatError, ValueError):
-    """A prompt state (voicechat.prompt_state) that cannot be used with this model: another checkpoint,
+    """A prompt state (voicechat.streaming.prompt_state) that cannot be used with this model: another checkpoint,
     numerics setting or format version, or a truncated or corrupt file; the message names which."""

@@ -11,7 +11,7 @@ import numpy as np
 
 def frame_stats(xs) -> dict:
     """mean / p95 / p50 in ms of per-frame times, and how many frames."""
-    from voicechat.profiler import percentile
+    from voicechat.streaming.profiler import percentile
 
     xs = list(xs)
     return {"mean_ms": round(float(np.mean(xs)), 3), "p95_ms": round(percentile(xs, 0.95), 3),

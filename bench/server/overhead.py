@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import voicechat
-    from voicechat.synthetic import resolve_model_arg
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     from voicechat.server.client import run_stream_audio
 

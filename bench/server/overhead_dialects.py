@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     import soxr
 
     import voicechat
-    from voicechat.synthetic import resolve_model_arg
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     from voicechat.server.client import run_stream_audio, to_pcm16
     from voicechat.server.compare import free_port, start_process

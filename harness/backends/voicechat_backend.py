@@ -5,7 +5,7 @@ fed `chunk_samples` at a time, then `flush()`; ids come from the session's
 per-frame records, codes and audio from its `Audio` events, the tail from
 `AudioTail`. The streamed mel / encoder frames, RNNT tokens per frame and
 logits are the session's own values, handed out per frame by its observation
-point (`create_streaming_session(on_frame=...)`, `voicechat.session.FrameRecord`).
+point (`create_streaming_session(on_frame=...)`, `voicechat.streaming.session.FrameRecord`).
 
 Component checks (`component_checks`) drive the model's components directly:
 Nemotron-H single cached steps vs the no-cache recompute over the same inputs,
@@ -79,7 +79,7 @@ class VoiceChatBackend(Backend):
 
     def __init__(self, model=None, *, numerics: str | None = None, component_max_frames: int | None = None,
                  record_intermediates: bool | None = None):
-        from voicechat.tts.numerics import DEFAULT_NUMERICS, numerics_from
+        from voicechat.model.tts.numerics import DEFAULT_NUMERICS, numerics_from
 
         self.model = model
         self.record_intermediates = record_intermediates
@@ -104,7 +104,7 @@ class VoiceChatBackend(Backend):
 
     def load(self, checkpoint: str) -> Any:
         import voicechat
-        from voicechat.synthetic import resolve_model_arg
+        from voicechat.synthetic.checkpoint import resolve_model_arg
 
         self.checkpoint = str(checkpoint)
         self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics,
@@ -143,7 +143,7 @@ class VoiceChatBackend(Backend):
         Offline: the encoder length of N // hop + 1 mel frames; streamed: one
         frame per started 1280-sample frame.
         """
-        from voicechat.audio.conformer import subsampled_length
+        from voicechat.model.audio.conformer import subsampled_length
 
         cfg = self._require().config
         hop = cfg.audio_config.preprocessor.hop_length
@@ -162,7 +162,7 @@ class VoiceChatBackend(Backend):
     @_executing
     def decode_codes(self, codes: np.ndarray) -> np.ndarray:
         """One offline codec decode of (T, Q) codes (control codes replaced as the runtime does)."""
-        from voicechat.tts.ear_tts import replace_control_codes
+        from voicechat.model.tts.ear_tts import replace_control_codes
 
         tts = self._require().tts_model
         codes = np.asarray(codes)
@@ -181,20 +181,20 @@ class VoiceChatBackend(Backend):
 
     def decode_transcript(self, tokens) -> str:
         """User transcript of a list of RNNT tokens, as the runtime decodes it."""
-        from voicechat.audio.rnnt import RnntText
+        from voicechat.model.audio.rnnt import RnntText
 
         return RnntText(list(self._require().config.rnnt_vocabulary)).decode(tokens)
 
     def prompt_ids(self, system_prompt: str | None) -> list[int]:
         """The system-prompt token ids exactly as the runtime's timeline builds them."""
-        from voicechat.timeline import Timeline
+        from voicechat.streaming.timeline import Timeline
 
         return Timeline(self._require(), seed=0).prompt_ids(system_prompt)
 
     @_executing
     def _frame_tokens(self, encoder_frames: np.ndarray) -> list[list[int]]:
         """RNNT tokens per encoder frame, frame by frame with the streaming decoder."""
-        from voicechat.audio.rnnt import RnntStream, RnntText
+        from voicechat.model.audio.rnnt import RnntStream, RnntText
 
         model = self._require()
         cfg = model.config
@@ -278,7 +278,7 @@ class VoiceChatBackend(Backend):
     @_executing
     def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
                chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
-        from voicechat.audio_input import load_audio
+        from voicechat.io.audio_input import load_audio
 
         if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
             raise ValueError(f"chunk_samples must be a positive int, got {chunk_samples!r}")
@@ -338,7 +338,7 @@ class VoiceChatBackend(Backend):
     def asr_frame_ms(self, audio: np.ndarray, *, chunk_samples: int = 1280) -> list[float]:
         """Wall milliseconds of each `step` of a streaming ASR session fed `chunk_samples` at a time
         (transcript only: log-mel, cache-aware conformer, RNNT), each push's text on the host."""
-        from voicechat.audio_input import load_audio
+        from voicechat.io.audio_input import load_audio
 
         model = self._require()
         wave = load_audio(audio, model.config.input_sample_rate, allow_empty=False)
@@ -378,8 +378,8 @@ class VoiceChatBackend(Backend):
         if given); the cached run picks the ids by argmax as the runtime does and
         the recompute is fed the same inputs (teacher forcing).
         """
-        from voicechat.generate import offline_perception
-        from voicechat.tts.rng import SessionRandom
+        from voicechat.streaming.generate import offline_perception
+        from voicechat.model.tts.rng import SessionRandom
 
         model = self._require()
         cfg = model.config

@@ -20,9 +20,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import kernels as cpu_qmv
-from ..ops import structure
-from .policy import current_policy
+from voicechat.runtime import kernels as cpu_qmv
+from voicechat.model.ops import structure
+from voicechat.runtime.policy import current_policy
 
 _compiled: dict = {}
 
@@ -64,7 +64,7 @@ def layer_weights(layers, x: mx.array) -> list[dict] | None:
 
 def linear_piece(name: str, fn: Callable, static: tuple, layers, x: mx.array, *arrays):
     """fn(static, x, *arrays, ws) for a piece around linear layers (`ws[i]` is applied with
-    `voicechat.ops.apply`): compiled over the layers' weight dicts, or, when one of them
+    `voicechat.model.ops.apply`): compiled over the layers' weight dicts, or, when one of them
     would split across streams now, run uncompiled over the layers themselves. One definition
     of the piece serves both; `static` (hashable) holds its dimensions and epsilons."""
     weights = layer_weights(layers, x)

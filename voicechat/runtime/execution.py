@@ -1,6 +1,6 @@
 """`Runtime`: one model's execution policy, as the implementation of the op seam it binds.
 
-`voicechat.ops` names the operations a component computes with; a `Runtime` says how each runs
+`voicechat.model.ops` names the operations a component computes with; a `Runtime` says how each runs
 under its `ExecutionPolicy` (compiled pieces, the CPU kernels, two CPU streams, numpy's BLAS,
 evaluation ahead of graph building). It is made once per model by `prepare` and bound around
 each frame (`runtime.frame()`) and each offline run, on the thread that runs it: nothing about
@@ -9,13 +9,13 @@ execution is process-wide, so two models with different policies can share a pro
 
 from __future__ import annotations
 
-from .. import ops
-from . import compiled, host_products, kernels, linear, overlap
-from .policy import ExecutionPolicy
+from voicechat.model import ops
+from voicechat.runtime import compiled, host_products, kernels, linear, overlap
+from voicechat.runtime.policy import ExecutionPolicy
 
 
 class Runtime(ops.PlainOps):
-    """The op seam under `policy` (see `voicechat.ops` for each operation's meaning)."""
+    """The op seam under `policy` (see `voicechat.model.ops` for each operation's meaning)."""
 
     def __init__(self, policy: ExecutionPolicy):
         if not isinstance(policy, ExecutionPolicy):

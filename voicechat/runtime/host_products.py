@@ -29,9 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..constants import derived
-from ..ops import widen_bf16_bits
-from .policy import current_policy
+from voicechat.model.derived import derived
+from voicechat.model.ops import widen_bf16_bits
+from voicechat.runtime.policy import current_policy
 
 _controller = None
 _controller_lock = threading.Lock()

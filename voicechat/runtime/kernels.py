@@ -49,8 +49,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..constants import cache_home
-from .policy import current_policy
+from voicechat.environment import cache_home
+from voicechat.model import ops
 
 MODULE_NAME = "_voicechat_cpu_qmv"
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -245,7 +245,8 @@ def unavailable_reason() -> str | None:
 def cpu_qmv_enabled() -> bool:
     """Whether the bound runtime's policy takes the extension for the calls it serves
     (`ExecutionPolicy.cpu_kernels`; a policy with it on is only made where the module loaded)."""
-    return current_policy().cpu_kernels
+    policy = ops.current().policy  # None outside a runtime: the plain ops, MLX's kernels
+    return policy is not None and policy.cpu_kernels
 
 
 def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str = "affine") -> bool:

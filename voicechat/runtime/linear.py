@@ -30,10 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..constants import derived
-from ..ops import stored_transposed
-from .kernels import float32_matmul, quantized_matmul, weights_served
-from .policy import ExecutionPolicy, current_policy
+from voicechat.model.derived import derived
+from voicechat.model.ops import stored_transposed
+from voicechat.runtime.kernels import float32_matmul, quantized_matmul, weights_served
+from voicechat.runtime.policy import ExecutionPolicy, current_policy
 
 # A split pays when the product is long compared with one cross-stream hand-over; the
 # threshold was chosen by interleaved runs at the small preset (docs/performance.md).
@@ -436,7 +436,7 @@ def derived_views(name: str) -> bool:
 
 def resident_arrays(module: nn.Module):
     """(path, array) for each array `module` keeps, each once: its parameters (path = the
-    parameter's), then the derived arrays cached on its modules (voicechat.constants.derived,
+    parameter's), then the derived arrays cached on its modules (voicechat.model.derived.derived,
     path = the module's: MLX arrays, and the numpy float32 copies of voicechat.runtime.host_products);
     derived views of the parameters (`derived_views`) are skipped. What `resident_bytes` and the
     bench's per-stage resident column count."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .policy import current_policy
+from voicechat.runtime.policy import current_policy
 
 
 def overlap_enabled() -> bool:

@@ -35,8 +35,8 @@ from typing import Mapping
 
 import mlx.core as mx
 
-from .. import ops
-from ..constants import env_flag
+from voicechat.model import ops
+from voicechat.environment import env_flag
 
 ENV_VARS = {
     "cpu_streams": "VOICECHAT_CPU_STREAMS",
@@ -81,7 +81,7 @@ class ExecutionPolicy:
         if self.float32_copies not in (True, False, None):
             raise TypeError(f"ExecutionPolicy.float32_copies must be True, False or None, got {self.float32_copies!r}")
         if self.cpu_kernels:
-            from . import kernels
+            from voicechat.runtime import kernels
 
             if kernels.extension() is None:
                 raise RuntimeError(f"ExecutionPolicy(cpu_kernels=True): the CPU kernels cannot be used here: "
@@ -95,7 +95,7 @@ class ExecutionPolicy:
         variables of `ENV_VARS` (read here, once) overriding its fields. On a CPU device the
         CPU kernels are used where they build and pass their check; where they do not, one
         warning says why (forcing them on with `VOICECHAT_CPU_QMV=1` then raises)."""
-        from . import heap, kernels
+        from voicechat.runtime import heap, kernels
 
         environ = os.environ if environ is None else environ
         device = mx.default_device() if device is None else mx.Device(device) if not isinstance(device, mx.Device) else device
@@ -183,7 +183,7 @@ UNBOUND = ExecutionPolicy(name="unbound")
 
 
 def current_policy() -> ExecutionPolicy:
-    """The policy of the runtime bound on this thread (`voicechat.ops.bound`), `UNBOUND` outside one."""
+    """The policy of the runtime bound on this thread (`voicechat.model.ops.bound`), `UNBOUND` outside one."""
     policy = ops.current().policy
     return UNBOUND if policy is None else policy
 

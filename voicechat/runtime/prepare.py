@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import ops
-from . import heap
-from .execution import Runtime
-from .linear import prepare_linears, replace_weight_transposed, resident_bytes, transposed_dtype
-from .policy import ExecutionPolicy
+from voicechat.model import ops
+from voicechat.runtime import heap
+from voicechat.runtime.execution import Runtime
+from voicechat.runtime.linear import prepare_linears, replace_weight_transposed, resident_bytes, transposed_dtype
+from voicechat.runtime.policy import ExecutionPolicy
 
 
 @dataclass
@@ -54,7 +54,7 @@ def float32_codec_weights(decoder, policy: ExecutionPolicy) -> None:
     same buffer); otherwise the ConvNeXt 1x1 convs unless the policy keeps weights as stored
     (`float32_copies` False: MLX converts them per product). Evaluated layer by layer: at most one
     layer's originals beside their copies."""
-    from ..audio.codec import ConvNeXtBlock
+    from voicechat.model.audio.codec import ConvNeXtBlock
 
     last = len(decoder.layers) - 1
     for n, layer in enumerate(decoder.layers):
@@ -86,8 +86,8 @@ def before_reading(policy: ExecutionPolicy) -> bool:
 
 def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
     """Rewrite `model`'s weight layout for `policy` (bit for bit the same values) and make the
-    per-weights constants its frames use, under the runtime it returns; sets `model.runtime`."""
-    from ..audio.conformer import ConvModule
+    per-weights constants its frames use, under the runtime it returns (`Prepared.runtime`)."""
+    from voicechat.model.audio.conformer import ConvModule
 
     runtime = Runtime(policy)
     done = Prepared(runtime)
@@ -102,7 +102,6 @@ def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
         codec = model.tts_model.audio_codec
         float32_codec_weights(codec.decoder, policy)
         codec.prepare_decoder()  # its derived float32 / numpy weights, taken (and counted) here
-    model.runtime = runtime
     done.resident_bytes = resident_bytes(model)
     return done
 

@@ -22,13 +22,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import protocol as P
-from .dialect import DialectOptions, dialect_for_query, make_dialect, openai_error, wants_ga
-from .limits import ServerLimits
-from .metrics import ServerMetrics
-from .security import SecurityMiddleware, ServerSecurity, excerpt
-from .validation import MessageRefused, check_size
-from .worker import Channel, ModelWorker
+from voicechat.server import protocol as P
+from voicechat.server.dialects import make_dialect
+from voicechat.server.dialects.common import DialectOptions, dialect_for_query, openai_error, wants_ga
+from voicechat.server.limits import ServerLimits
+from voicechat.server.metrics import ServerMetrics
+from voicechat.server.security import SecurityMiddleware, ServerSecurity, excerpt
+from voicechat.server.validation import MessageRefused, check_size
+from voicechat.server.worker import Channel, ModelWorker
 
 log = logging.getLogger("voicechat.server")
 
@@ -58,7 +59,7 @@ class ServerState:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     model_name: str = ""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    # The OpenAI dialects' serving options (voicechat.server.dialect.DialectOptions).
+    # The OpenAI dialects' serving options (voicechat.server.dialects.common.DialectOptions).
     dialect_options: DialectOptions = field(default_factory=DialectOptions)
     _slot: str | None = None
     _slot_lock: threading.Lock = field(default_factory=threading.Lock)

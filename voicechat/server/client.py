@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
-from .protocol import b64_to_int16
+from voicechat.server.protocol import b64_to_int16
 
 INPUT_RATE = 16000
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import b64_to_int16
+from voicechat.server.protocol import b64_to_int16
 
 # Events only this project sends (api.md: the codec tail at commit, so no sample is lost).
 OURS_ONLY = ("response.audio.tail",)

@@ -1,4 +1,4 @@
-"""The server's prompt states (voicechat/prompt_state.py): the default prompt's state prepared at
+"""The server's prompt states (voicechat/streaming/prompt_state.py): the default prompt's state prepared at
 startup, and a small LRU of the states of the prompts clients ask for.
 
 A session whose prompt (system prompt, tools, seed) has a state starts from a copy of it, so the
@@ -35,8 +35,8 @@ class PromptStates:
     # -- keys
 
     def _key(self, model, system_prompt, tools, seed) -> tuple:
-        from voicechat.session import session_prompt
-        from voicechat.tools import normalize_tools
+        from voicechat.streaming.timeline import session_prompt
+        from voicechat.tools.channel import normalize_tools
 
         tools = normalize_tools(tools)
         text = session_prompt(model.config, system_prompt, tools)
@@ -51,7 +51,7 @@ class PromptStates:
 
     def start(self, model) -> None:
         """Prepare (or load, with a state file) the default prompt's state; one progress line each way."""
-        from voicechat import PromptState
+        from voicechat.streaming.prompt_state import PromptState
 
         t0 = time.perf_counter()
         if self.state_file is not None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import validation as V
-from .security import excerpt
-from .validation import MessageRefused
+from voicechat.server import validation as V
+from voicechat.server.security import excerpt
+from voicechat.server.validation import MessageRefused
 
 INPUT_SAMPLE_RATE = 16000
 

@@ -6,9 +6,9 @@ import logging
 import socket
 import threading
 
-from .app import ServerLimits, ServerSecurity, ServerState, create_app
-from .metrics import ServerMetrics
-from .worker import ModelWorker
+from voicechat.server.app import ServerLimits, ServerSecurity, ServerState, create_app
+from voicechat.server.metrics import ServerMetrics
+from voicechat.server.worker import ModelWorker
 
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
@@ -18,10 +18,10 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load():
-        import voicechat
-        from voicechat.synthetic import resolve_model_arg
+        from voicechat.streaming.model import load
+        from voicechat.synthetic.checkpoint import resolve_model_arg
 
-        return voicechat.load(resolve_model_arg(model), **(load_kwargs or {}))
+        return load(resolve_model_arg(model), **(load_kwargs or {}))
 
     metrics = metrics or ServerMetrics()
     worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,

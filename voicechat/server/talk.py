@@ -14,8 +14,8 @@ import threading
 
 import numpy as np
 
-from .client import RealtimeClient
-from .protocol import b64_to_int16
+from voicechat.server.client import RealtimeClient
+from voicechat.server.protocol import b64_to_int16
 
 
 class JitterBuffer:
@@ -125,7 +125,7 @@ def talk(args) -> int:
     srv = None
     url = args.url
     if url is None:
-        from .runner import ServerThread, make_state
+        from voicechat.server.runner import ServerThread, make_state
 
         srv = ServerThread(make_state(args.model)).start()
         url = srv.url

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 
-from .security import excerpt
+from voicechat.server.security import excerpt
 
 MAX_JSON_DEPTH = 32  # the deepest object/array nesting a message may have (ours need 3)
 MAX_NUMBER_CHARS = 40  # the longest number literal (an int64 has 19 digits)

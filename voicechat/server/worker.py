@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .protocol import event_payload
+from voicechat.server.protocol import event_payload
 
 log = logging.getLogger("voicechat.server")
 
@@ -100,7 +100,7 @@ class ModelWorker:
         self._load_model = load_model
         # voicechat.server.prompt_cache.PromptStates: sessions start from prompt states (None: each prefills).
         self.prompt_states = prompt_states
-        # `voicechat serve --mcp CMD`: the server runs the tools (voicechat.tool_runners); a session
+        # `voicechat serve --mcp CMD`: the server runs the tools (voicechat.tools.runners); a session
         # whose client gives no tools gets the runner's.
         self.tool_runner = tool_runner
         self.metrics = metrics
@@ -423,7 +423,7 @@ class ModelWorker:
 
 
 def _prompt_tokens(model, prompt) -> int:
-    """Positions the prompt's prefill takes (voicechat.timeline.Timeline.prompt_ids: bos + tokens + eos)."""
+    """Positions the prompt's prefill takes (voicechat.streaming.timeline.Timeline.prompt_ids: bos + tokens + eos)."""
     text = model.config.default_system_prompt if prompt is None else prompt
     if not text or not text.strip():
         return 0
@@ -431,7 +431,7 @@ def _prompt_tokens(model, prompt) -> int:
 
 
 def _stats(values) -> dict:
-    from voicechat.profiler import percentile
+    from voicechat.streaming.profiler import percentile
 
     if not values:
         return {"mean": 0.0, "p95": 0.0, "max": 0.0}

@@ -1,0 +1,3 @@
+from voicechat.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,723 @@
+"""Nemotron-H hybrid language model backbone (docs/model.md §7).
+
+A stack of pre-norm residual blocks, h = x + mixer(RMSNorm(x)), whose mixer
+is a Mamba-2 SSM ("M"), a squared-ReLU MLP ("-") or a GQA attention layer
+without positional encoding ("*"), as `hybrid_override_pattern` says, then a
+final RMSNorm `norm_f`. The caller supplies the input embeddings (1, L, hidden)
+and receives the normalised final hidden states (1, L, hidden); the token
+embedding and the output heads live one level up.
+
+Two evaluation paths share the same weights and the same `NemotronHState`:
+
+* a sequence pass (any L, optionally continuing from a state): the Mamba
+  recurrence is evaluated exactly with the chunked SSD formulation;
+* a single-step update (L == 1 with a state): the plain recurrence.
+
+Activations are float32 whatever the weight dtype (bf16 or quantized weights
+promote to float32 in MLX); the SSM state is always float32.
+
+`reference_rounding` (default True; `voicechat.load(..., numerics="float32")`
+turns it off) rounds where the reference (mlx-vlm) does: the decay rate
+A = -exp(A_log) is evaluated in A_log's stored dtype (bf16 in the published
+layout) before it is widened, and a system prompt is prefilled one position at
+a time as the reference steps it. Off: A in float32 and the prompt in one
+sequence pass (same mathematics, another float32 summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from voicechat.model.config import TextConfig
+from voicechat.model import ops
+from voicechat.model.derived import derived
+
+SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
+KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class RMSNorm(nn.Module):
+    """y = weight ⊙ x / sqrt(mean(x²) + eps), computed in the activation dtype."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return ops.fused_rms_norm(x, self.weight_as(x.dtype), self.eps)
+
+    def weight_as(self, dtype) -> mx.array:
+        """The weight in the activation dtype, made once per weight."""
+        return derived(self, f"weight_{dtype}", (self.weight,), lambda w: w.astype(dtype))
+
+
+class DepthwiseCausalConv1d(nn.Module):
+    """Per-channel causal conv over time; weight in MLX Conv1d layout (C, K, 1).
+
+    Evaluated explicitly as a K-tap weighted sum over [state, inputs] so the
+    sequence pass and the single step perform the same arithmetic.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool):
+        super().__init__()
+        bound = 1.0 / math.sqrt(kernel_size)  # fan-in of a depthwise tap is K
+        self.weight = mx.random.uniform(-bound, bound, (channels, kernel_size, 1))
+        if bias:
+            self.bias = mx.random.uniform(-bound, bound, (channels,))
+        self.kernel_size = kernel_size
+
+    def __call__(self, padded: mx.array) -> mx.array:
+        """padded: (1, K-1+L, C) = previous K-1 inputs followed by L new ones -> (1, L, C)."""
+        taps, bias = self.taps(padded.dtype)
+        return _tap_sum(padded, taps, bias, padded.shape[1] - (self.kernel_size - 1))
+
+    def taps(self, dtype) -> tuple[list[mx.array], mx.array | None]:
+        """Per-tap weight columns (C,) and the bias (or None) in `dtype`, made once per weights."""
+        def make(weight, bias=None):
+            w = weight[:, :, 0].astype(dtype)  # (C, K)
+            return [w[:, j] for j in range(self.kernel_size)], None if bias is None else bias.astype(dtype)
+
+        params = (self.weight, self.bias) if "bias" in self else (self.weight,)
+        return derived(self, f"taps_{dtype}", params, make)
+
+
+def _tap_sum(padded: mx.array, taps: list[mx.array], bias: mx.array | None, length: int) -> mx.array:
+    """The K-tap causal sum over padded (1, K-1+L, C) -> (1, L, C), taps in a fixed order."""
+    return _tap_sum_of([padded[:, j : j + length, :] for j in range(len(taps))], taps, bias)
+
+
+def _tap_sum_of(inputs: list[mx.array], taps: list[mx.array], bias: mx.array | None) -> mx.array:
+    """Σ_j inputs[j] · taps[j] (+ bias), in tap order: the causal conv over its K shifted inputs."""
+    out = inputs[0] * taps[0]
+    for j in range(1, len(taps)):
+        out = out + inputs[j] * taps[j]
+    return out + bias if bias is not None else out
+
+
+def _split_projection(zxbcdt: mx.array, pad: int, d_inner: int, conv_dim: int):
+    """in_proj output -> (z, xBC, dt), skipping `pad` leading padding columns (§7.2)."""
+    z = zxbcdt[..., pad : pad + d_inner]
+    xbc = zxbcdt[..., pad + d_inner : pad + d_inner + conv_dim]
+    return z, xbc, zxbcdt[..., pad + d_inner + conv_dim :]
+
+
+def _append_conv_state(conv_state: mx.array, xbc: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """-> (the K-1 cached inputs followed by xbc, the new conv state: its last K-1 rows)."""
+    padded = mx.concatenate([conv_state.astype(xbc.dtype), xbc], axis=1)
+    return padded, padded[:, -(k - 1) :, :].astype(conv_state.dtype)
+
+
+def _time_steps(dt: mx.array, dt_bias: mx.array, dt_min: float, dt_max: float) -> mx.array:
+    return mx.clip(nn.softplus(dt + dt_bias), dt_min, dt_max)
+
+
+def _gated_norm(y: mx.array, z: mx.array, groups: int, eps: float, norm_w: mx.array) -> mx.array:
+    """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (1, L, d)."""
+    length, d = y.shape[1], y.shape[2]
+    u = (y * nn.silu(z)).reshape(1, length, groups, d // groups)
+    return ops.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
+
+
+def _segment_sums(log_decay: mx.array) -> mx.array:
+    """(..., T) -> (..., T, T) with [t, s] = sum(log_decay[s+1..t]) for t >= s, -inf above.
+
+    Built as a masked cumulative sum (not cum[t] - cum[s]) so long chunks do
+    not lose precision to cancellation.
+    """
+    t = log_decay.shape[-1]
+    rows = mx.repeat(log_decay[..., :, None], t, axis=-1)  # [t, s] = log_decay[t]
+    strictly_lower = mx.tril(mx.ones((t, t), dtype=mx.bool_), k=-1)
+    sums = mx.cumsum(mx.where(strictly_lower, rows, 0.0), axis=-2)
+    lower = mx.tril(mx.ones((t, t), dtype=mx.bool_), k=0)
+    return mx.where(lower, sums, -mx.inf)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class MambaLayerState:
+    """Cache of one Mamba-2 layer: conv inputs of the last K-1 steps and the SSM state."""
+
+    def __init__(self, conv: mx.array, ssm: mx.array):
+        self.conv = conv  # (1, K-1, conv_dim), activation dtype
+        self.ssm = ssm  # (1, heads, head_dim, state), float32
+
+    # The single step reads and writes the conv state as its K-1 rows (1, 1, conv_dim): no
+    # concatenate and slices per step. `conv` and `conv_rows` are two views of one state; each
+    # is made from the other only when asked for (inspection, the sequence pass).
+
+    @property
+    def conv(self) -> mx.array:
+        if self._conv is None:
+            self._conv = mx.concatenate(self._rows, axis=1)
+        return self._conv
+
+    @conv.setter
+    def conv(self, value: mx.array) -> None:
+        self._conv, self._rows = value, None
+
+    @property
+    def conv_rows(self) -> list[mx.array]:
+        if self._rows is None:
+            self._rows = [self._conv[:, j : j + 1] for j in range(self._conv.shape[1])]
+        return self._rows
+
+    @conv_rows.setter
+    def conv_rows(self, rows: list[mx.array]) -> None:
+        self._conv, self._rows = None, list(rows)
+
+    def copy(self) -> "MambaLayerState":
+        return MambaLayerState(mx.array(self.conv), mx.array(self.ssm))
+
+    def reset(self) -> None:
+        self.conv = mx.zeros_like(self.conv)
+        self.ssm = mx.zeros_like(self.ssm)
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"conv": self.conv, "ssm": self.ssm}
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+
+class AttentionLayerState:
+    """K/V cache of one attention layer: buffers (1, kv_heads, capacity, head_dim).
+
+    Positions [0, length) are valid; capacity grows in steps of KV_ALLOC_STEP.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, length: int = 0):
+        self.keys = keys
+        self.values = values
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write `keys`/`values` (1, kv_heads, L, head_dim) after the valid positions;
+        return all valid keys and values."""
+        new_len = self.length + keys.shape[2]
+        if new_len > self.capacity:
+            new_capacity = -(-new_len // KV_ALLOC_STEP) * KV_ALLOC_STEP
+            pad_shape = (1, self.keys.shape[1], new_capacity - self.length, self.keys.shape[3])
+            self.keys = mx.concatenate(
+                [self.keys[:, :, : self.length], mx.zeros(pad_shape, self.keys.dtype)], axis=2
+            )
+            self.values = mx.concatenate(
+                [self.values[:, :, : self.length], mx.zeros(pad_shape, self.values.dtype)], axis=2
+            )
+        self.keys[:, :, self.length : new_len, :] = keys.astype(self.keys.dtype)
+        self.values[:, :, self.length : new_len, :] = values.astype(self.values.dtype)
+        self.length = new_len
+        return self.keys[:, :, :new_len], self.values[:, :, :new_len]
+
+    def copy(self) -> "AttentionLayerState":
+        # New array objects: slice assignment rebinds the object it is applied to,
+        # so sharing objects would let one copy's update leak into the other.
+        return AttentionLayerState(mx.array(self.keys), mx.array(self.values), self.length)
+
+    def reset(self) -> None:
+        """Forget every position; the allocated capacity is kept for reuse."""
+        self.length = 0
+
+    def arrays(self) -> dict[str, mx.array]:
+        return {"keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class NemotronHState:
+    """Recurrent / KV state of the whole stack, one entry per layer (None for MLP layers).
+
+    `offset` counts the positions consumed so far.
+    """
+
+    def __init__(self, layers: list, offset: int = 0):
+        self.layers = layers
+        self.offset = offset
+
+    def copy(self) -> "NemotronHState":
+        return NemotronHState([None if s is None else s.copy() for s in self.layers], self.offset)
+
+    def reset(self) -> None:
+        """Back to the fresh state (zero conv/SSM states, no K/V positions, offset 0)."""
+        for s in self.layers:
+            if s is not None:
+                s.reset()
+        self.offset = 0
+
+    def arrays(self) -> dict[str, mx.array]:
+        """`layers.{i}.conv` (1, K-1, conv_dim), `layers.{i}.ssm` (1, heads, head_dim, state)
+        for Mamba layers; `layers.{i}.keys` / `layers.{i}.values` (1, kv_heads, offset,
+        head_dim), the valid positions only, for attention layers."""
+        out = {}
+        for i, layer_state in enumerate(self.layers):
+            if layer_state is not None:
+                for name, arr in layer_state.arrays().items():
+                    out[f"layers.{i}.{name}"] = arr
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, including the preallocated (not yet valid) K/V capacity."""
+        return sum(s.nbytes for s in self.layers if s is not None)
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes the attention caches grow by per consumed position (K and V, all layers)."""
+        total = 0
+        for s in self.layers:
+            if isinstance(s, AttentionLayerState):
+                _, kv_heads, _, head_dim = s.keys.shape
+                total += 2 * kv_heads * head_dim * s.keys.dtype.size
+        return total
+
+    def __repr__(self) -> str:
+        return f"NemotronHState(offset={self.offset}, layers={len(self.layers)}, nbytes={self.nbytes})"
+
+
+# --------------------------------------------------------------------------- mixers
+
+
+@dataclass(frozen=True)
+class MambaStepShape:
+    """The fixed dimensions and constants of one Mamba-2 step (part of its fused piece's key)."""
+
+    padding_columns: int  # leading in_proj columns to skip (§7.2)
+    d_inner: int
+    conv_dim: int
+    conv_kernel: int
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    eps: float
+    dt_min: float
+    dt_max: float
+    conv_bias: bool
+
+
+def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w,
+                     *taps_and_bias):
+    """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
+    recurrence, the gated grouped RMSNorm. -> (u, new conv rows, new SSM state).
+
+    The recurrence is evaluated as the chunked formulation evaluates one position (the
+    reference does so on a CPU), not as y = S_new·C: the output is built from the *old*
+    state, y = (C·B)·Δx + exp(ΔA)·(S_old·C) + D·x, with C·B one dot product per group and
+    the same product shapes, so both round alike (mathematically the two are equal).
+
+    The heads are laid out as (groups, heads per group) so a group's C·B and B broadcast over
+    its heads without a repeat; the conv state is its K-1 rows; `a` and `d_skip` arrive shaped
+    (G, rep, 1). The arithmetic is `_project` / `_gated_norm_out`'s, element for element."""
+    d_inner, heads, head_dim, groups, state_size = dims.d_inner, dims.heads, dims.head_dim, dims.groups, dims.state_size
+    taps = taps_and_bias[:dims.conv_kernel]
+    conv_bias = taps_and_bias[dims.conv_kernel] if dims.conv_bias else None
+    rep = heads // groups
+    gs = groups * state_size
+    z, xbc, dt = _split_projection(zxbcdt, dims.padding_columns, d_inner, dims.conv_dim)
+    xbc_act = nn.silu(_tap_sum_of([*conv_rows, xbc], taps, conv_bias))
+    x_h = xbc_act[..., :d_inner].reshape(1, groups, rep, head_dim)
+    b = xbc_act[..., d_inner : d_inner + gs]
+    c = xbc_act[..., d_inner + gs :]
+    dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(1, groups, rep, 1)
+    dtx = dt * x_h  # (1, G, rep, P)
+    decay = mx.exp(dt * a)  # (1, G, rep, 1)
+    cb = c.reshape(1, groups, 1, state_size) @ b.reshape(1, groups, state_size, 1)  # (1, G, 1, 1): C·B per group
+    ssm5 = ssm_state.reshape(1, groups, rep, head_dim, state_size)
+    y_state = (ssm5 @ c.reshape(1, groups, 1, state_size, 1)).reshape(1, groups, rep, head_dim)  # S_old·C
+    y = cb * dtx + decay * y_state
+    y = y + d_skip * x_h
+    ssm = dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size) \
+        + decay.reshape(1, groups, rep, 1, 1) * ssm5
+    u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, dims.eps, norm_w)  # a group's channels = its heads
+    # The newest row in the state's dtype (a no-op for float32 states).
+    rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
+    return u, *rows, ssm.reshape(1, heads, head_dim, state_size)
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 selective SSM mixer (§7.2)."""
+
+    def __init__(self, cfg: TextConfig, *, reference_rounding: bool = True):
+        super().__init__()
+        self.reference_rounding = bool(reference_rounding)
+        self.num_heads = cfg.mamba_num_heads
+        self.head_dim = cfg.mamba_head_dim
+        self.state_size = cfg.ssm_state_size
+        self.n_groups = cfg.n_groups
+        self.d_inner = cfg.mamba_d_inner
+        self.conv_dim = cfg.mamba_conv_dim
+        self.conv_kernel = cfg.conv_kernel
+        self.proj_width = cfg.mamba_in_proj_dim
+        self.eps = cfg.layer_norm_epsilon
+        self.dt_min, self.dt_max = cfg.time_step_limit
+
+        self.in_proj = nn.Linear(cfg.hidden_size, self.proj_width, bias=cfg.mamba_proj_bias)
+        self.conv1d = DepthwiseCausalConv1d(self.conv_dim, cfg.conv_kernel, bias=cfg.use_conv_bias)
+        # Mamba-2 style init: A in [-16, -1], softplus(dt_bias) log-uniform in
+        # [1e-3, 1e-1], so each step decays the state by exp(dt·A) ∈ [0.2, 0.999].
+        dt = mx.exp(mx.random.uniform(math.log(1e-3), math.log(1e-1), (self.num_heads,)))
+        self.dt_bias = dt + mx.log(-mx.expm1(-dt))  # inverse softplus
+        self.A_log = mx.log(mx.random.uniform(1.0, 16.0, (self.num_heads,)))
+        self.D = mx.ones((self.num_heads,))
+        self.norm = RMSNorm(self.d_inner, self.eps)  # gated, grouped; see _gated_norm_out
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def make_state(self, dtype) -> MambaLayerState:
+        return MambaLayerState(
+            mx.zeros((1, self.conv_kernel - 1, self.conv_dim), dtype=dtype),
+            mx.zeros((1, self.num_heads, self.head_dim, self.state_size), dtype=mx.float32),
+        )
+
+    # -- shared pieces
+
+    def _project(self, x: mx.array, state: MambaLayerState):
+        """in_proj, split, causal conv + SiLU, dt. Updates the conv state."""
+        zxbcdt = self.in_proj(x).astype(mx.float32)
+        z, xbc, dt = _split_projection(zxbcdt, self._padding_columns(zxbcdt), self.d_inner, self.conv_dim)
+        padded, state.conv = _append_conv_state(state.conv, xbc, self.conv_kernel)
+        xbc = nn.silu(self.conv1d(padded))
+
+        length = x.shape[1]
+        gs = self.n_groups * self.state_size
+        x_ssm = xbc[..., : self.d_inner].reshape(1, length, self.num_heads, self.head_dim)
+        b = xbc[..., self.d_inner : self.d_inner + gs].reshape(1, length, self.n_groups, self.state_size)
+        c = xbc[..., self.d_inner + gs :].reshape(1, length, self.n_groups, self.state_size)
+
+        dt_bias, a = self._dt_bias_and_a()
+        return z, x_ssm, b, c, _time_steps(dt, dt_bias, self.dt_min, self.dt_max), a
+
+    def _padding_columns(self, zxbcdt: mx.array) -> int:
+        """Checkpoints may carry leading padding columns in in_proj (§7.2): how many to skip."""
+        pad = zxbcdt.shape[-1] - self.proj_width
+        if pad < 0:
+            raise ValueError(
+                f"Mamba in_proj gives {zxbcdt.shape[-1]} columns; expected at least {self.proj_width} "
+                "(2·d_inner + 2·n_groups·ssm_state_size + mamba_num_heads)"
+            )
+        return pad
+
+    def _dt_bias_and_a(self) -> tuple[mx.array, mx.array]:
+        """dt_bias in float32 and a = -exp(A_log) (heads,), made once per weights: exp in A_log's
+        stored dtype as the reference computes it (bf16 in the published layout), or in float32
+        without `reference_rounding`."""
+        if self.reference_rounding:
+            return derived(self, "dt_bias_a_reference", (self.dt_bias, self.A_log),
+                           lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)))
+        return derived(self, "dt_bias_a_float32", (self.dt_bias, self.A_log),
+                       lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+
+    def _norm_weight(self) -> mx.array:
+        return derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
+
+    def _heads_of_groups(self, t: mx.array, axis: int) -> mx.array:
+        """Group g serves the contiguous heads [g·H/G, (g+1)·H/G) (clarifications)."""
+        return mx.repeat(t, self.num_heads // self.n_groups, axis=axis)
+
+    def _gated_norm_out(self, y: mx.array, z: mx.array) -> mx.array:
+        """out_proj(norm.weight ⊙ groupRMS(y ⊙ SiLU(z))), n_groups contiguous channel groups."""
+        u = _gated_norm(y, z, self.n_groups, self.eps, self._norm_weight())
+        return self.out_proj(u).astype(mx.float32)
+
+    # -- the two paths
+
+    def step(self, x: mx.array, state: MambaLayerState) -> mx.array:
+        """One position (1, 1, hidden) through the plain recurrence.
+
+        Everything between in_proj and out_proj is `_step_core`, one fixed-shape
+        function of arrays (a fused piece, `ops.fused`)."""
+        zxbcdt = self.in_proj(x).astype(mx.float32)
+        taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
+        dt_bias, a = self._dt_bias_and_a()
+        shape = (self.n_groups, self.num_heads // self.n_groups, 1)
+        a_g, d_g = derived(self, "a_D_grouped", (a, self.D),
+                           lambda a, d: (a.reshape(shape), d.astype(mx.float32).reshape(shape)))
+        dims = MambaStepShape(self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel,
+                              self.num_heads, self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min,
+                              self.dt_max, conv_bias is not None)
+        core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
+        extra = (conv_bias,) if conv_bias is not None else ()
+        u, *rows, state.ssm = core(zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(),
+                                   *taps, *extra)
+        state.conv_rows = rows
+        return self.out_proj(u).astype(mx.float32)
+
+    def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
+        """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""
+        z, x_ssm, b, c, dt, a = self._project(x, state)
+        length = x.shape[1]
+        d_skip = self.D.astype(mx.float32)[:, None, None]  # broadcasts over (1, H, T, P)
+        ssm = state.ssm
+        outputs = []
+        for start in range(0, length, chunk_size):
+            stop = min(start + chunk_size, length)
+            x_h = x_ssm[:, start:stop].transpose(0, 2, 1, 3)  # (1, H, T, P)
+            b_g = b[:, start:stop].transpose(0, 2, 1, 3)  # (1, G, T, N)
+            c_g = c[:, start:stop].transpose(0, 2, 1, 3)
+            b_h, c_h = self._heads_of_groups(b_g, axis=1), self._heads_of_groups(c_g, axis=1)  # (1, H, T, N)
+            dt_c = dt[:, start:stop].transpose(0, 2, 1)  # (1, H, T)
+            log_decay = dt_c * a[:, None]  # (1, H, T)
+
+            # Within the chunk: y_t += Σ_{s≤t} (C_t·B_s) exp(Σ_{r=s+1..t} dA_r) dt_s x_s.
+            decay_ts = mx.exp(_segment_sums(log_decay))  # (1, H, T, T)
+            scores = self._heads_of_groups(c_g @ b_g.transpose(0, 1, 3, 2), axis=1)  # C·B once per group
+            mix = scores * decay_ts * dt_c[:, :, None, :]
+            y = mix @ x_h  # (1, H, T, P)
+
+            # Carried state: y_t += exp(Σ_{r≤t} dA_r) C_t·S_0.
+            decay_from_start = mx.exp(mx.cumsum(log_decay, axis=-1))  # (1, H, T)
+            y = y + (c_h @ ssm.transpose(0, 1, 3, 2)) * decay_from_start[..., None]
+            y = y + d_skip * x_h
+
+            # State after the chunk: S_T = exp(Σ dA) S_0 + Σ_s exp(Σ_{r>s} dA_r) dt_s x_s B_sᵀ.
+            decay_to_end = decay_ts[:, :, -1, :]  # (1, H, T)
+            weighted_x = x_h * (dt_c * decay_to_end)[..., None]
+            ssm = decay_from_start[:, :, -1, None, None] * ssm + weighted_x.transpose(0, 1, 3, 2) @ b_h
+            outputs.append(y.transpose(0, 2, 1, 3))
+        state.ssm = ssm
+        y = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+        return self._gated_norm_out(y.reshape(1, length, self.d_inner), z)
+
+
+class Attention(nn.Module):
+    """Causal GQA attention, no positional encoding (§7.3)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def make_state(self, dtype) -> AttentionLayerState:
+        empty = mx.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=dtype)
+        return AttentionLayerState(empty, mx.array(empty))
+
+    def __call__(self, x: mx.array, state: AttentionLayerState) -> mx.array:
+        length = x.shape[1]
+        q = self.q_proj(x).astype(mx.float32).reshape(1, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
+        past = state.length
+        keys, values = state.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        # Query head h reads KV head h // (heads / kv_heads): view the query heads as
+        # (kv_heads, heads per KV head) so each KV head meets its contiguous block.
+        rep = self.num_heads // self.num_kv_heads
+        q = q.transpose(0, 2, 1, 3).reshape(1, self.num_kv_heads, rep, length, self.head_dim)
+        scores = (q * self.scale) @ keys[:, :, None].swapaxes(-1, -2)  # (1, KV, rep, L, T)
+        if length > 1:
+            # Query i sits at absolute position past + i and sees keys 0..past + i.
+            total = keys.shape[2]
+            visible = mx.arange(total)[None, :] <= (mx.arange(length)[:, None] + past)
+            scores = mx.where(visible, scores, -mx.inf)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        out = weights @ values[:, :, None]  # (1, KV, rep, L, D)
+        out = out.reshape(1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(1, length, self.num_heads * self.head_dim)).astype(mx.float32)
+
+
+class SquaredReluMLP(nn.Module):
+    """down_proj(relu(up_proj(x))²), no gate (§7.4)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = ops.fused(("relu_squared",), lambda: _relu_squared)(self.up_proj(x).astype(mx.float32))
+        return self.down_proj(h).astype(mx.float32)
+
+
+def _relu_squared(y: mx.array) -> mx.array:
+    h = nn.relu(y)
+    return h * h
+
+
+class NemotronHBlock(nn.Module):
+    """x + mixer(RMSNorm(x))."""
+
+    def __init__(self, cfg: TextConfig, layer_type: str, *, reference_rounding: bool = True):
+        super().__init__()
+        self.layer_type = layer_type
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if layer_type == "mamba":
+            self.mixer = Mamba2Mixer(cfg, reference_rounding=reference_rounding)
+        elif layer_type == "attention":
+            self.mixer = Attention(cfg)
+        elif layer_type == "mlp":
+            self.mixer = SquaredReluMLP(cfg)
+        else:
+            raise ValueError(f"unknown Nemotron-H layer type {layer_type!r}; expected mamba, attention or mlp")
+
+    def __call__(self, x: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
+        return x + self.mix(self.norm(x), layer_state, single_step, chunk_size)
+
+    def mix(self, h: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
+        """The mixer on the normed input h: what the block adds to its input."""
+        if self.layer_type == "mamba":
+            if single_step:
+                return self.mixer.step(h, layer_state)
+            return self.mixer.sequence(h, layer_state, chunk_size)
+        if self.layer_type == "attention":
+            return self.mixer(h, layer_state)
+        return self.mixer(h)
+
+
+def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
+    y = x + h
+    return y, ops.rms_norm(y, weight, eps)
+
+
+def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
+    """(x + h, norm(x + h)) as one fused piece: a block's residual add and the next norm."""
+    return ops.fused(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
+        x, h, norm.weight_as(x.dtype))
+
+
+# --------------------------------------------------------------------------- model
+
+
+class NemotronH(nn.Module):
+    """The `llm.` subtree: `layers.{i}.norm`, `layers.{i}.mixer.*`, `norm_f`.
+
+    `model(x, state=None)`: x (1, L, hidden) input embeddings -> (1, L, hidden)
+    final normalised hidden states. With a state the pass continues from it and
+    updates it in place; L == 1 with a state takes the single-step recurrence,
+    anything else the chunked sequence pass. Without a state the pass starts
+    from a fresh state that is then discarded.
+    """
+
+    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE,
+                 reference_rounding: bool = True):
+        super().__init__()
+        if not isinstance(text_cfg, TextConfig):
+            raise TypeError(f"NemotronH expects a TextConfig, got {type(text_cfg).__name__}")
+        if not isinstance(ssd_chunk_size, int) or ssd_chunk_size < 1:
+            raise ValueError(f"ssd_chunk_size must be a positive int, got {ssd_chunk_size!r}")
+        self.config = text_cfg
+        self.hidden_size = text_cfg.hidden_size
+        self.ssd_chunk_size = ssd_chunk_size
+        self.reference_rounding = bool(reference_rounding)
+        self.layers = [NemotronHBlock(text_cfg, t, reference_rounding=self.reference_rounding)
+                       for t in text_cfg.layer_types]
+        self.norm_f = RMSNorm(text_cfg.hidden_size, text_cfg.layer_norm_epsilon)
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [block.layer_type for block in self.layers]
+
+    def make_state(self, dtype=mx.float32) -> NemotronHState:
+        """Fresh state: zero conv/SSM states, empty K/V caches, offset 0.
+
+        `dtype` is the activation dtype of the conv state and K/V (the SSM state
+        is float32 regardless)."""
+        layers = []
+        for block in self.layers:
+            layers.append(None if block.layer_type == "mlp" else block.mixer.make_state(dtype))
+        return NemotronHState(layers)
+
+    def __call__(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
+        """x (1, L, hidden) -> (1, L, hidden); L == 1 with a state takes the single step."""
+        return self._run(x, state, single_step=state is not None and _length(x) == 1)
+
+    def step(self, x: mx.array, state: NemotronHState) -> mx.array:
+        """One position (1, 1, hidden) through the single-step recurrence; updates `state`."""
+        if state is None:
+            raise TypeError("step needs a NemotronHState (from make_state())")
+        if isinstance(x, mx.array) and x.ndim == 3 and x.shape[1] != 1:
+            raise ValueError(f"step expects one position (1, 1, {self.hidden_size}), got {tuple(x.shape)}")
+        return self._run(x, state, single_step=True)
+
+    def sequence(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
+        """L >= 1 positions through the chunked sequence pass, continuing from `state` if given."""
+        return self._run(x, state, single_step=False)
+
+    def prefill(self, x: mx.array, state: NemotronHState) -> mx.array:
+        """Positions whose inputs are known in advance (a system prompt) into `state`: one single
+        step per position as the reference takes them (`reference_rounding`), else one sequence
+        pass. -> final hidden states (1, L, hidden)."""
+        if not self.reference_rounding:
+            return self.sequence(x, state)
+        x = self._check_input(x)
+        return mx.concatenate([self.step(x[:, t:t + 1], state) for t in range(x.shape[1])], axis=1)
+
+    def forward_uncached(self, x_all: mx.array) -> mx.array:
+        """Recompute the whole history (1, T, hidden) from a fresh state ("no cache" mode)."""
+        return self._run(x_all, None, single_step=False)
+
+    # -- internals
+
+    def _run(self, x, state, single_step: bool) -> mx.array:
+        x = self._check_input(x)
+        if state is None:
+            state = self.make_state()
+        else:
+            self._check_state(state)
+        # Each block's residual add runs with the next norm (and the last with norm_f) as one
+        # piece: x + mixer(norm(x)) per block, as the blocks compute it.
+        added = None
+        for block, layer_state in zip(self.layers, state.layers):
+            if added is None:
+                h = block.norm(x)
+            else:
+                x, h = add_rms_norm(x, added, block.norm)
+            added = block.mix(h, layer_state, single_step, self.ssd_chunk_size)
+            ops.after_layer(added)  # this block may run while the next one is built
+        state.offset += x.shape[1]
+        if added is None:
+            return self.norm_f(x)
+        return add_rms_norm(x, added, self.norm_f)[1]
+
+    def _check_input(self, x) -> mx.array:
+        if not isinstance(x, mx.array):
+            raise TypeError(f"NemotronH input must be an mx.array of embeddings, got {type(x).__name__}")
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise TypeError(
+                f"NemotronH input must be floating-point embeddings (1, L, {self.hidden_size}), "
+                f"got dtype {x.dtype} (token ids are embedded by the caller)"
+            )
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size or x.shape[1] < 1:
+            raise ValueError(
+                f"NemotronH input must have shape (1, L, {self.hidden_size}) with L >= 1, "
+                f"got {tuple(x.shape)}"
+            )
+        return x.astype(mx.float32)
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, NemotronHState):
+            raise TypeError(f"state must be a NemotronHState (from make_state()), got {type(state).__name__}")
+        kinds = [
+            "mlp" if s is None else "mamba" if isinstance(s, MambaLayerState) else "attention"
+            for s in state.layers
+        ]
+        if kinds != self.layer_types:
+            raise ValueError(
+                f"state has layers {kinds}; this model's layers are {self.layer_types}: "
+                "use the state made by this model's make_state()"
+            )
+
+
+
+def _length(x) -> int | None:
+    return x.shape[1] if isinstance(x, mx.array) and x.ndim == 3 else None

@@ -1,0 +1,175 @@
+"""OpenAI Live on /v1/live/sessions (docs/server.md, "OpenAI Live").
+
+Live is full duplex like the model: after `session.start` the model's audio is one continuous
+`session.output_audio.delta` stream (one delta per 80 ms frame, silence included), and the two
+transcripts are `session.input_transcript.delta` / `session.output_transcript.delta` with the
+frame's place on the session timeline (`start_ms`, `end_ms`). `session.close` runs the last
+partial frame, sends the codec's held-back samples, `session.closed`, and closes with 1000.
+Audio is `audio/pcm` at 16 or 24 kHz both ways (soxr to and from the model's 16 / 22.05 kHz).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+
+from voicechat.server import protocol as P
+from voicechat.server.dialects.common import Dialect, openai_error
+from voicechat.server.dialects.ga import FRAME_MS, decode_pcm, parse_format, public_model_name
+from voicechat.server.resample import StreamResampler, pcm16_to_float
+
+LIVE_RATES = (16000, 24000)
+SUPPORTED = ("session.start", "session.update", "session.input_audio.append", "session.input_audio.mute",
+             "session.input_audio.unmute", "session.close")
+
+
+class LiveDialect(Dialect):
+    name = "live"
+
+    def __init__(self, conn):
+        super().__init__(conn)
+        self.model_rate = int(conn.state.worker.info["output_sample_rate"])
+        self.rate = 24000
+        self.started = False
+        self.muted = False
+        self.model = ""
+        self.instructions = ""
+        self.inp: StreamResampler | None = None
+        self.out: StreamResampler | None = None
+        self.started_at = time.time()
+        self.closing = False
+        conn.channel.raw = True
+
+    def error_payload(self, code: str, message: str, client_event_id=None) -> dict:
+        return openai_error(code, message, client_event_id, key="client_event_id")
+
+    def resource(self) -> dict:
+        return {"id": self.conn.session_id, "expires_at": int(self.started_at) + 3600, "model": self.model,
+                "status": "active", "instructions": self.instructions,
+                "audio": {"format": {"type": "audio/pcm", "rate": self.rate}}}
+
+    # -- client events
+
+    async def handle(self, msg: dict) -> None:
+        t = msg["type"]
+        cid = msg.get("event_id") if isinstance(msg.get("event_id"), str) else None
+        if t == "session.start":
+            return self._start(msg, cid)
+        if t not in SUPPORTED:
+            raise P.ProtocolError("unsupported_event", f"{t!r} is not supported by this server (a full-duplex speech "
+                                  "model without delegation); supported: " + ", ".join(SUPPORTED))
+        if not self.conn.configured:  # after session.start the commands queue behind the session's opening
+            raise P.ProtocolError("session_not_started", f"send session.start before {t}")
+        if t == "session.input_audio.append":
+            pcm = decode_pcm(msg)
+            x = pcm16_to_float(pcm)
+            if self.muted:  # muted input: the model hears silence, its timeline goes on
+                x = np.zeros_like(x)
+            await self.conn._admit_audio(self.inp.push(x))
+        elif t == "session.input_audio.mute":
+            self.muted = True
+            self.send(self._with_cid({"type": "session.input_audio.muted"}, cid))
+        elif t == "session.input_audio.unmute":
+            self.muted = False
+            self.send(self._with_cid({"type": "session.input_audio.unmuted"}, cid))
+        elif t == "session.update":
+            # Instructions and audio are immutable after startup (as in Live); the resolved session is echoed.
+            self.send(self._with_cid({"type": "session.updated", "session": self.resource()}, cid))
+        elif t == "session.close":
+            self.closing = True
+            self.conn.ending = True
+            held = self.inp.flush()  # the resampler's last samples belong to the input
+            if held.size:
+                await self.conn._admit_audio(held)
+            self.state.worker.submit("commit", self.conn.channel, True)
+
+    @staticmethod
+    def _with_cid(p: dict, cid) -> dict:
+        if cid:
+            p["client_event_id"] = cid
+        return p
+
+    def _start(self, msg: dict, cid) -> None:
+        if self.started or self.conn.configured:
+            raise P.ProtocolError("session_already_started", "session.start may be sent once per connection")
+        s = msg.get("session")
+        if not isinstance(s, dict):
+            raise P.ProtocolError("invalid_session", "session.start needs a 'session' object with 'model'")
+        model = s.get("model", "")
+        if not isinstance(model, str):
+            raise P.ProtocolError("invalid_session", "session.model must be a string")
+        instructions = s.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise P.ProtocolError("invalid_session", "session.instructions must be a string")
+        audio = s.get("audio") or {}
+        if not isinstance(audio, dict):
+            raise P.ProtocolError("invalid_session", "session.audio must be an object")
+        rate = parse_format(audio.get("format"), "session.audio.format", LIVE_RATES)
+        self.rate = rate or 24000
+        # The client's model name is accepted whatever it is; the server reports its own.
+        self.model = public_model_name(self.state.model_name)
+        self.instructions = instructions or ""
+        self.inp = StreamResampler(self.rate, P.INPUT_SAMPLE_RATE)
+        self.out = StreamResampler(self.model_rate, self.rate)
+        self._cid = cid
+        self.conn.configured = True
+        params = {"system_prompt": instructions or None, "seed": 0, "max_streaming_seconds": None, "model": None,
+                  "max_prompt_tokens": self.conn.limits.max_prompt_tokens}
+        self.conn._session_params = params
+        self.state.worker.submit("open", self.conn.channel, params)
+
+    # -- worker items
+
+    def _audio_delta(self, samples: np.ndarray) -> dict | None:
+        if samples.size == 0:
+            return None
+        return {"type": "session.output_audio.delta",
+                "delta": base64.b64encode(P.pcm16(samples).tobytes()).decode("ascii")}
+
+    def map_events(self, events) -> list:
+        out: list = []
+        for e in events:
+            k = e.kind
+            if k in ("user_transcript_delta", "assistant_text_delta") and e.delta:
+                f = int(e.frame_index)
+                t = "session.input_transcript.delta" if k == "user_transcript_delta" else "session.output_transcript.delta"
+                out.append({"type": t, "delta": e.delta, "start_ms": f * FRAME_MS, "end_ms": (f + 1) * FRAME_MS})
+            elif k == "audio":
+                d = self._audio_delta(self.out.push(e.samples))
+                if d:
+                    out.append(d)
+            elif k == "audio_tail":
+                for x in (self.out.push(e.samples), self.out.flush()):
+                    d = self._audio_delta(x)
+                    if d:
+                        out.append(d)
+        return out
+
+    async def on_item(self, item) -> bool:
+        kind = item[0]
+        if kind == "raw":
+            await self.send_now(self.map_events(item[1]))
+            return True
+        if kind == "opened":
+            self.started = True
+            await self.send_now([self._with_cid({"type": "session.started", "session": self.resource()},
+                                                getattr(self, "_cid", None))])
+            return True
+        if kind == "open_failed":
+            self.conn.configured = False  # another session.start may follow
+            self.conn.m.client_errors.labels(code=item[1]).inc()
+            await self.send_now([self.error_payload(item[1], item[2])])
+            return True
+        if kind == "events":  # the worker's commit marker (mlx-vlm's input_audio_buffer.committed): not Live's
+            return True
+        if kind == "finished" and self.closing:
+            usage = {"seconds": float(round(self.conn.channel.received_samples / P.INPUT_SAMPLE_RATE))}
+            await self.send_now([{"type": "session.closed", "reason": "close_requested", "session": self.resource(),
+                                  "usage": usage}])
+            return False  # the connection closes the socket (1000)
+        if kind == "timeout" and item[1] == "session_update_timeout":
+            return ("timeout", item[1], f"no session.start within {self.conn.limits.session_update_timeout:g} s "
+                                        "of connecting; closing")
+        return False

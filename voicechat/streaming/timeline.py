@@ -1,0 +1,217 @@
+"""The generation timeline shared by `generate`, `generate_stream` and the streaming session.
+
+One timeline position per system-prompt token, then one per audio frame
+(docs/model.md §7.5, §10.2-10.3). At each position:
+
+    in_t   = E(text_{t-1}) + a_t + w_f * E(function_{t-1})     (PAD before t = 0)
+    hidden = Nemotron-H step (cached state, or the whole history recomputed)
+    text_t, function_t = argmax of the two heads (PAD at prompt positions)
+    codes_t = silence codes at t = 0, else one EAR-TTS step fed text_t
+
+Everything stays on the device: ids are MLX scalars and codes MLX arrays
+until the caller evaluates them once per frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from voicechat.model.llm.nemotron_h import NemotronHState
+from voicechat.model.tts.ear_tts import EarTtsState, TextEmbeddingCache
+from voicechat.model.tts.rng import SessionRandom
+from voicechat.tools.channel import render_system_prompt
+
+
+@dataclass
+class StepOutput:
+    """Lazy outputs of one audio position."""
+
+    position: int
+    text_id: mx.array  # int32 scalar
+    function_id: mx.array  # int32 scalar
+    codes: mx.array  # int32 (Q,), raw (before control-code replacement)
+    text_logits: mx.array  # float32 (V,)
+    function_logits: mx.array  # float32 (V,)
+    forced: bool = False  # a tool response token was forced (text_id is then PAD, function_id that token)
+
+
+class TimelineState:
+    """Explicit state of the generation side (inspect with `arrays()`, `copy()` to branch)."""
+
+    def __init__(self, llm: NemotronHState | None, tts: EarTtsState, rng: SessionRandom, pad_id: int):
+        self.llm = llm  # None in recompute mode (use_language_cache=False)
+        self.llm_inputs: list[mx.array] = []  # history of LLM inputs, recompute mode only
+        self.tts = tts
+        self.rng = rng
+        self.prev_text = mx.array(pad_id, dtype=mx.int32)
+        self.prev_function = mx.array(pad_id, dtype=mx.int32)
+        self.position = 0
+
+    def copy(self) -> "TimelineState":
+        other = TimelineState.__new__(TimelineState)
+        other.llm = self.llm.copy() if self.llm is not None else None
+        other.llm_inputs = list(self.llm_inputs)
+        other.tts = self.tts.copy()
+        other.rng = self.rng.copy()
+        other.prev_text, other.prev_function = self.prev_text, self.prev_function
+        other.position = self.position
+        return other
+
+    def arrays(self) -> dict[str, mx.array]:
+        out = {}
+        if self.llm is not None:
+            out.update({f"llm.{k}": v for k, v in self.llm.arrays().items()})
+        out.update({f"tts.{k}": v for k, v in self.tts.arrays().items()})
+        out.update({f"rng.{k}": v for k, v in self.rng.arrays().items()})
+        out["prev_text"], out["prev_function"] = self.prev_text, self.prev_function
+        return out
+
+
+PREFILL_PIECE = 32  # prompt positions between two should_stop questions of a prefill
+
+
+def _stop_point(st, should_stop) -> None:
+    mx.eval(st.arrays())
+    if should_stop():
+        from voicechat.errors import PrefillStoppedError
+
+        raise PrefillStoppedError("the system-prompt prefill was stopped (should_stop returned true)")
+
+
+class Timeline:
+    """Drives `TimelineState` over a model. Create, `start(prompt)`, then `step(audio_emb)` per frame."""
+
+    def __init__(self, model, *, seed: int = 0, use_language_cache: bool = True):
+        self.model = model
+        cfg = model.config
+        self.cfg = cfg
+        self.use_language_cache = use_language_cache
+        llm_state = model.stt_model.llm.make_state() if use_language_cache else None
+        self.state = TimelineState(llm_state, model.warm_tts_state(), SessionRandom(seed), cfg.pad_token_id)
+        self.silence_codes = model.tts_model.codec_silence_tokens.astype(mx.int32)
+        self.prompt_positions = 0
+        self.text_cache = TextEmbeddingCache()
+
+    # -- LLM
+
+    def _llm_last_hidden(self, x: mx.array) -> mx.array:
+        """x (1, L, H) new inputs -> final hidden of the last position (1, H)."""
+        st = self.state
+        llm = self.model.stt_model.llm
+        if st.llm is not None:
+            return llm(x, st.llm)[:, -1]
+        st.llm_inputs.append(x)
+        # Diagnostic mode: recompute the whole history every step (quadratic).
+        return llm.forward_uncached(mx.concatenate(st.llm_inputs, axis=1))[:, -1]
+
+    # -- TTS
+
+    def _tts(self, text_id) -> mx.array:
+        st = self.state
+        if st.position == 0:
+            return self.silence_codes  # reference: no TTS step at timeline position 0
+        # The id on the host: the char encoder then runs the token's own characters (as the
+        # reference does) instead of the table's max_chars padded rows. The wait costs little:
+        # the TTS cannot start before the id exists.
+        token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
+        return self.model.tts_model.tts_model.step(
+            st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes,
+            text_cache=self.text_cache,
+        )
+
+    # -- public
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        """[bos] + encode(prompt) + [eos] when the stripped prompt is non-empty, else []."""
+        if system_prompt is None:
+            system_prompt = self.cfg.default_system_prompt
+        if not isinstance(system_prompt, str):
+            raise TypeError(f"system_prompt must be a str or None, got {type(system_prompt).__name__}")
+        if not system_prompt.strip():
+            return []
+        return [self.cfg.bos_token_id] + self.model.tokenizer.encode(system_prompt) + [self.cfg.eos_token_id]
+
+    def start(self, system_prompt: str | None, should_stop=None) -> int:
+        """System-prompt prefill; returns the number of prompt positions.
+
+        `should_stop`: a callable asked between pieces of PREFILL_PIECE positions (each piece
+        evaluated first, the same operations as in one go); when it returns true the prefill
+        stops with `PrefillStoppedError` (a server whose client left frees the model at once).
+        Under the float32 numerics the LLM's sequence pass stays one piece (chunking it would
+        change its rounding); the TTS steps are still asked between pieces.
+
+        The prompt's LLM inputs do not depend on its outputs (forced PAD): the LLM
+        steps one token at a time as the reference does, or, with the float32
+        numerics, runs them as one sequence pass (the two agree to float rounding;
+        `NemotronH.prefill`). The TTS takes one (autoregressive) step per prompt
+        position after position 0.
+        """
+        ids = self.prompt_ids(system_prompt)
+        if not ids:
+            return 0
+        st = self.state
+        m = self.model
+        pad = self.cfg.pad_token_id
+        x = m.prompt_input(mx.array(ids, dtype=mx.int32))[None]  # E(PAD) + E(prompt) + w * E(PAD)
+        llm = m.stt_model.llm
+        if st.llm is None:
+            st.llm_inputs.append(x)
+        elif should_stop is None or not llm.reference_rounding:
+            llm.prefill(x, st.llm)
+        else:  # reference rounding steps one position at a time anyway: pieces are the same steps
+            for a in range(0, x.shape[1], PREFILL_PIECE):
+                llm.prefill(x[:, a:a + PREFILL_PIECE], st.llm)
+                _stop_point(st, should_stop)
+        pad_id = mx.array(pad, dtype=mx.int32)
+        for i in range(len(ids)):
+            self._tts(pad_id)
+            st.position += 1
+            if should_stop is not None and (i + 1) % PREFILL_PIECE == 0:
+                _stop_point(st, should_stop)
+        mx.eval(st.arrays())
+        self.prompt_positions = len(ids)
+        return len(ids)
+
+    def step(self, audio_emb: mx.array, forced: int | None = None) -> StepOutput:
+        """One audio position (lazy); `forced`: a function token forced onto this position (tools)."""
+        position = self.state.position
+        text_id, function_id, text_logits, function_logits = self.language_step(audio_emb)
+        text_id, function_id = self.feed(text_id, function_id, forced)
+        codes = self.tts_step(text_id, function_id)
+        return StepOutput(position, text_id, function_id, codes, text_logits, function_logits, forced is not None)
+
+    def feed(self, text_id: mx.array, function_id: mx.array, forced: int | None):
+        """The ids this position carries on (to the TTS and the next input): the model's argmax, or,
+        while a tool response is injected, PAD on the text channel and the forced function token."""
+        if forced is None:
+            return text_id, function_id
+        return mx.array(self.cfg.pad_token_id, dtype=mx.int32), mx.array(int(forced), dtype=mx.int32)
+
+    def language_step(self, audio_emb: mx.array):
+        """The LLM half of `step` (the profiler times the halves separately)."""
+        st = self.state
+        m = self.model
+        x = m.fused_input(st.prev_text[None], audio_emb.reshape(1, -1), st.prev_function[None])[None]
+        hidden = self._llm_last_hidden(x)
+        text_logits, function_logits = m.heads(hidden)
+        text_id = mx.argmax(text_logits[0]).astype(mx.int32)
+        function_id = mx.argmax(function_logits[0]).astype(mx.int32)
+        return text_id, function_id, text_logits[0], function_logits[0]
+
+    def tts_step(self, text_id: mx.array, function_id: mx.array) -> mx.array:
+        """The TTS half of `step`; advances the position."""
+        st = self.state
+        codes = self._tts(text_id)
+        st.prev_text, st.prev_function = text_id, function_id
+        st.position += 1
+        return codes
+
+
+def session_prompt(cfg, system_prompt, tools) -> str | None:
+    """The prompt the timeline prefills: the given one (None: the config's default), with the
+    trained tools block when there are tools (voicechat.tools.render_system_prompt)."""
+    if not tools:
+        return system_prompt
+    return render_system_prompt(cfg.default_system_prompt if system_prompt is None else system_prompt, tools)
