@@ -78,7 +78,24 @@ def add_bench_parser(subparsers) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+# The bench writes its tables with pandas and its plots with matplotlib: the `bench` extra, not
+# dependencies of the speech model.
+BENCH_EXTRA = ("pandas", "matplotlib")
+
+
+def missing_bench_extra() -> list[str]:
+    """The packages of the `bench` extra that are not installed."""
+    import importlib.util
+
+    return [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+
+
 def cmd_bench(args) -> int:
+    missing = missing_bench_extra()
+    if missing:
+        print(f"voicechat bench: needs {' and '.join(missing)} (the `bench` extra): "
+              f"pip install 'voicechat-mlx[bench]' (from a clone: pip install -e '.[bench]')", file=sys.stderr)
+        return 2
     from .docs import update_docs
 
     if args.rerender:

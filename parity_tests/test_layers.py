@@ -116,3 +116,17 @@ def test_the_top_of_the_package_is_the_api_and_its_folders():
     assert folders == ["cli", "io", "model", "runtime", "samples", "server", "streaming", "synthetic", "tools"]
     for f in folders:  # each says its purpose
         assert ast.get_docstring(ast.parse((PACKAGE / f / "__init__.py").read_text())), f
+
+
+def test_bench_without_its_extra_says_which_to_install_and_the_rest_runs():
+    """pandas and matplotlib are the `bench` extra: without them `voicechat bench` says what to install
+    (exit 2), and the speech model's commands build and parse as before."""
+    code = ("import sys; sys.modules['pandas'] = None; sys.modules['matplotlib'] = None\n"
+            "from voicechat.cli.main import build_parser, main\n"
+            "build_parser().parse_args(['synth', 'x'])\n"
+            "rc = main(['bench', '-m', 'tiny'])\n"
+            "assert 'pandas' not in [m for m, v in sys.modules.items() if v is not None]\n"
+            "sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "needs pandas and matplotlib (the `bench` extra)" in r.stderr and "voicechat-mlx[bench]" in r.stderr
