@@ -255,6 +255,8 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
                             ("decoder", cfg.decoder), ("joint", cfg.joint)):
         for key, value in audio.get(section, {}).items():
             dotted = f"audio_config.{section}.{key}"
+            if key.startswith("_"):
+                continue  # NeMo bookkeeping (e.g. _target_removed), read by no implementation
             if key == "att_context_size":
                 if [_att_context(audio[section])] != [list(x) for x in parsed.att_context_size]:
                     raise UnsupportedCheckpoint(dotted, value, parsed.att_context_size)
