@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm")
+BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm", "mlx-audio")
 
 
 def add_parity_parser(sub) -> None:

@@ -51,7 +51,7 @@ import json
 import math
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -343,6 +343,7 @@ class MlxAudioBackend(Backend):
         self.load_s = 0.0
         self.load_report: dict = {}
         self.version = "?"
+        self.stored_tokenizer_buffers: dict = {}
 
     # -- loading
 
@@ -400,6 +401,8 @@ class MlxAudioBackend(Backend):
                               "differing_ids": [int(i) for i in diff[:20]], "n_differing": int(diff.size)}
         self.load_s = time.perf_counter() - t0
         self.model, self.session, self.checkpoint = model, session, str(checkpoint)
+        self.stored_tokenizer_buffers = {k: v[:vocab + 1] if k == TOKENIZER_BUFFERS[0] else v[:vocab]
+                                         for k, v in stored.items()}
         self.version = getattr(mlx_audio, "__version__", "?")
         self.load_report = {"let_through_by_strict_false": let_through, "tokenizer_buffers": buffers,
                             "config_keys_checked": len(checked)}
@@ -675,4 +678,88 @@ class MlxAudioBackend(Backend):
         )
 
 
-__all__ = ["MlxAudioBackend", "UnsupportedCheckpoint", "translate_config", "check_config", "TOKENIZER_BUFFERS"]
+# --------------------------------------------------------------------------- known departures
+
+# Where mlx-audio 0.6.2 computes EAR-TTS differently from mlx-vlm 0.7.10 (and this project's default
+# numerics): file:line in mlx_audio/sts/models/nemotron_voicechat/. Each one can be undone in memory for
+# one run (`departures_undone`), which is how the harness verifies the documented difference and how
+# parity_tests/test_peers_mlx_audio_departures.py pins each cause.
+DEPARTURES = {
+    "mixture_sampling": "tts.py:93-96 (MoGHead.infer): the mixture component is drawn with "
+                        "mx.random.categorical on top-p'd log-probabilities; mlx-vlm draws one uniform "
+                        "tensor and adds its Gumbel transform -log(-log(u + 1e-8) + 1e-8) itself, so the "
+                        "same seed gives other components",
+    "norm_dtype": "tts.py:23 (RMSNorm) and t5gemma.py:14 (RMSNorm): the EAR-TTS MLP / MoG / fusion norms "
+                  "and the character encoder's norms compute in the activations' dtype with 1 + w in the "
+                  "weight dtype (bf16 on bf16 weights); mlx-vlm's OffsetRMSNorm computes them in float32",
+    "depthsum_dtype": "tts.py:324-331 (EARTTSModel.depthsum_embedding): the codebook vectors are summed in "
+                      "the codebooks' dtype (bf16); mlx-vlm sums them into a float32 accumulator",
+    "continuation_flags": "tts.py:193-201 (CharAwareSubwordEncoder.set_tokenizer): the subword "
+                          "continuation flags are rebuilt from the tokenizer (a token continues a word unless "
+                          "it starts with 'Ġ', '▁' or '<'), replacing the checkpoint's stored "
+                          "is_continuation buffer, which mlx-vlm uses",
+}
+CODE_DEPARTURES = tuple(DEPARTURES)
+
+
+class _RandomWithGumbel:
+    """`mx.random` as seen by mlx-audio's tts.py, with `categorical` drawing as mlx-vlm does."""
+
+    def __getattr__(self, key):
+        return getattr(mx.random, key)
+
+    @staticmethod
+    def categorical(logits, axis=-1):
+        u = mx.random.uniform(shape=logits.shape)
+        return mx.argmax(logits.astype(mx.float32) - mx.log(-mx.log(u + 1e-8) + 1e-8), axis=axis)
+
+
+class _MxWithGumbel:
+    random = _RandomWithGumbel()
+
+    def __getattr__(self, key):
+        return getattr(mx, key)
+
+
+def _float32_norm(self, x):
+    return mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
+
+
+@contextmanager
+def departures_undone(backend: "MlxAudioBackend", names=CODE_DEPARTURES):
+    """For the duration of the block, mlx-audio computes as mlx-vlm does at the named places (in memory;
+    everything restored afterwards)."""
+    from mlx_audio.sts.models.nemotron_voicechat import t5gemma as ma_t5gemma
+    from mlx_audio.sts.models.nemotron_voicechat import tts as ma_tts
+
+    unknown = set(names) - set(DEPARTURES)
+    if unknown:
+        raise KeyError(f"unknown mlx-audio departures {sorted(unknown)}; known: {sorted(DEPARTURES)}")
+    ear = backend.model.tts_model.tts_model
+    with ExitStack() as stack:
+        if "mixture_sampling" in names:
+            stack.enter_context(_patched(ma_tts, "mx", _MxWithGumbel()))
+        if "norm_dtype" in names:
+            stack.enter_context(_patched(ma_tts.RMSNorm, "__call__", _float32_norm))
+            stack.enter_context(_patched(ma_t5gemma.RMSNorm, "__call__", _float32_norm))
+        if "depthsum_dtype" in names:
+            orig = ear.depthsum_embedding
+
+            def depthsum_embedding(codes):
+                books = ear.rvq_embs
+                ear.rvq_embs = books.astype(mx.float32)
+                try:
+                    return orig(codes)
+                finally:
+                    ear.rvq_embs = books
+
+            stack.enter_context(_patched(ear, "depthsum_embedding", depthsum_embedding))
+        if "continuation_flags" in names and TOKENIZER_BUFFERS[0] in backend.stored_tokenizer_buffers:
+            flags = ear.embed_subword.subword_flag_emb
+            rebuilt = flags.is_continuation  # a module parameter (not in vars()): swapped by hand
+            flags.is_continuation = mx.array(backend.stored_tokenizer_buffers[TOKENIZER_BUFFERS[0]])
+            stack.callback(setattr, flags, "is_continuation", rebuilt)
+        yield
+
+
+__all__ = ["MlxAudioBackend", "DEPARTURES", "CODE_DEPARTURES", "departures_undone", "UnsupportedCheckpoint", "translate_config", "check_config", "TOKENIZER_BUFFERS"]
