@@ -159,7 +159,7 @@ def run_parity_cli(args) -> int:
     from .dump import dump_reference
     from .engine import read_input, run_parity
 
-    againsts = list(args.against or [])
+    againsts = [args.against] if isinstance(args.against, str) else list(args.against or [])
     if len(againsts) > 1:
         return _run_matrix_cli(args, againsts)
     args.against = againsts[0] if againsts else None
