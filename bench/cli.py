@@ -6,7 +6,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm")
+BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm", "mlx-audio")
 DEFAULT_AUDIO = "long_question.wav"  # bundled: past the conformer's attention window
 
 EPILOG = """examples:
@@ -36,7 +36,7 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
                    help="implementation to run (repeatable; default voicechat); voicechat-serial = this project under "
                         "ExecutionPolicy.serial() (one CPU stream, nothing compiled, no CPU kernels, no overlapped evaluation); "
-                        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm needs the peers extra")
+                        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm and mlx-audio need the peers extra")
     p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")
     p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)")

@@ -1,12 +1,16 @@
 """`voicechat parity`: run the parity harness on one checkpoint and one input; exit 1 when a family fails.
 
     voicechat parity -m CKPT [--audio question.wav] [--prompt P] [--seed N] [--quiet]
-                     [--backend voicechat|mlx-vlm] [--against voicechat|mlx-vlm|mlx-vlm-server|FILE.npz]
+                     [--backend voicechat|mlx-vlm|mlx-audio]
+                     [--against voicechat|mlx-vlm|mlx-audio|mlx-vlm-server|FILE.npz ...]
                      [--out DIR] [--dump-reference FILE.npz] [--tools tools.json] [--prompt-state-rows]
 
 Writes `<stem>.json` and `<stem>.md` to --out (default reports/parity/) and
-prints the Markdown path and the failing rows. Exit status: 0 when no row
-failed, 1 when a family failed, 2 for bad arguments.
+prints the Markdown path and the failing rows. Several --against give every
+pair of the implementations (the --backend and each --against) in one report,
+with per pair its first difference and, with three, the odd one out. Exit
+status: 0 when no row failed (every pair agrees), 1 when a family failed, 2 for
+bad arguments.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm")
+BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm", "mlx-audio")
 
 
 def add_parity_parser(sub) -> None:
@@ -30,8 +34,9 @@ def add_parity_parser(sub) -> None:
     p.add_argument("-p", "--prompt", default=None, help="system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, default="voicechat", help="the implementation under test")
-    p.add_argument("--against", default=None, metavar="voicechat|mlx-vlm|mlx-vlm-server|FILE.npz",
+    p.add_argument("--against", default=None, action="append", metavar="voicechat|mlx-vlm|mlx-audio|mlx-vlm-server|FILE.npz",
                    help="also compare offline vs offline and streamed vs streamed against this backend or dump; "
+                        "repeat it for a matrix of every pair (e.g. --against mlx-vlm --against mlx-audio); "
                         "mlx-vlm-server: only the protocol-level rows of voicechat serve vs mlx_vlm.server")
     p.add_argument("--out", default=None, help="report folder (default reports/parity/)")
     p.add_argument("--dump-reference", default=None, metavar="FILE.npz",
@@ -103,10 +108,61 @@ def _run_server_parity(args) -> int:
     return 0 if report.ok else 1
 
 
+def _run_matrix_cli(args, againsts: list[str]) -> int:
+    from .engine import read_input, run_matrix
+
+    names = [args.backend] + againsts
+    bad = [n for n in againsts if n not in BACKENDS]
+    if bad or len(set(names)) != len(names):
+        print(f"error: a matrix takes distinct backends among {', '.join(BACKENDS)} (no dumps / server), got "
+              f"{names}", file=sys.stderr)
+        return 2
+    if args.tools or args.prompt_state_rows or args.dump_reference:
+        print("error: --tools / --prompt-state-rows / --dump-reference take a single --against", file=sys.stderr)
+        return 2
+    if args.quiet:
+        from voicechat.progress import set_quiet
+
+        set_quiet(True)
+    from voicechat.audio_input import resolve_input_path
+
+    if not resolve_input_path(args.audio).exists():
+        raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
+    backends = [make_backend(args.backend, args.model, numerics=args.numerics,
+                             component_max_frames=args.component_max_frames)]
+    backends += [make_backend(n, args.model) for n in againsts]
+    wave, name = read_input(args.audio)
+    report = run_matrix(backends, wave, system_prompt=args.prompt, seed=args.seed, checkpoint=args.model,
+                        input_name=Path(name).name, chunk_samples=args.chunk_samples,
+                        components=not args.no_components)
+    jp, mp = report.write(args.out)
+    c = report.counts()
+    print(f"parity {'PASS' if report.ok else 'FAIL'}: {c['pass']} pass, {c['fail']} fail, "
+          f"{c['documented difference']} documented difference, {c['not available']} not available")
+    print(f"wrote {mp} and {jp}")
+    for tag, p in report.matrix["pairs"].items():
+        first = p["first_failure"] or p["first_documented"]
+        where = "" if first is None else (f"; first {'failing' if p['first_failure'] else 'documented'}: "
+                                          f"{first['family']} / {first['comparison'].split(':')[0]} / frame "
+                                          f"{first['frame']} / {first['field']}")
+        print(f"  {tag}: {'agrees' if p['ok'] else 'DIFFERS'} ({p['fail']} fail, {p['documented']} documented){where}")
+    for o in report.matrix["odd_one_out"]:
+        print(f"  odd one out: {o['odd_one_out']} on {o['path']} / {o['family']} / {o['field']}"
+              + (" (documented)" if o["documented"] else ""))
+    for r in report.failed():
+        print(f"  FAIL {r.family} / {r.comparison} / {r.metric}: observed {r.observed}, tolerance {r.tolerance}, "
+              f"first failing {r.frame_unit} {r.first_failing_frame}" + (f" ({r.note})" if r.note else ""))
+    return 0 if report.ok else 1
+
+
 def run_parity_cli(args) -> int:
     from .dump import dump_reference
     from .engine import read_input, run_parity
 
+    againsts = [args.against] if isinstance(args.against, str) else list(args.against or [])
+    if len(againsts) > 1:
+        return _run_matrix_cli(args, againsts)
+    args.against = againsts[0] if againsts else None
     if args.against == "mlx-vlm-server":
         return _run_server_parity(args)
     if args.against is not None and not (args.against in BACKENDS or args.against.endswith(".npz")):

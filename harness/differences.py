@@ -108,6 +108,32 @@ DIFFERENCES: dict[str, DocumentedDifference] = {d.id: d for d in (
         pinned_by=("parity_tests/test_peers.py::test_cross_codec_differs_only_by_the_bf16_latent",),
     ),
     DocumentedDifference(
+        id="mlx_audio_tts_departures",
+        spec="measured (docs/peers.md, 'mlx-audio'; harness/backends/mlx_audio_backend.py DEPARTURES)",
+        summary="mlx-audio 0.6.2's EAR-TTS departs from mlx-vlm 0.7.10 (and this project's default numerics) in "
+                "four places: its mixture component is drawn with mx.random.categorical (tts.py:93-96), its "
+                "EAR-TTS and character-encoder norms compute in bf16 (tts.py:23, t5gemma.py:14), it sums the "
+                "codebook vectors in bf16 (tts.py:324-331), and it rebuilds the subword continuation flags "
+                "from the tokenizer instead of the checkpoint's buffer (tts.py:193-201). Its codes differ "
+                "from the first TTS step on bf16 / quantized checkpoints and wherever sampling is not greedy; "
+                "its language path is bit-identical.",
+        verified_by="mlx-audio re-run on the same input with the four departures undone in memory "
+                    "(mlx_audio_backend.departures_undone) gives exactly the other implementation's codes "
+                    "on the row's path",
+        pinned_by=("parity_tests/test_peers_mlx_audio_departures.py::test_each_departure_is_necessary",
+                   "parity_tests/test_peers_mlx_audio_departures.py::test_all_departures_undone_equal_codes",
+                   "parity_tests/test_peers_mlx_audio.py::"
+                   "test_4bit_language_path_equal_codes_differ_until_the_departures_are_undone"),
+    ),
+    DocumentedDifference(
+        id="mlx_audio_text_strip",
+        spec="measured (docs/peers.md, 'mlx-audio'); mlx_audio/sts/models/nemotron_voicechat/session.py:42",
+        summary="mlx-audio's offline generate strips the agent text (VoiceChatSession._decode_text); mlx-vlm "
+                "and this project keep its leading / trailing whitespace. Its streamed text is not stripped.",
+        verified_by="the offline text ids are equal and mlx-audio's text equals the other's text stripped",
+        pinned_by=("parity_tests/test_peers_mlx_audio_departures.py::test_offline_text_is_stripped",),
+    ),
+    DocumentedDifference(
         id="float32_numerics",
         spec="docs/model.md §12.2 item 6; voicechat/model/tts/numerics.py",
         summary="The reference rounds parts of EAR-TTS to the weight dtype (bf16): the backbone norms' "

@@ -366,6 +366,8 @@ def cross_rows(a: Runs, b: Runs, a_backend: Backend, b_backend: Backend, *, syst
     # Order matters: a later frame's code difference explained by the norm rounding must be settled
     # before the frame-0 entry (which needs every later frame equal or explained) is judged.
     _apply_xscaling(rows, a_backend)
+    _apply_mlx_audio(rows, a, b, a_backend, b_backend, system_prompt=system_prompt, audio=audio, seed=seed,
+                     chunk_samples=chunk_samples)
     _apply_norm_precision(rows, a, b, a_backend, system_prompt=system_prompt, audio=audio, seed=seed,
                           chunk_samples=chunk_samples)
     _apply_reference_stream_logits(rows, a, b, system_prompt=system_prompt)
@@ -505,6 +507,55 @@ def _apply_codec_tail(rows, comparison, ra: StreamRun, rb: StreamRun, lead: int)
                 _documented(r, "codec_tail", f"their tail is empty, ours has lead_in = {lead} samples, the audio "
                                              "events have equal lengths")
     rows.extend([row_len, row_total])
+
+
+def _apply_mlx_audio(rows, a: Runs, b: Runs, a_backend, b_backend, *, system_prompt, audio, seed,
+                     chunk_samples) -> None:
+    """Rows of a pair with mlx-audio that fail by its known departures (harness.differences:
+    mlx_audio_tts_departures, mlx_audio_text_strip), verified by re-running mlx-audio with the departures
+    undone (codes) or by the stripped text (offline agent text)."""
+    if "mlx-audio" not in (a_backend.name, b_backend.name):
+        return
+    ma, other_runs, ma_runs = (a_backend, b, a) if a_backend.name == "mlx-audio" else (b_backend, a, b)
+    code_metrics = ("codes per frame", "decoded codes per frame", "first audio frame: codes")
+    cache: dict[str, object] = {}
+    for r in rows:
+        if r.status != FAIL:
+            continue
+        path = "offline" if r.comparison.startswith("offline:") else "streamed"
+        theirs = other_runs.offline if path == "offline" else other_runs.stream
+        mine = ma_runs.offline if path == "offline" else ma_runs.stream
+        if r.family == E2E and r.metric == "assistant text" and path == "offline":
+            ids_ok = np.array_equal(np.asarray(mine.text_ids), np.asarray(theirs.text_ids))
+            if ids_ok and mine.text == theirs.text.strip() and theirs.text != mine.text:
+                _documented(r, "mlx_audio_text_strip", "equal text ids; mlx-audio's text is the other's stripped")
+            continue
+        if not (r.family == E2E and r.metric in code_metrics):
+            continue
+        from .backends.mlx_audio_backend import departures_undone
+
+        if path not in cache:
+            with departures_undone(ma):
+                cache[path] = (ma.offline(audio, system_prompt=system_prompt, seed=seed) if path == "offline" else
+                               ma.stream(audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples))
+        redo = cache[path]
+        decoded = r.metric == "decoded codes per frame"
+        x = np.asarray(redo.decoded_codes if decoded else redo.codes)
+        y = np.asarray(theirs.decoded_codes if decoded else theirs.codes)
+        skip = 1 if (path == "offline" and _frame0_difference(a, b, system_prompt, a_backend)) else 0
+        if r.metric == "first audio frame: codes":
+            if skip:
+                continue  # frame 0 is the frame0_codes_no_prompt entry's
+            x, y = x[:1], y[:1]
+        else:
+            x, y = x[skip:], y[skip:]
+        if x.shape == y.shape and np.array_equal(x, y):
+            _documented(r, "mlx_audio_tts_departures", f"with its departures undone mlx-audio's {path} codes equal "
+                                                       "the other's on every frame" + (" after frame 0" if skip else ""))
+        else:
+            k = _first_code_mismatch(x, y)
+            r.note = "; ".join(p for p in (r.note, "with mlx-audio's departures undone the codes still differ at "
+                                                   f"frame {None if k is None else k + skip}") if p)
 
 
 def _apply_xscaling(rows: list[FamilyResult], a_backend) -> None:
@@ -721,5 +772,121 @@ def run_parity(backend: Backend, audio, *, against: Backend | None = None, syste
     return report
 
 
-__all__ = ["Runs", "collect_runs", "self_rows", "cross_rows", "run_parity", "read_input", "audio_digest", "versions",
+def _first_row(rows: list[FamilyResult], statuses) -> FamilyResult | None:
+    """The row that differs first: the smallest first failing frame, then the report order (perception
+    families before the language path before the end-to-end rows)."""
+    cands = [r for r in rows if r.status in statuses]
+    if not cands:
+        return None
+    order = {f: i for i, f in enumerate((MEL, CONFORMER, RNNT, NEMOTRON, EAR_TTS, CODEC, E2E))}
+    return min(cands, key=lambda r: (r.first_failing_frame if r.first_failing_frame is not None else 10 ** 9,
+                                     order.get(r.family, 99), rows.index(r)))
+
+
+def _row_ref(r: FamilyResult | None) -> dict | None:
+    if r is None:
+        return None
+    return {"family": r.family, "comparison": r.comparison, "field": r.metric, "frame": r.first_failing_frame,
+            "observed": r.observed, "status": r.status, "difference_id": r.difference_id}
+
+
+def matrix_summary(names: list[str], rows: list[FamilyResult]) -> dict:
+    """Per pair: agreement and its first differing family / frame / field (failing, then documented);
+    per field with three or more implementations: the odd one out where the others agree."""
+    pairs = {}
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            tag = f"{x} vs {y}"
+            pr = [r for r in rows if r.comparison.endswith(": " + tag)]
+            pairs[tag] = {"ok": not any(r.status == FAIL for r in pr), "rows": len(pr),
+                          "fail": sum(r.status == FAIL for r in pr),
+                          "documented": sum(r.status == DOCUMENTED for r in pr),
+                          "first_failure": _row_ref(_first_row(pr, (FAIL,))),
+                          "first_documented": _row_ref(_first_row(pr, (DOCUMENTED,)))}
+    odd = []
+    if len(names) >= 3:
+        fields = sorted({(r.comparison.split(":")[0], r.family, r.metric) for r in rows if ": " in r.comparison
+                         and " vs " in r.comparison})
+        for path, family, metric in fields:
+            status = {}
+            for i, x in enumerate(names):
+                for y in names[i + 1:]:
+                    found = [r for r in rows if r.comparison == f"{path}: {x} vs {y}" and r.family == family
+                             and r.metric == metric]
+                    if found:
+                        status[(x, y)] = found[0].status
+            agree = {k for k, v in status.items() if v == PASS}
+            differ = {k for k, v in status.items() if v in (FAIL, DOCUMENTED)}
+            for z in names:
+                others = [n for n in names if n != z]
+                with_z = {k for k in status if z in k}
+                between_others = {k for k in status if z not in k}
+                if (with_z and between_others and with_z <= differ and between_others <= agree
+                        and len(with_z) == len(others)):
+                    odd.append({"path": path, "family": family, "field": metric, "odd_one_out": z,
+                                "agreeing": others,
+                                "documented": all(status[k] == DOCUMENTED for k in with_z)})
+    return {"implementations": names, "pairs": pairs, "odd_one_out": odd}
+
+
+def run_matrix(backends: list[Backend], audio, *, system_prompt: str | None = None, seed: int = 0,
+               checkpoint: str | None = None, input_name: str | None = None, chunk_samples: int = 1280,
+               components: bool = True) -> ParityReport:
+    """Every pair of `backends` (the first is the primary: its self rows are included) in one report,
+    with `report.matrix` = `matrix_summary`. The report is ok only when every pair agrees within the
+    stated tolerances (documented differences applied as in `run_parity`)."""
+    if len(backends) < 2:
+        raise ValueError("run_matrix needs at least two backends")
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        raise ValueError(f"each implementation once: {names}")
+    t0 = time.perf_counter()
+    wave, name = read_input(audio)
+    all_runs = [collect_runs(b, wave, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples,
+                             components=components and i == 0) for i, b in enumerate(backends)]
+    rows = self_rows(all_runs[0], backends[0], wave.size)
+    per_frame: dict = {}
+    for i in range(len(backends)):
+        for j in range(i + 1, len(backends)):
+            a, b = backends[i], backends[j]
+            unrunnable = _reference_cannot_run(b) or _reference_cannot_run(a)
+            if unrunnable:
+                rows.append(not_available(E2E, f"offline: {a.name} vs {b.name}", "all",
+                                          f"cannot run this checkpoint: {', '.join(unrunnable)} stored quantized"))
+                continue
+            pf: dict = {}
+            rows += cross_rows(all_runs[i], all_runs[j], a, b, system_prompt=system_prompt, audio=wave, seed=seed,
+                               chunk_samples=chunk_samples, per_frame=pf)
+            for path, frames in pf.items():
+                per_frame[f"{path}: {a.name} vs {b.name}"] = frames
+    ver = versions()
+    for b in backends:
+        ver[f"backend {b.name}"] = getattr(b, "version", "?")
+    header = {
+        "title": f"{backends[0].name} offline vs streamed; matrix " + ", ".join(names),
+        "mode": "matrix",
+        "checkpoint": checkpoint or getattr(backends[0], "checkpoint", None),
+        "backend": backends[0].name,
+        "numerics": getattr(backends[0], "numerics", None),
+        "against": "+".join(names[1:]),
+        "input": f"{input_name or name} ({wave.size} samples, {wave.size / 16000:.2f} s, sha256 {audio_digest(wave)})",
+        "input_name": input_name or name, "input_samples": int(wave.size), "input_sha256": audio_digest(wave),
+        "seed": seed, "system_prompt": system_prompt or "", "chunk_samples": chunk_samples, "versions": ver,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "elapsed_s": round(time.perf_counter() - t0, 2),
+        "command": " ".join(sys.argv) if sys.argv and sys.argv[0].endswith("voicechat") else None,
+    }
+    for b in backends:
+        lr = getattr(b, "load_report", None)
+        if lr:
+            header[f"load {b.name}"] = {"let through by its strict=False loader": [
+                f"{d['tensor']} ({d['problem']}: model {d.get('expected')}, checkpoint {d.get('checkpoint')})"
+                for d in lr.get("let_through_by_strict_false", [])]}
+    report = ParityReport(header=header, rows=rows, per_frame=per_frame)
+    report.matrix = matrix_summary(names, rows)
+    report.runs = all_runs[0]
+    return report
+
+
+__all__ = ["Runs", "collect_runs", "self_rows", "cross_rows", "run_parity", "run_matrix", "matrix_summary", "read_input", "audio_digest", "versions",
            "OFFLINE_VS_STREAMED", "CACHED_VS_RECOMPUTE", "STEP_VS_DECODE"]

@@ -28,6 +28,7 @@ class ParityReport:
     # (harness.families.logits_per_frame)
     per_frame: dict = field(default_factory=dict)
     runs: object = field(default=None, repr=False, compare=False)  # engine.Runs of the primary backend
+    matrix: dict | None = None  # engine.run_matrix: per pair the first difference, and the odd one out
 
     # -- summary
 
@@ -76,6 +77,7 @@ class ParityReport:
             "tolerances": {k: {"value": t.value, "justification": t.justification} for k, t in TOLERANCES.items()},
             "documented_differences_applied": [DIFFERENCES[i].as_dict() for i in applied],
             "per_frame_logits": self.per_frame,
+            **({"matrix": self.matrix} if self.matrix else {}),
         }
 
     def to_json(self) -> str:
@@ -85,7 +87,7 @@ class ParityReport:
     def from_json(cls, text: str) -> "ParityReport":
         d = json.loads(text)
         return cls(header=d["header"], rows=[FamilyResult.from_dict(r) for r in d["rows"]],
-                   per_frame=d.get("per_frame_logits") or {})
+                   per_frame=d.get("per_frame_logits") or {}, matrix=d.get("matrix"))
 
     # -- Markdown
 
@@ -99,9 +101,12 @@ class ParityReport:
                     "chunk_samples", "versions", "date", "elapsed_s"):
             if key in h and h[key] is not None:
                 lines.append(f"| {key} | {_cell(_fmt_header(h[key]))} |")
+        for key in (k for k in h if k.startswith("load ")):
+            lines.append(f"| {key} | {_cell(_fmt_header(h[key]))} |")
         verdict = "PASS" if self.ok else "FAIL"
         lines += ["", f"**Result: {verdict}** ({len(self.rows)} rows: {c[PASS]} pass, {c[FAIL]} fail, "
                       f"{c[DOCUMENTED]} documented difference, {c[NOT_AVAILABLE]} not available)", ""]
+        lines += self._matrix_markdown()
         lines.append("| family | comparison | metric | observed | tolerance | margin | first failing frame | status |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in self.rows:
@@ -135,6 +140,31 @@ class ParityReport:
                              f"{_cell(', '.join(d.pinned_by))} |")
         lines += self._per_frame_markdown()
         return "\n".join(lines) + "\n"
+
+    def _matrix_markdown(self) -> list[str]:
+        m = self.matrix
+        if not m:
+            return []
+
+        def ref(x):
+            if not x:
+                return "—"
+            tail = f" ({x['difference_id']})" if x.get("difference_id") else ""
+            return f"{x['family']} / {x['comparison'].split(':')[0]} / frame {x['frame']} / {x['field']}{tail}"
+
+        lines = ["Matrix: " + ", ".join(m["implementations"]), "",
+                 "| pair | agrees | rows | fail | documented | first failing (family / path / frame / field) | "
+                 "first documented difference |", "|---|---|---|---|---|---|---|"]
+        for tag, p in m["pairs"].items():
+            lines.append(f"| {tag} | {'yes' if p['ok'] else '**no**'} | {p['rows']} | {p['fail']} | {p['documented']} | "
+                         f"{_cell(ref(p['first_failure']))} | {_cell(ref(p['first_documented']))} |")
+        if m.get("odd_one_out"):
+            lines += ["", "Odd one out (the other implementations agree on the field):", "",
+                      "| path | family | field | odd one out | agreeing | documented |", "|---|---|---|---|---|---|"]
+            for o in m["odd_one_out"]:
+                lines.append(f"| {o['path']} | {o['family']} | {_cell(o['field'])} | **{o['odd_one_out']}** | "
+                             f"{', '.join(o['agreeing'])} | {'yes' if o['documented'] else '**no**'} |")
+        return lines + [""]
 
     def _per_frame_markdown(self) -> list[str]:
         lines: list[str] = []

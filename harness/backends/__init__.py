@@ -1,4 +1,4 @@
-"""Backends the parity harness and the benchmark runner drive: this project, and mlx-vlm (peers extra)."""
+"""Backends the parity harness and the benchmark runner drive: this project, mlx-vlm and mlx-audio (peers extra)."""
 
 from .base import Backend, OfflineRun, StreamRun
 
@@ -20,8 +20,12 @@ def get_backend(name: str) -> "Backend":
         from .mlx_vlm_backend import MlxVlmBackend
 
         return MlxVlmBackend()
+    if name == "mlx-audio":
+        from .mlx_audio_backend import MlxAudioBackend
+
+        return MlxAudioBackend()
     raise ValueError(f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial', "
-                     "'voicechat-gpu-policy' or 'mlx-vlm'")
+                     "'voicechat-gpu-policy', 'mlx-vlm' or 'mlx-audio'")
 
 
 __all__ = ["Backend", "OfflineRun", "StreamRun", "get_backend"]
