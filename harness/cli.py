@@ -121,10 +121,10 @@ def _run_matrix_cli(args, againsts: list[str]) -> int:
         print("error: --tools / --prompt-state-rows / --dump-reference take a single --against", file=sys.stderr)
         return 2
     if args.quiet:
-        from voicechat.progress import set_quiet
+        from voicechat.io.progress import set_quiet
 
         set_quiet(True)
-    from voicechat.audio_input import resolve_input_path
+    from voicechat.io.audio_input import resolve_input_path
 
     if not resolve_input_path(args.audio).exists():
         raise FileNotFoundError(f"{args.audio}: no such audio file (bundled samples: question.wav, long_question.wav)")
