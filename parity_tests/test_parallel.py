@@ -471,7 +471,7 @@ def test_compiled_pieces_equal_uncompiled(tiny_ckpt, question_wav, streams, monk
 def _component_file(frame) -> str:
     """The file of the first caller outside the op seam and the runtime (`ops.after_layer` ->
     `Runtime.after_layer` -> `overlap.start` -> `mx.async_eval`)."""
-    seam = (os.sep + os.path.join("voicechat", "ops.py"), os.sep + os.path.join("voicechat", "runtime", ""))
+    seam = (os.sep + os.path.join("voicechat", "model", "ops.py"), os.sep + os.path.join("voicechat", "runtime", ""))
     while frame is not None and (frame.f_code.co_filename.endswith(seam[0]) or seam[1] in frame.f_code.co_filename):
         frame = frame.f_back
     return "" if frame is None else frame.f_code.co_filename
