@@ -10,9 +10,9 @@ backend (a compiled function is one node: one generated kernel); arrays already
 evaluated are leaves and cost nothing. An evaluation with at least one node to
 run is one host synchronisation (Python waits for the device).
 
-Stages of this project's session are attributed by wrapping the session's stage
-calls (perception, RNNT, language, TTS, and the codec from the control-code
-replacement on).
+Stages of this project's session are attributed by the frame engine itself: the
+session's `on_stage` hook is told each stage's name as it starts (perception, RNNT,
+language, TTS, and the codec from the control-code replacement on).
 Two passes: with `profile=True` every stage ends with its outputs evaluated, so
 each stage's dispatches are counted in it; the host synchronisations are counted
 in a pass with `profile=False` (the profiler's stage-end evaluations are not
@@ -29,7 +29,8 @@ from collections import Counter, defaultdict
 import mlx.core as mx
 import numpy as np
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec")
+from voicechat.streaming.engine import STAGES
+
 _NODE = re.compile(r'label ="([^"]*)", shape=rectangle')
 
 
@@ -55,6 +56,10 @@ class DispatchCounter:
             self.dispatches[self.stage] += len(labels)
             self.syncs[self.stage] += int(sync)
             self.ops[self.stage].update(re.sub(r"[\s(].*", "", lab) for lab in labels)
+
+    def enter(self, stage: str) -> None:
+        """Count what follows under `stage` (the session's `on_stage` hook)."""
+        self.stage = stage
 
     def snapshot(self) -> tuple[Counter, Counter]:
         return Counter(self.dispatches), Counter(self.syncs)
@@ -113,38 +118,6 @@ def count_dispatches():
         np.asarray, np.array = asarray, array
 
 
-def _staged(counter: DispatchCounter, fn, stage: str, after: str | None = None):
-    def wrapped(*args, **kwargs):
-        counter.stage = stage
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if after is not None:
-                counter.stage = after
-
-    return wrapped
-
-
-@contextlib.contextmanager
-def _attribute_stages(session, counter: DispatchCounter):
-    """Wrappers on the session's stage calls (`voicechat.streaming.engine.FrameExecutor`): instance
-    attributes for perception, RNNT, language and TTS; the codec part of the frame starts with the
-    frame module's `replace_control_codes`, wrapped inside the block only."""
-    import voicechat.streaming.engine as frame_module
-
-    session.perception.push_frame = _staged(counter, session.perception.push_frame, "perception")
-    session.rnnt.step = _staged(counter, session.rnnt.step, "rnnt")
-    session.rnnt.step_on_device = _staged(counter, session.rnnt.step_on_device, "rnnt")  # ExecutionPolicy.rnnt_on_device
-    session.timeline.language_step = _staged(counter, session.timeline.language_step, "language")
-    session.timeline.tts_step = _staged(counter, session.timeline.tts_step, "tts")
-    original = frame_module.replace_control_codes
-    frame_module.replace_control_codes = _staged(counter, original, "codec")
-    try:
-        yield
-    finally:
-        frame_module.replace_control_codes = original
-
-
 def _per_frame(frames: list[tuple[Counter, Counter]], drop_first: int) -> tuple[dict, dict]:
     """Mean per-frame dispatches and syncs by stage from cumulative snapshots after each frame."""
     deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(frames[1:], frames[:-1])][drop_first:]
@@ -166,7 +139,8 @@ def count_voicechat(model, wave: np.ndarray, *, frames: int = 12, drop_first: in
     result = {}
     for profile in (True, False):
         session = model.create_streaming_session(profile=profile)
-        with count_dispatches() as counter, _attribute_stages(session, counter):
+        with count_dispatches() as counter:
+            session.on_stage = counter.enter  # the engine names each stage as it starts
             snaps = [counter.snapshot()]
             for i in range(frames):
                 session.push_audio(wave[i * n:(i + 1) * n])

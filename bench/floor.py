@@ -42,8 +42,8 @@ from voicechat.runtime import ExecutionPolicy, Runtime
 from voicechat.runtime.kernels import cpu_qmv_enabled, float32_matmul
 from voicechat.runtime.kernels import quantized_matmul as cpu_qmv_matmul
 from voicechat.runtime.linear import cpu_streams, resident_arrays, secondary_stream
+from voicechat.streaming.engine import STAGES
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec")
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from voicechat.streaming.engine import STAGES
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec")
 STAGE_COLORS = {"perception": "#4C72B0", "rnnt": "#8172B3", "language": "#DD8452", "tts": "#55A868",
                 "codec": "#C44E52"}
 FRAME_MS = 80.0

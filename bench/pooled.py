@@ -16,8 +16,8 @@ import glob
 
 import numpy as np
 import pandas as pd
+from voicechat.streaming.engine import STAGES
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec")
 
 
 def pooled(folders: list[str]) -> dict:

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from voicechat.streaming.engine import STAGES as FRAME_STAGES
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")
+STAGES = (*FRAME_STAGES, "total")
 FRAME_MS = 80.0
 
 FRAME_COLUMNS = ["checkpoint", "backend", "input", "run", "frame_index",

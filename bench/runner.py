@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from voicechat.streaming.engine import STAGES
 
-STAGE_KEYS = ("perception_ms", "rnnt_ms", "language_ms", "tts_ms", "codec_ms", "total_ms")
+STAGE_KEYS = tuple(f"{stage}_ms" for stage in (*STAGES, "total"))
 FRAME_MS = 80.0
 FRAME_SAMPLES = 1280  # one 80 ms frame at 16 kHz
 

@@ -1,8 +1,13 @@
-"""`FrameExecutor`: one streamed frame's five stages under a model's runtime.
+"""The frame engine: a conversation's per-frame state, and the five stages that advance it.
 
-The session owns the state (perception, RNNT, timeline, codec) and turns a frame's results into
-events; the executor runs the stages in order with the runtime bound, places the evaluation
-points its policy asks for, and times the stages when profiling:
+`ConversationState` holds everything a frame reads and advances, the five cache families:
+perception (streaming log-mel + conformer), RNNT, the timeline (Nemotron-H, EAR-TTS and their
+random stream) and the codec. `FrameEngine.step(state, samples, forced)` runs one frame over it
+under the model's runtime, in the order of `STAGES`, and returns its `FrameOutputs`; nothing
+else reads or writes the state while a frame runs. The session keeps the input buffer and turns
+the outputs into events.
+
+Where the frame waits:
 
 * a profiled frame ends every stage with its outputs evaluated, so stage times are compute times;
 * otherwise the frame waits once, at its end, for the ids, codes, audio and the codec state;
@@ -14,11 +19,38 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from voicechat.model import ops
+from voicechat.model.audio.rnnt import RnntStream
 from voicechat.model.tts.ear_tts import replace_control_codes
+from voicechat.streaming.perception import StreamingPerception
+from voicechat.streaming.timeline import Timeline
+
+# A frame's stages, in the order they run (the profiler's and the bench's names).
+STAGES = ("perception", "rnnt", "language", "tts", "codec")
+
+
+@dataclass
+class ConversationState:
+    """One conversation's per-frame state (the five cache families) and its frame count."""
+
+    perception: StreamingPerception
+    rnnt: RnntStream
+    timeline: Timeline
+    codec: object  # the codec's streaming state (`Codec.make_state()`)
+    frames: int = 0
+
+    def arrays(self) -> dict[str, mx.array]:
+        """Every cache family, flattened (for inspection and diffs)."""
+        out = {f"perception.{k}": v for k, v in self.perception.arrays().items()}
+        out.update({f"rnnt.{k}": v for k, v in self.rnnt.state.arrays().items()})
+        out.update(self.timeline.state.arrays())
+        out.update({f"codec.{k}": v for k, v in self.codec.arrays().items()})
+        return out
 
 
 @dataclass
@@ -26,6 +58,7 @@ class FrameOutputs:
     """What one frame computed (evaluated), and its stage times (ms; None unless profiled)."""
 
     encoder: mx.array
+    mel: mx.array | None  # the log-mel frames the conformer consumed (None without the perception cache)
     rnnt_tokens: list[int]
     text_id: mx.array  # the language model's own choices
     function_id: mx.array
@@ -36,61 +69,106 @@ class FrameOutputs:
     codes: mx.array  # raw EAR-TTS codes
     clean: mx.array  # after control-code replacement: what the codec decoded
     audio: mx.array
-    stage_ms: tuple[float, float, float, float, float, float] | None = None  # 5 stages and the total
+    stage_ms: tuple[float, float, float, float, float, float] | None = None  # STAGES and the total
 
 
-class FrameExecutor:
-    """Runs frames of one session under `runtime` (a `voicechat.runtime.Runtime`, or the plain ops)."""
+class FrameEngine:
+    """Runs the frames of a model's conversations under its runtime (fixed for the engine's life)."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime if runtime is not None else ops.PLAIN
+    def __init__(self, model):
+        self.model = model
+        self.runtime = model.runtime if model.runtime is not None else ops.PLAIN
         policy = getattr(self.runtime, "policy", None)
         self.rnnt_on_device = bool(policy is not None and policy.rnnt_on_device)
+        tts = model.tts_model
+        self.codec = tts.audio_codec
+        self.control_codes = tts.control_codes
+        self.silence_codes = tts.codec_silence_tokens
 
-    def run(self, session, samples, forced, *, profile: bool = False) -> FrameOutputs:
-        """One frame of `session` (its `perception`, `rnnt`, `timeline`, `codec`, `codec_state`) on
-        `samples`; `forced`: a tool-response token to feed on the function channel, or None;
-        `profile`: time the stages (each ends with its outputs evaluated)."""
+    # -- a conversation's state
+
+    def new_state(self, *, seed: int, use_language_cache: bool = True,
+                  use_perception_cache: bool = True) -> ConversationState:
+        """A conversation's state before its prompt: fresh caches, the EAR-TTS state after the
+        speaker warm-up, the random stream of `seed`."""
+        rnnt, _ = self.model.rnnt_transcriber()
+        return ConversationState(
+            perception=StreamingPerception(self.model, use_cache=use_perception_cache), rnnt=rnnt,
+            timeline=Timeline(self.model, seed=seed, use_language_cache=use_language_cache),
+            codec=self.codec.make_state())
+
+    def prefill(self, state: ConversationState, system_prompt: str | None, should_stop=None) -> int:
+        """The system-prompt prefill (`Timeline.start`) under the runtime; -> prompt positions."""
         with ops.bound(self.runtime):
-            return self._run(session, samples, forced, profile)
+            return state.timeline.start(system_prompt, should_stop=should_stop)
 
-    def _run(self, s, samples, forced, prof: bool) -> FrameOutputs:
+    # -- one frame
+
+    def step(self, state: ConversationState, samples: np.ndarray, forced: int | None = None, *,
+             profile: bool = False, on_stage: Callable[[str], None] | None = None) -> FrameOutputs:
+        """One frame of `state` on `samples` (float32 (frame_samples,), checked by the caller);
+        `forced`: a tool-response token to feed on the function channel, or None; `profile`: time
+        the stages (each ends with its outputs evaluated); `on_stage(name)`: told as each stage
+        starts (the bench attributes MLX's dispatches by it)."""
+        with ops.bound(self.runtime):
+            out = self._step(state, samples, forced, profile, on_stage or _silent)
+        state.frames += 1
+        return out
+
+    def _step(self, st: ConversationState, samples, forced, prof: bool, on_stage) -> FrameOutputs:
         t0 = time.perf_counter()
-        enc, emb = s.perception.push_frame(samples)
+        on_stage("perception")
+        enc, emb = st.perception.push_frame(samples)
         if prof:
             mx.eval(enc, emb)
         t1 = time.perf_counter()
+        on_stage("rnnt")
         if self.rnnt_on_device:
-            rnnt_ids = s.rnnt.step_on_device(enc)
+            rnnt_ids = st.rnnt.step_on_device(enc)
             if prof:
                 mx.eval(rnnt_ids)
         else:
-            tokens = s.rnnt.step(enc)  # one read per symbol
+            tokens = st.rnnt.step(enc)  # one read per symbol
         t2 = time.perf_counter()
-        text_id, function_id, text_logits, function_logits = s.timeline.language_step(emb)
-        text_fed, function_fed = s.timeline.feed(text_id, function_id, forced)
+        on_stage("language")
+        timeline = st.timeline
+        text_id, function_id, text_logits, function_logits = timeline.language_step(emb)
+        text_fed, function_fed = timeline.feed(text_id, function_id, forced)
         if prof:
             mx.eval(text_id, function_id)
         t3 = time.perf_counter()
-        codes = s.timeline.tts_step(text_fed, function_fed)
+        on_stage("tts")
+        codes = timeline.tts_step(text_fed, function_fed)
         if prof:
             mx.eval(codes)
         t4 = time.perf_counter()
-        tts = s.model.tts_model
-        clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
-        audio = s.codec.decode_step(clean, s.codec_state)
+        on_stage("codec")
+        clean = replace_control_codes(codes, self.control_codes, self.silence_codes)
+        audio = self.codec.decode_step(clean, st.codec)
         # The frame's wait: ids, codes, audio and the codec state (with the codec's products on the
         # host, the codec evaluated its inputs on the way), and the RNNT's symbols when on the device.
-        mx.eval(text_id, function_id, codes, clean, audio, s.codec_state.arrays(),
-                *((rnnt_ids, s.rnnt.state.lstm) if self.rnnt_on_device else ()))
+        mx.eval(text_id, function_id, codes, clean, audio, st.codec.arrays(),
+                *((rnnt_ids, st.rnnt.state.lstm) if self.rnnt_on_device else ()))
         t5 = time.perf_counter()
         if self.rnnt_on_device:
-            tokens = s.rnnt.finish_on_device(rnnt_ids)
+            tokens = st.rnnt.finish_on_device(rnnt_ids)
         stage_ms = None
         if prof:
             stage_ms = tuple((b - a) * 1000.0 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t0, t5)))
-        return FrameOutputs(enc, tokens, text_id, function_id, text_fed, function_fed, text_logits, function_logits,
-                            codes, clean, audio, stage_ms)
+        mel = st.perception.last_mel if st.perception.use_cache else None
+        return FrameOutputs(enc, mel, tokens, text_id, function_id, text_fed, function_fed, text_logits,
+                            function_logits, codes, clean, audio, stage_ms)
+
+    def finish(self, state: ConversationState) -> mx.array:
+        """The codec's held-back tail after the last frame (evaluated)."""
+        with ops.bound(self.runtime):
+            tail = self.codec.flush(state.codec)
+            mx.eval(tail)
+        return tail
 
 
-__all__ = ["FrameExecutor", "FrameOutputs"]
+def _silent(stage: str) -> None:
+    pass
+
+
+__all__ = ["STAGES", "ConversationState", "FrameEngine", "FrameOutputs"]

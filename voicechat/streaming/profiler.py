@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from voicechat.streaming.engine import STAGES as FRAME_STAGES
 
-STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")
+STAGES = (*FRAME_STAGES, "total")
 
 
 @dataclass(frozen=True)

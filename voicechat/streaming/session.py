@@ -1,28 +1,26 @@
-"""The cache-aware streaming session: one 1280-sample frame per step (api.md, docs/model.md §10.3).
+"""The cache-aware streaming session: any chunk of audio in, one 1280-sample frame per step, events out
+(api.md, docs/model.md §10.3).
 
-Per frame: (1) perception (streaming log-mel + cache-aware FastConformer, or
-the uncached fallback) and projection, (2) one RNNT transcript step, (3) one
-Nemotron-H step from the persistent state, (4) one EAR-TTS step (silence codes
-at timeline position 0), (5) `decode_step` of the control-code-cleaned codes
--> exactly one output frame of audio, (6) events.
-
-The session's caches are explicit state objects (`session.states()`), so the
-parity harness can read them without reaching into internals. A session is
-bound to the thread that created it (MLX streams are per thread); use from
-another thread raises `WrongThreadError`.
+The session checks its input once, where it comes in (16 kHz, mono, finite), keeps the samples
+that do not yet make a frame, hands each complete frame to the frame engine
+(`voicechat.streaming.engine`: perception, RNNT, language, TTS, codec over the conversation's
+state) and turns what the frame computed into events: transcript and text deltas, function
+tokens, tool calls, audio. The caches are the engine's explicit state (`session.states()`), so the
+parity harness can read them without reaching into internals. A session is bound to the thread
+that created it (MLX streams are per thread); use from another thread raises `WrongThreadError`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from voicechat.model.audio.conformer import ConformerStream, PerceptionFallback
-from voicechat.model.audio.mel import StreamingLogMel
+from voicechat.model.audio.rnnt import RnntTranscript
 from voicechat.io.audio_input import as_mono_float32, check_sample_rate
 from voicechat.errors import ContextLimitError, SessionClosedError, WrongThreadError
 from voicechat.events import (
@@ -35,11 +33,10 @@ from voicechat.events import (
     UserTranscriptDelta,
 )
 from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
-from voicechat.model import ops
 from voicechat.streaming.profiler import FrameTiming, Profile
-from voicechat.streaming.engine import FrameExecutor
+from voicechat.streaming.engine import ConversationState, FrameEngine, FrameOutputs
 from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
-from voicechat.streaming.timeline import Timeline, session_prompt
+from voicechat.streaming.timeline import session_prompt
 from voicechat.io.tokenizer import IncrementalDecoder
 
 
@@ -71,42 +68,6 @@ class FrameRecord:
     forced: bool = False
 
 
-class StreamingPerception:
-    """Streaming log-mel + cache-aware FastConformer + projection: 1280 samples -> one frame."""
-
-    def __init__(self, model, *, use_cache: bool = True):
-        cfg = model.config
-        per = model.stt_model.perception
-        self.perception = per
-        self.use_cache = use_cache
-        if use_cache:
-            self.mel = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=cfg.frame_samples,
-                                       reference_edge=model.numerics.streaming_mel_edge_as_reference)
-            self.conformer = ConformerStream(per.encoder)
-            self.fallback = None
-        else:
-            self.mel = self.conformer = None
-            self.fallback = PerceptionFallback(per.encoder, cfg.audio_config.preprocessor, cfg.frame_samples)
-        self.last_mel = None  # the log-mel frames of the last push (cached path)
-
-    def push_frame(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
-        """-> (encoder frame (d,), audio embedding (H,))."""
-        if self.use_cache:
-            mel = self.mel.push(samples)
-            self.last_mel = mel
-            enc = self.conformer.push_one(mel)
-        else:
-            enc = self.fallback.push_frame(samples)
-        return enc, self.perception.project(enc)
-
-    def arrays(self) -> dict[str, mx.array]:
-        if self.use_cache:
-            out = {f"mel.{k}": v for k, v in self.mel.arrays().items()}
-            out.update({f"conformer.{k}": v for k, v in self.conformer.state.arrays().items()})
-            return out
-        return {f"fallback.{k}": v for k, v in self.fallback.arrays().items()}
-
-
 class VoiceChatStreamingSession:
     """Create with `model.create_streaming_session(...)`."""
 
@@ -121,12 +82,11 @@ class VoiceChatStreamingSession:
                                                               use_language_cache)
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
+        if should_stop is not None and not callable(should_stop):
+            raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
         self._on_frame = on_frame
         self.model = model
         self.config = cfg
-        # Runs the frames under the model's runtime, fixed for the session's life; the prefill and
-        # the codec's tail are bound to the same runtime.
-        self._executor = FrameExecutor(model.runtime)
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
@@ -136,8 +96,6 @@ class VoiceChatStreamingSession:
             self.max_frames = int(max_streaming_seconds / cfg.frame_duration + 1e-9)
         else:
             self.max_frames = None
-        self.perception = StreamingPerception(model, use_cache=use_perception_cache)
-        self.rnnt, self.transcript = model.rnnt_transcriber()
         self.tools = normalize_tools(tools)
         # Tools are checked (markers in the tokenizer, the timeout) before any work starts.
         self.tool_channel = FunctionChannel(model.tokenizer, self.tools, pad_id=cfg.pad_token_id,
@@ -145,25 +103,25 @@ class VoiceChatStreamingSession:
             if self.tools else None
         if tool_timeout_seconds is not None and not self.tools:
             raise ValueError("tool_timeout_seconds needs tools")
-        self.timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
+        # The frames run on the engine, under the model's runtime, fixed for the session's life.
+        self._engine = FrameEngine(model)
+        self.state: ConversationState = self._engine.new_state(
+            seed=seed, use_language_cache=use_language_cache, use_perception_cache=use_perception_cache)
+        self.transcript = RnntTranscript(model.rnnt_text())
         self.system_prompt = session_prompt(cfg, system_prompt, self.tools)
-        if should_stop is not None and not callable(should_stop):
-            raise TypeError(f"should_stop must be a callable returning bool, or None; got {type(should_stop).__name__}")
         if prompt_state is None:
-            with ops.bound(self._executor.runtime):
-                self.prompt_positions = self.timeline.start(self.system_prompt, should_stop=should_stop)
+            self.prompt_positions = self._engine.prefill(self.state, self.system_prompt, should_stop)
         else:  # a copy of the state after that very prefill (voicechat/streaming/prompt_state.py)
-            self.prompt_positions = prompt_state.restore(self.timeline)
-        codec = model.tts_model.audio_codec
-        self.codec = codec
-        self.codec_state = codec.make_state()
+            self.prompt_positions = prompt_state.restore(self.state.timeline)
         specials = cfg.special_text_ids
         self.text = IncrementalDecoder(model.tokenizer, specials)
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
         self.profile = Profile(cfg.frame_duration * 1000.0,
                                model.policy.as_dict() if model.policy is not None else None) if profile else None
+        # Instrumentation: told each stage's name as it starts (bench/dispatch.py attributes MLX's
+        # dispatches by it); None costs nothing.
+        self.on_stage: Callable[[str], None] | None = None
         self._pending = np.zeros(0, dtype=np.float32)
-        self.frame_index = 0
         self.closed = False
         # Host-side copies for the harness: ids and the generated (raw) codes per emitted frame; the
         # Audio events carry the decoded codes (after control-code replacement).
@@ -172,7 +130,41 @@ class VoiceChatStreamingSession:
         self.raw_audio_codes: list[np.ndarray] = []
         self.transcript_tokens: list[int] = []
 
-    # -- helpers
+    # -- the conversation's state (the engine's; read it, do not change it)
+
+    @property
+    def frame_index(self) -> int:
+        """Frames computed so far (the index of the next one)."""
+        return self.state.frames
+
+    @property
+    def perception(self):
+        return self.state.perception
+
+    @property
+    def rnnt(self):
+        return self.state.rnnt
+
+    @property
+    def timeline(self):
+        return self.state.timeline
+
+    @property
+    def codec_state(self):
+        return self.state.codec
+
+    @property
+    def codec(self):
+        return self._engine.codec
+
+    def states(self) -> dict[str, mx.array]:
+        """Every cache family of the session, flattened (for inspection and diffs)."""
+        return self.state.arrays()
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples received that do not yet make a frame."""
+        return int(self._pending.shape[0])
 
     def _check_thread(self):
         if threading.get_ident() != self._owner:
@@ -181,80 +173,91 @@ class VoiceChatStreamingSession:
                 "the thread that created it. Create one session per thread."
             )
 
-    def states(self) -> dict[str, mx.array]:
-        """Every cache family of the session, flattened (for inspection and diffs)."""
-        out = {f"perception.{k}": v for k, v in self.perception.arrays().items()}
-        out.update({f"rnnt.{k}": v for k, v in self.rnnt.state.arrays().items()})
-        out.update(self.timeline.state.arrays())
-        out.update({f"codec.{k}": v for k, v in self.codec_state.arrays().items()})
-        return out
-
-    @property
-    def pending_samples(self) -> int:
-        return int(self._pending.shape[0])
+    def _check_open(self):
+        self._check_thread()
+        if self.closed:
+            raise SessionClosedError("the session is closed (flush() or cancel() was called); create a new one")
 
     # -- one frame
 
     def _frame(self, samples: np.ndarray) -> list:
+        i = self.state.frames
         tc = self.tool_channel
-        forced = tc.forced_token(self.frame_index) if tc is not None else None
-        # The five stages, under the model's runtime (the server samples which frames it profiles).
-        out = self._executor.run(self, samples, forced, profile=self.profile is not None)
+        forced = tc.forced_token(i) if tc is not None else None
+        out = self._engine.step(self.state, samples, forced, profile=self.profile is not None, on_stage=self.on_stage)
+        events = self._events(i, out, forced)
+        if out.stage_ms is not None:
+            self.profile.add(FrameTiming(i, *out.stage_ms))
+        if self._on_frame is not None:  # after the timed frame (its arrays are evaluated); the session
+            self._on_frame(self._record(i, out, forced is not None))  # is consistent before the observer runs
+        return events
+
+    def _events(self, i: int, out: FrameOutputs, forced: int | None) -> list:
+        """The frame's events, and the session's host copies of its ids and codes."""
         events = []
-        self._transcribe(out.rnnt_tokens, events)
+        if out.rnnt_tokens:
+            self.transcript_tokens.extend(out.rnnt_tokens)
+            delta, text = self.transcript.add(out.rnnt_tokens)
+            if delta:
+                events.append(UserTranscriptDelta(i, delta, text))
         tid, fid = int(out.text_fed.item()), int(out.function_fed.item())
         self.text_ids.append(tid)
         self.function_ids.append(fid)
         self.raw_audio_codes.append(np.array(out.codes, dtype=np.int32))
         r = self.text.push(tid)
         if r is not None:
-            events.append(AssistantTextDelta(self.frame_index, tid, r[0], r[1]))
+            events.append(AssistantTextDelta(i, tid, r[0], r[1]))
         if forced is None:  # the model's own function tokens; forced response tokens are not its output
             r = self.function_text.push(fid)
             if r is not None:
-                events.append(FunctionDelta(self.frame_index, fid, r[0], r[1]))
-        if tc is not None:
-            events.extend(tc.observe(self.frame_index, fid, forced is not None))
-        events.append(Audio(self.frame_index, np.array(out.audio, dtype=np.float32), np.array(out.clean, dtype=np.int32)))
-        record = None  # after the timed frame; the arrays are already evaluated
-        if self._on_frame is not None:
-            record = self._record(out.encoder, out.rnnt_tokens, out.text_logits, out.function_logits,
-                                  out.text_id.item(), out.function_id.item(), out.codes, out.clean, out.audio, tid,
-                                  fid, forced is not None)
-        if out.stage_ms is not None:
-            self.profile.add(FrameTiming(self.frame_index, *out.stage_ms))
-        self.frame_index += 1
-        if record is not None:  # the session is consistent before the observer runs
-            self._on_frame(record)
+                events.append(FunctionDelta(i, fid, r[0], r[1]))
+        if self.tool_channel is not None:
+            events.extend(self.tool_channel.observe(i, fid, forced is not None))
+        events.append(Audio(i, np.array(out.audio, dtype=np.float32), np.array(out.clean, dtype=np.int32)))
         return events
 
-    def _transcribe(self, tokens: list[int], events: list) -> None:
-        """Add the frame's RNNT tokens to the transcript, with its delta event."""
-        if tokens:
-            self.transcript_tokens.extend(tokens)
-            delta, text = self.transcript.add(tokens)
-            if delta:
-                events.append(UserTranscriptDelta(self.frame_index, delta, text))
-
-    def _record(self, enc, tokens, text_logits, function_logits, tid, fid, codes, clean, audio, text_fed,
-                function_fed, forced) -> FrameRecord:
-        mel = self.perception.last_mel if self.perception.use_cache else None
+    def _record(self, i: int, out: FrameOutputs, forced: bool) -> FrameRecord:
         f32 = lambda a: np.array(a, dtype=np.float32)  # noqa: E731
-        return FrameRecord(self.frame_index, None if mel is None else f32(mel), f32(enc), tuple(int(t) for t in tokens),
-                           f32(text_logits), f32(function_logits), tid, fid, np.array(codes, dtype=np.int32),
-                           np.array(clean, dtype=np.int32), f32(audio), text_fed, function_fed, forced)
+        return FrameRecord(i, None if out.mel is None else f32(out.mel), f32(out.encoder),
+                           tuple(int(t) for t in out.rnnt_tokens), f32(out.text_logits), f32(out.function_logits),
+                           int(out.text_id.item()), int(out.function_id.item()), np.array(out.codes, dtype=np.int32),
+                           np.array(out.clean, dtype=np.int32), f32(out.audio), self.text_ids[-1],
+                           self.function_ids[-1], forced)
+
+    def _frames(self, *, at_limit_raise: bool = True) -> Iterator[list]:
+        """Compute the buffered complete frames one at a time, yielding each one's events; at
+        `max_streaming_seconds` close and raise `ContextLimitError` (or just stop)."""
+        n = self.frame_samples
+        while self._pending.shape[0] >= n:
+            if self.max_frames is not None and self.frame_index >= self.max_frames:
+                if not at_limit_raise:
+                    return
+                self.closed = True
+                err = ContextLimitError(
+                    f"max_streaming_seconds reached ({self.max_frames} frames of "
+                    f"{self.config.frame_duration * 1000:g} ms); the session is closed"
+                )
+                err.events = []
+                raise err
+            chunk, self._pending = self._pending[:n], self._pending[n:]
+            yield self._frame(chunk)
+
+    def _take(self, samples, sample_rate) -> None:
+        """Check a chunk (the only check its samples get) and buffer it; a refused chunk changes nothing."""
+        check_sample_rate(sample_rate, self.config.input_sample_rate)
+        a = as_mono_float32(samples)
+        if a.size:
+            self._pending = np.concatenate([self._pending, a])
 
     # -- public API
 
     def submit_tool_result(self, call_id: str, output) -> None:
-        """The result of a `ToolCall` (a str of JSON text, or a JSON-serialisable value). From the next
-        frame the session computes, `<TOOL_RESPONSE>[output]</TOOL_RESPONSE>` is forced onto the
-        function channel one token a frame (results of one call list go together, in call order,
-        once all have come). An unknown or already answered `call_id` raises ValueError and changes
-        nothing."""
-        self._check_thread()
-        if self.closed:
-            raise SessionClosedError("the session is closed (flush() or cancel() was called); create a new one")
+        """The result of a `ToolCall`: a str goes in exactly as given, any other JSON-serialisable value
+        as `json.dumps(value)`. From the next frame the session computes,
+        `<TOOL_RESPONSE>[output]</TOOL_RESPONSE>` is forced onto the function channel one token a frame
+        (results of one call list go together, in call order, once all have come). An unknown or
+        already answered `call_id` raises ValueError and changes nothing."""
+        self._check_open()
         if self.tool_channel is None:
             raise ValueError(f"call_id {call_id!r} is not a pending tool call: this session has no tools")
         self.tool_channel.submit(call_id, output)
@@ -272,26 +275,25 @@ class VoiceChatStreamingSession:
         `ContextLimitError` is raised with the events of the frames completed in
         this call attached as `err.events`, and the session is closed.
         """
-        self._check_thread()
-        if self.closed:
-            raise SessionClosedError("the session is closed (flush() or cancel() was called); create a new one")
-        check_sample_rate(sample_rate, self.config.input_sample_rate)
-        a = as_mono_float32(samples)
-        self._pending = np.concatenate([self._pending, a]) if a.size else self._pending
+        self._check_open()
+        self._take(samples, sample_rate)
         events: list = []
-        n = self.frame_samples
-        while self._pending.shape[0] >= n:
-            if self.max_frames is not None and self.frame_index >= self.max_frames:
-                self.closed = True
-                err = ContextLimitError(
-                    f"max_streaming_seconds reached ({self.max_frames} frames of "
-                    f"{self.config.frame_duration * 1000:g} ms); the session is closed"
-                )
-                err.events = events
-                raise err
-            chunk, self._pending = self._pending[:n], self._pending[n:]
-            events.extend(self._frame(chunk))
+        try:
+            for frame_events in self._frames():
+                events.extend(frame_events)
+        except ContextLimitError as err:
+            err.events = events
+            raise
         return events
+
+    def push_frames(self, samples, sample_rate: int = 16000) -> Iterator[list]:
+        """`push_audio`, one frame at a time: checks and buffers `samples` now (a refused chunk raises
+        here and changes nothing), then computes each complete frame as the returned iterator is
+        advanced, yielding that frame's events (a server sends them before computing the next).
+        Frames the caller does not take stay buffered: the next push or `flush` computes them."""
+        self._check_open()
+        self._take(samples, sample_rate)
+        return self._frames()
 
     def flush(self, pad_partial: bool = True) -> list:
         """Run the zero-padded partial frame (if `pad_partial`), emit the codec tail and `Done`; close."""
@@ -299,6 +301,8 @@ class VoiceChatStreamingSession:
         if self.closed:
             return []
         events: list = []
+        for frame_events in self._frames(at_limit_raise=False):  # frames an abandoned push_frames left
+            events.extend(frame_events)
         if self._pending.shape[0] and pad_partial:
             chunk = np.zeros(self.frame_samples, dtype=np.float32)
             chunk[: self._pending.shape[0]] = self._pending
@@ -307,9 +311,7 @@ class VoiceChatStreamingSession:
                 events.extend(self._frame(chunk))
         self._pending = np.zeros(0, dtype=np.float32)
         if self.frame_index > 0:
-            with ops.bound(self._executor.runtime):
-                tail = self.codec.flush(self.codec_state)
-                mx.eval(tail)
+            tail = self._engine.finish(self.state)
             events.append(AudioTail(self.frame_index - 1, np.array(tail, dtype=np.float32)))
         events.append(Done(self.frame_index))
         self.closed = True

@@ -555,7 +555,11 @@ class ConformerStream:
 
         With `final=True` the stream is treated as ended (see `flush`).
         """
-        mel = _as_mel(mel, self.cfg.feat_in, "ConformerStream.push")
+        return self.advance(_as_mel(mel, self.cfg.feat_in, "ConformerStream.push"), final=final)
+
+    def advance(self, mel: mx.array, *, final: bool = False) -> mx.array:
+        """`push` of float32 mel frames (n, F) checked by the caller (the streaming perception's own
+        log-mel output): the same computation without converting or checking its input again."""
         st = self.state
         if final:
             n_new = subsampled_length(st.mel_consumed + mel.shape[0]) - st.frames_emitted
@@ -598,14 +602,17 @@ class ConformerStream:
 
         Raises ValueError (state unchanged) if they would yield 0 or > 1 frames.
         """
-        mel = _as_mel(mel, self.cfg.feat_in, "ConformerStream.push_one")
+        return self.advance_one(_as_mel(mel, self.cfg.feat_in, "ConformerStream.push_one"))
+
+    def advance_one(self, mel: mx.array) -> mx.array:
+        """`push_one` of float32 mel frames (n, F) checked by the caller."""
         n = self.frames_for(mel.shape[0])
         if n != 1:
             raise ValueError(
                 f"ConformerStream.push_one: {mel.shape[0]} mel frames after {self.state.mel_consumed} "
                 f"would complete {n} encoder frames, expected exactly 1 (1 mel frame first, then 8 per frame)"
             )
-        return self.push(mel)[0]
+        return self.advance(mel)[0]
 
 
 # --------------------------------------------------------------------------- perception
@@ -665,7 +672,10 @@ class PerceptionFallback:
 
     def push_frame(self, samples) -> mx.array:
         """One frame of audio (frame_samples,) -> one encoder frame (d,)."""
-        x = as_waveform(samples, "PerceptionFallback.push_frame samples")
+        return self.advance(as_waveform(samples, "PerceptionFallback.push_frame samples"))
+
+    def advance(self, x: mx.array) -> mx.array:
+        """`push_frame` of float32 samples (frame_samples,) checked by the caller."""
         if x.size != self.frame_samples:
             raise ValueError(
                 f"PerceptionFallback.push_frame: expected exactly {self.frame_samples} samples, got {x.size}"

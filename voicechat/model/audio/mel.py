@@ -300,7 +300,13 @@ class StreamingLogMel:
         """Append samples; return the newly complete frames (n, n_mels)."""
         if self.closed:
             raise RuntimeError("StreamingLogMel: stream is closed (flush() was called); call reset() first")
-        x = as_waveform(samples, "StreamingLogMel.push samples")
+        return self.advance(as_waveform(samples, "StreamingLogMel.push samples"))
+
+    def advance(self, x: mx.array) -> mx.array:
+        """`push` of float32 samples (1-D) checked by the caller (the session validates its input
+        once, where it comes in): the same computation without converting or checking it again."""
+        if self.closed:
+            raise RuntimeError("StreamingLogMel: stream is closed (flush() was called); call reset() first")
         if x.size == 0:
             return self._empty()
         y = _preemphasis(x, self.last_sample, self.cfg.preemph)

@@ -1,0 +1,54 @@
+"""Streaming perception: 1280 validated samples -> one encoder frame and its audio embedding.
+
+The cached path runs the streaming log-mel and the cache-aware FastConformer; the uncached
+fallback re-encodes a window of recent audio each frame (a diagnostic path). Input comes checked
+by the session (float32, 1-D, finite), so the components' own checks are not run again.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from voicechat.model.audio.conformer import ConformerStream, PerceptionFallback
+from voicechat.model.audio.mel import StreamingLogMel
+
+
+class StreamingPerception:
+    """Streaming log-mel + cache-aware FastConformer + projection: one frame at a time."""
+
+    def __init__(self, model, *, use_cache: bool = True):
+        cfg = model.config
+        per = model.stt_model.perception
+        self.perception = per
+        self.use_cache = use_cache
+        if use_cache:
+            self.mel = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=cfg.frame_samples,
+                                       reference_edge=model.numerics.streaming_mel_edge_as_reference)
+            self.conformer = ConformerStream(per.encoder)
+            self.fallback = None
+        else:
+            self.mel = self.conformer = None
+            self.fallback = PerceptionFallback(per.encoder, cfg.audio_config.preprocessor, cfg.frame_samples)
+        self.last_mel = None  # the log-mel frames of the last frame (cached path)
+
+    def push_frame(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
+        """float32 samples (frame_samples,), already checked -> (encoder frame (d,), audio embedding (H,))."""
+        x = mx.array(samples)
+        if self.use_cache:
+            mel = self.mel.advance(x)
+            self.last_mel = mel
+            enc = self.conformer.advance_one(mel)
+        else:
+            enc = self.fallback.advance(x)
+        return enc, self.perception.project(enc)
+
+    def arrays(self) -> dict[str, mx.array]:
+        if self.use_cache:
+            out = {f"mel.{k}": v for k, v in self.mel.arrays().items()}
+            out.update({f"conformer.{k}": v for k, v in self.conformer.state.arrays().items()})
+            return out
+        return {f"fallback.{k}": v for k, v in self.fallback.arrays().items()}
+
+
+__all__ = ["StreamingPerception"]
