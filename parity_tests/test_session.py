@@ -286,3 +286,61 @@ def test_frame_records_without_perception_cache_and_bad_observer(wide_window_mod
     assert len(records) == 4 and all(r.mel is None and r.encoder.ndim == 1 for r in records)
     with pytest.raises(TypeError, match="on_frame"):
         wide_window_model.create_streaming_session(on_frame="not callable")
+
+
+def _same_events(a, b):
+    assert [type(e) for e in a] == [type(e) for e in b]
+    for x, y in zip(a, b):
+        if hasattr(x, "samples"):
+            assert x.frame_index == y.frame_index and np.array_equal(x.samples, y.samples)
+        else:
+            assert x == y
+
+
+def test_push_frames_yields_each_frames_events_and_keeps_what_is_not_taken(tiny_model, question_wav):
+    """push_frames checks and buffers the chunk at once, then computes one frame per step of its
+    iterator; frames the caller leaves stay buffered and the next push or flush computes them: the
+    events equal push_audio's, frame for frame."""
+    wave = question_wav[: 1280 * 6 + 500]
+    whole = tiny_model.create_streaming_session()
+    expected = whole.push_audio(wave) + whole.flush()
+    s = tiny_model.create_streaming_session()
+    frames = s.push_frames(wave[: 1280 * 4 + 100])
+    assert s.frame_index == 0 and s.pending_samples == 1280 * 4 + 100  # nothing computed yet
+    got = []
+    for _ in range(2):  # take two frames, leave the other two
+        ev = next(frames)
+        assert {e.frame_index for e in ev} == {s.frame_index - 1}  # one frame's events
+        got += ev
+    assert s.frame_index == 2 and s.pending_samples == 1280 * 2 + 100
+    got += s.push_audio(wave[1280 * 4 + 100:])  # computes the two left behind, then the rest
+    got += s.flush()
+    _same_events(got, expected)
+
+
+def test_a_refused_push_frames_changes_nothing(tiny_model, question_wav):
+    s = tiny_model.create_streaming_session()
+    s.push_audio(question_wav[:1000])
+    bad = question_wav[:2000].copy()
+    bad[1500] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        s.push_frames(bad)  # raises at the call, before any iteration
+    assert s.pending_samples == 1000 and s.frame_index == 0
+
+
+def test_audio_is_checked_once_where_it_comes_in(tiny_model, question_wav, monkeypatch):
+    """The session checks a chunk (rate, shape, dtype, finiteness) when it comes in; the frames it
+    cuts go to the log-mel and the conformer without their own checks running again."""
+    import voicechat.model.audio.conformer as conformer
+    import voicechat.model.audio.mel as mel
+
+    def again(*a, **k):
+        raise AssertionError("input checked a second time")
+
+    s = tiny_model.create_streaming_session()
+    monkeypatch.setattr(mel, "as_waveform", again)
+    monkeypatch.setattr(conformer, "_as_mel", again)
+    monkeypatch.setattr(conformer, "as_waveform", again)
+    assert len([e for e in s.push_audio(question_wav[: 1280 * 3]) if e.kind == "audio"]) == 3
+    with pytest.raises(ValueError, match="NaN"):
+        s.push_audio(np.full(1280, np.nan, np.float32))  # the one check still refuses bad input
