@@ -18,21 +18,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from voicechat.cli.options import add_model, add_prompt, add_quiet, add_seed
+
 BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy", "mlx-vlm", "mlx-audio")
 
 
 def add_parity_parser(sub) -> None:
     p = sub.add_parser("parity", help="offline vs streamed parity per cache family (and against another backend)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", required=True,
-                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8]")
+    add_model(p, required=True)
     p.add_argument("--audio", default="question.wav",
                    help="input audio: WAV / FLAC / OGG at any rate and channel count (mixed down to mono, resampled "
                         "to 16 kHz with soxr), or a bundled sample, question.wav or long_question.wav "
                         "(default %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
-    p.add_argument("-p", "--prompt", default=None, help="system prompt")
-    p.add_argument("--seed", type=int, default=0)
+    add_quiet(p)
+    add_prompt(p, "system prompt")
+    add_seed(p)
     p.add_argument("--backend", choices=BACKENDS, default="voicechat", help="the implementation under test")
     p.add_argument("--against", default=None, action="append", metavar="voicechat|mlx-vlm|mlx-audio|mlx-vlm-server|FILE.npz",
                    help="also compare offline vs offline and streamed vs streamed against this backend or dump; "

@@ -12,17 +12,13 @@ import time
 
 import numpy as np
 
-from voicechat.model.tts.numerics import DEFAULT_NUMERICS, NUMERICS
-
-DEFAULT_MODEL = "synthetic:tiny"
+from voicechat.cli.options import add_model, add_numerics, add_prompt, add_quiet, add_seed, add_tools
 OUTPUT_FORMATS = ("pcm16", "float32")
 
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="speech in -> speech + text out (offline, or --stream)")
-    g.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] "
-                        f"(default {DEFAULT_MODEL}: a random-weight tiny model, written on first use)")
+    add_model(g)
     g.add_argument("--audio", default="question.wav",
                    help="input audio file: WAV / FLAC / OGG, any sample rate and channel count (mixed down to "
                         "mono, resampled to 16 kHz with soxr); or a bundled sample name, question.wav or "
@@ -31,22 +27,19 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--output-format", choices=OUTPUT_FORMATS, default="pcm16",
                    help="pcm16 (default: 16-bit PCM, what players open; rounded, clipped to [-1, 1)) or "
                         "float32 (the exact samples)")
-    g.add_argument("-p", "--prompt", default=None, help="system prompt")
-    g.add_argument("--seed", type=int, default=None, help="random seed of the TTS sampler (default 0)")
+    add_prompt(g, "system prompt")
+    add_seed(g, default=None)
     g.add_argument("--prompt-state", default=None, metavar="FILE",
                    help="start from this prompt state (written by `voicechat cache-prompt` for the same checkpoint "
                         "and numerics) instead of prefilling the system prompt; its prompt, tools and seed are used, "
                         "and -p / --tools / --seed, if given, must agree with them")
-    g.add_argument("--numerics", choices=sorted(NUMERICS), default=DEFAULT_NUMERICS,
-                   help="reference (default: rounds as mlx-vlm does, same ids and codes) or float32 "
-                        "(EAR-TTS and the language path in float32; docs/voicechat.md, Numerics)")
+    add_numerics(g)
     g.add_argument("--stream", action="store_true", help="run the streaming session in 1280-sample pushes")
     g.add_argument("--profile", action="store_true", help="print per-stage timings (first 5 frames dropped)")
     g.add_argument("--max-streaming-seconds", type=float, default=None)
     g.add_argument("--extra-decoding-seconds", type=float, default=0.0,
                    help="zeros appended to the input so the model can finish its answer")
-    g.add_argument("--tools", default=None, metavar="tools.json",
-                   help="a JSON list of OpenAI function tools the model may call (implies --stream; docs/tools.md); "
+    add_tools(g, "a JSON list of OpenAI function tools the model may call (implies --stream; docs/tools.md); "
                         "without --mcp each call is answered with --tool-output")
     g.add_argument("--mcp", default=None, metavar="CMD",
                    help="run the tools of this MCP server (started over stdio, e.g. "
@@ -55,7 +48,7 @@ def add_generate_parser(sub) -> None:
                    help="with --tools and no --mcp: the result each call gets (JSON text)")
     g.add_argument("--tool-timeout-seconds", type=float, default=None,
                    help="inject {\"error\": \"timeout\"} when a call's result has not come within this much audio")
-    g.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
+    add_quiet(g)
     g.set_defaults(func=run_generate)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from voicechat.cli.options import add_quiet
+
 
 def _cmd_synth(args) -> int:
     from voicechat.synthetic.checkpoint import write_checkpoint
@@ -38,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arguments", default=None, help="toolcall preset: the call's arguments, a JSON object")
     s.add_argument("--bits", type=int, choices=[4, 8], default=None,
                    help="quantize the language path as the published 4-/8-bit checkpoints do")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true", help="no progress bar (it is shown only on a terminal)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    add_quiet(s)
     s.set_defaults(func=_cmd_synth)
 
     from voicechat.cli.generate import add_generate_parser

@@ -6,20 +6,17 @@ from __future__ import annotations
 import sys
 import time
 
-from voicechat.model.tts.numerics import DEFAULT_NUMERICS, NUMERICS
+from voicechat.cli.options import add_model, add_numerics, add_prompt, add_seed, add_tools
 
 
 def add_cache_prompt_parser(sub) -> None:
     c = sub.add_parser("cache-prompt", help="prefill a system prompt once, write its prompt state (safetensors)",
                        description=__doc__.split("\n\n")[0])
-    c.add_argument("-m", "--model", required=True,
-                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8]; the file is bound to it")
-    c.add_argument("-p", "--prompt", default=None, help="system prompt (default: the config's)")
-    c.add_argument("--tools", default=None, metavar="tools.json",
-                   help="a JSON list of OpenAI function tools (their block is part of the prefilled prompt)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--numerics", choices=sorted(NUMERICS), default=DEFAULT_NUMERICS,
-                   help="the model's numerics; the file is bound to it (default %(default)s)")
+    add_model(c, required=True, note="; the file is bound to it")
+    add_prompt(c)
+    add_tools(c, "a JSON list of OpenAI function tools (their block is part of the prefilled prompt)")
+    add_seed(c)
+    add_numerics(c, note="; the file is bound to it")
     c.add_argument("-o", "--output", required=True, metavar="FILE", help="the state file to write (.safetensors)")
     c.set_defaults(func=run_cache_prompt)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-DEFAULT_MODEL = "synthetic:tiny"
+from voicechat.cli.options import add_model, add_numerics, add_prompt, add_seed
 
 
 def add_server_parsers(sub) -> None:
@@ -13,8 +13,7 @@ def add_server_parsers(sub) -> None:
     d = ServerLimits()
     s = sub.add_parser("serve", help="realtime WebSocket server (/v1/realtime), browser page at /",
                        description="Serve /v1/realtime, / (browser page), /healthz and /metrics (docs/server.md).")
-    s.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                   help=f"checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (default {DEFAULT_MODEL})")
+    add_model(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None,
@@ -57,11 +56,8 @@ def add_server_parsers(sub) -> None:
     s.add_argument("--stage-metrics-every", type=int, default=10, metavar="K",
                    help="time the stages of every Kth frame for /metrics (default 10; each timed frame pays one "
                         "synchronisation per stage; 1 = every frame, 0 = never)")
-    s.add_argument("--numerics", choices=["reference", "float32"], default="reference",
-                   help="EAR-TTS roundings (voicechat.load): reference = mlx-vlm's, the same codes as its server "
-                        "(default); float32 = no bf16 roundings")
-    s.add_argument("-p", "--prompt", default=None,
-                   help="the system prompt of sessions whose client sends none (default: the config's); its prompt "
+    add_numerics(s)
+    add_prompt(s, "the system prompt of sessions whose client sends none (default: the config's); its prompt "
                         "state is prepared at startup, so those sessions start without a prefill")
     s.add_argument("--prompt-state", default=None, metavar="FILE",
                    help="read the default prompt's state from this file (`voicechat cache-prompt`) instead of "
@@ -88,8 +84,8 @@ def add_server_parsers(sub) -> None:
     c.add_argument("--output-audio", default=None, help="answer audio, PCM16 WAV at the server's output rate")
     c.add_argument("--fast", action="store_true", help="send as fast as the server accepts, not in real time")
     c.add_argument("--chunk-ms", type=float, default=80.0, help="append size in ms (default 80: one frame)")
-    c.add_argument("-p", "--prompt", default=None, help="system prompt")
-    c.add_argument("--seed", type=int, default=0)
+    add_prompt(c, "system prompt")
+    add_seed(c)
     c.add_argument("--max-streaming-seconds", type=float, default=None)
     c.add_argument("--api-key", default=None, help="Bearer key (default: VOICECHAT_API_KEY)")
     c.add_argument("--model-name", default=None, help="session.model to send (mlx-vlm's server needs it)")
@@ -98,9 +94,9 @@ def add_server_parsers(sub) -> None:
 
     t = sub.add_parser("talk", help="talk through the microphone (needs the `mic` extra: sounddevice)")
     t.add_argument("--url", default=None, help="server URL; default: run the model in this process")
-    t.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model for the in-process server")
-    t.add_argument("-p", "--prompt", default=None)
-    t.add_argument("--seed", type=int, default=0)
+    add_model(t, note="; for the in-process server")
+    add_prompt(t)
+    add_seed(t)
     t.add_argument("--api-key", default=None)
     t.set_defaults(func=run_talk)
 
