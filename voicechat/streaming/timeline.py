@@ -85,6 +85,8 @@ class Timeline:
 
     def __init__(self, model, *, seed: int = 0, use_language_cache: bool = True):
         self.model = model
+        self.llm = model.stt_model.llm  # Nemotron-H
+        self.tts = model.tts_model.tts_model  # EAR-TTS (the published naming nests it)
         cfg = model.config
         self.cfg = cfg
         self.use_language_cache = use_language_cache
@@ -99,7 +101,7 @@ class Timeline:
     def _llm_last_hidden(self, x: mx.array) -> mx.array:
         """x (1, L, H) new inputs -> final hidden of the last position (1, H)."""
         st = self.state
-        llm = self.model.stt_model.llm
+        llm = self.llm
         if st.llm is not None:
             return llm(x, st.llm)[:, -1]
         st.llm_inputs.append(x)
@@ -116,7 +118,7 @@ class Timeline:
         # reference does) instead of the table's max_chars padded rows. The wait costs little:
         # the TTS cannot start before the id exists.
         token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
-        return self.model.tts_model.tts_model.step(
+        return self.tts.step(
             st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes,
             text_cache=self.text_cache,
         )
@@ -155,7 +157,7 @@ class Timeline:
         m = self.model
         pad = self.cfg.pad_token_id
         x = m.prompt_input(mx.array(ids, dtype=mx.int32))[None]  # E(PAD) + E(prompt) + w * E(PAD)
-        llm = m.stt_model.llm
+        llm = self.llm
         if st.llm is None:
             st.llm_inputs.append(x)
         elif should_stop is None or not llm.reference_rounding:
