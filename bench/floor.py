@@ -38,10 +38,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from voicechat.runtime import ExecutionPolicy, Runtime
-from voicechat.runtime.kernels import cpu_qmv_enabled, float32_matmul
+from voicechat.runtime import ExecutionPolicy
+from voicechat.runtime.kernels import float32_matmul
 from voicechat.runtime.kernels import quantized_matmul as cpu_qmv_matmul
-from voicechat.runtime.linear import cpu_streams, resident_arrays, secondary_stream
+from voicechat.runtime.linear import resident_arrays, secondary_stream
 from voicechat.streaming.engine import STAGES
 
 FORMATS = ("bf16", "f32", "q4", "q8")  # weight storage formats the floor distinguishes
@@ -176,10 +176,10 @@ def _best_seconds(fn, reps: int) -> float:
     return best
 
 
-def _rows_split(fn, *mats):
-    """fn over the two row halves of `mats`, the second on the second CPU stream, as the
+def _rows_split(policy: ExecutionPolicy, fn, *mats):
+    """fn over the two row halves of `mats`, the second on `policy`'s second CPU stream, as the
     runtime splits its large products (voicechat.runtime.linear); plain fn(*mats) on one stream."""
-    stream = secondary_stream()
+    stream = secondary_stream(policy)
     if stream is None:
         return fn(*mats)
     half = mats[0].shape[0] // 2
@@ -189,33 +189,37 @@ def _rows_split(fn, *mats):
     return mx.concatenate([lo, hi], axis=-1)
 
 
-def _transposed_halves(w: mx.array) -> list[mx.array]:
-    """W.T as contiguous (cols, rows / 2) halves when running on two streams, else one (cols, rows)."""
-    parts = [w] if secondary_stream() is None else [w[: w.shape[0] // 2], w[w.shape[0] // 2 :]]
+def _transposed_halves(w: mx.array, policy: ExecutionPolicy) -> list[mx.array]:
+    """W.T as contiguous (cols, rows / 2) halves when `policy` runs on two streams, else one (cols, rows)."""
+    parts = [w] if secondary_stream(policy) is None else [w[: w.shape[0] // 2], w[w.shape[0] // 2 :]]
     out = [mx.contiguous(p.T) for p in parts]
     mx.eval(out)
     return out
 
 
-def _halves_product(x: mx.array, halves_t: list[mx.array], product=float32_matmul) -> mx.array:
-    """x @ W_t over the halves, the second on the second CPU stream (as FastLinear runs them:
-    through `cpu_qmv.float32_matmul`, the runtime's product, unless `product` says otherwise)."""
+def _halves_product(policy: ExecutionPolicy, x: mx.array, halves_t: list[mx.array], product=None) -> mx.array:
+    """x @ W_t over the halves, the second on `policy`'s second CPU stream (as FastLinear runs them:
+    through `cpu_qmv.float32_matmul` with the policy's kernels, unless `product` says otherwise)."""
+    if product is None:
+        def product(a, b, stream=None):
+            return float32_matmul(a, b, stream=stream, enabled=policy.cpu_kernels)
     if len(halves_t) == 1:
         return product(x, halves_t[0])
     lo = product(x, halves_t[0])
-    hi = product(x, halves_t[1], stream=secondary_stream())
+    hi = product(x, halves_t[1], stream=secondary_stream(policy))
     return mx.concatenate([lo, hi], axis=-1)
 
 
 
 def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096,
                       policy: ExecutionPolicy | None = None) -> dict[str, dict]:
-    """`_measure_bandwidth` under `policy`'s runtime (default: this device's, `ExecutionPolicy.for_device()`)."""
-    with Runtime(ExecutionPolicy.for_device() if policy is None else policy).frame():
-        return _measure_bandwidth(target_mb, reps=reps, cols=cols)
+    """`_measure_bandwidth` under `policy` (default: this device's, `ExecutionPolicy.for_device()`)."""
+    policy = ExecutionPolicy.for_device() if policy is None else policy
+    return _measure_bandwidth(policy, target_mb, reps=reps, cols=cols)
 
 
-def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096) -> dict[str, dict]:
+def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, reps: int = 6,
+                       cols: int = 4096) -> dict[str, dict]:
     """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
 
     The product runs the way the runtime runs its large products: split in two
@@ -244,13 +248,13 @@ def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4
     # runtime's float32 copies, voicechat.runtime.linear.linear); the faster is the rate.
     w = mx.random.normal((rows_for(4.0), cols), key=key)
     mx.eval(w, x32)
-    s_view = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
-    halves_t = _transposed_halves(w)
-    s_t = _best_seconds(lambda: _halves_product(x32, halves_t, mx.matmul), reps)
+    s_view = _best_seconds(lambda: _rows_split(policy, lambda m: x32 @ m.T, w), reps)
+    halves_t = _transposed_halves(w, policy)
+    s_t = _best_seconds(lambda: _halves_product(policy, x32, halves_t, mx.matmul), reps)
     s, kernel = (s_t, "f32 x f32 matmul, W.T contiguous") if s_t <= s_view else (s_view, "f32 x f32 matmul")
     entry = {}
-    if cpu_qmv_enabled():  # the runtime's float32 product where it serves (same bits as MLX's)
-        s_k = _best_seconds(lambda: _halves_product(x32, halves_t), reps)
+    if policy.cpu_kernels:  # the runtime's float32 product where it serves (same bits as MLX's)
+        s_k = _best_seconds(lambda: _halves_product(policy, x32, halves_t), reps)
         entry = {"gbps_cpu_qmv": w.nbytes / s_k / 1e9}
         if s_k < s:
             s, kernel = s_k, "voicechat cpu_qmv float32, W.T contiguous"
@@ -264,10 +268,10 @@ def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4
     w = mx.random.normal((rows_for(2.0), cols), key=key).astype(mx.bfloat16)
     xb = x32.astype(mx.bfloat16)
     mx.eval(w, xb)
-    s_bb = _best_seconds(lambda: _rows_split(lambda m: xb @ m.T, w), reps)
-    s_bf = _best_seconds(lambda: _rows_split(lambda m: x32 @ m.T, w), reps)
-    halves_t = _transposed_halves(w.astype(mx.float32))
-    s_copy = _best_seconds(lambda: _halves_product(x32, halves_t), reps)
+    s_bb = _best_seconds(lambda: _rows_split(policy, lambda m: xb @ m.T, w), reps)
+    s_bf = _best_seconds(lambda: _rows_split(policy, lambda m: x32 @ m.T, w), reps)
+    halves_t = _transposed_halves(w.astype(mx.float32), policy)
+    s_copy = _best_seconds(lambda: _halves_product(policy, x32, halves_t), reps)
     del halves_t
     s, kernel = min((s_bb, "bf16 x bf16 matmul"), (s_bf, "bf16 weights x f32 activations"),
                     (s_copy, "float32 copy, W.T contiguous"))
@@ -286,13 +290,14 @@ def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4
         mx.eval(q, sc, bi)
         nbytes = q.nbytes + sc.nbytes + bi.nbytes
         s_mlx = _best_seconds(lambda: _rows_split(
-            lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits), q, sc, bi),
+            policy, lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits), q, sc, bi),
             reps)
         s, kernel = s_mlx, f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"
         entry = {}
-        if cpu_qmv_enabled():  # the runtime's kernel where it serves (same bits as MLX's)
+        if policy.cpu_kernels:  # the runtime's kernel where it serves (same bits as MLX's)
             s_qmv = _best_seconds(lambda: _rows_split(
-                lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits), q, sc, bi), reps)
+                policy, lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits, enabled=True),
+                q, sc, bi), reps)
             entry = {"gbps_mx_quantized_matmul": nbytes / s_mlx / 1e9, "gbps_cpu_qmv": nbytes / s_qmv / 1e9}
             if s_qmv < s_mlx:
                 s, kernel = s_qmv, f"voicechat cpu_qmv {bits}-bit, group 64, f32 activations"
@@ -301,7 +306,7 @@ def _measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4
         del q, sc, bi
     mx.clear_cache()
     for entry in results.values():
-        entry["streams"] = cpu_streams()
+        entry["streams"] = policy.cpu_streams
     return results
 
 

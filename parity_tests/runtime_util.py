@@ -4,7 +4,9 @@ policy's runtime on this thread, as a session binds its model's around each fram
 
 from __future__ import annotations
 
+from voicechat.model import ops
 from voicechat.runtime import ExecutionPolicy, Runtime
+from voicechat.runtime.policy import UNBOUND
 
 
 def default_policy(**changes) -> ExecutionPolicy:
@@ -22,6 +24,14 @@ def running(policy: ExecutionPolicy | None = None, **changes):
     return Runtime(policy).frame()
 
 
+def bound_policy() -> ExecutionPolicy:
+    """The policy of the runtime bound on this thread, `UNBOUND` outside one: what the runtime's
+    functions are handed when components call the op seam here (the runtime itself never looks
+    it up: `Runtime` passes its own)."""
+    policy = ops.current().policy
+    return UNBOUND if policy is None else policy
+
+
 # The policies every identity test runs: this device's, MLX's own kernels on one stream, and the
 # one a GPU device gets (run on this device, so Apple Silicon's branches run in CI).
 POLICIES = {
@@ -30,4 +40,4 @@ POLICIES = {
     "gpu": ExecutionPolicy.gpu,
 }
 
-__all__ = ["POLICIES", "default_policy", "running"]
+__all__ = ["POLICIES", "bound_policy", "default_policy", "running"]

@@ -24,7 +24,7 @@ from voicechat.runtime import ExecutionPolicy
 from voicechat.runtime import kernels as cpu_qmv
 from voicechat.runtime.kernels import BITS, GROUP_SIZES, ISA_NAMES, platform_served, quantized_matmul
 
-from .runtime_util import default_policy, running
+from .runtime_util import bound_policy, default_policy, running
 
 REQUIRE_ENV = "VOICECHAT_REQUIRE_CPU_QMV"
 
@@ -71,8 +71,8 @@ def test_extension_is_used_where_it_should_be():
     policy = default_policy()  # this (CPU) device's, as `voicechat.load` chooses it
     assert policy.cpu_kernels and policy.bf16_transposed
     with running(policy):
-        assert cpu_qmv.cpu_qmv_enabled()
-    assert not cpu_qmv.cpu_qmv_enabled()  # no runtime bound: the plain ops
+        assert bound_policy().cpu_kernels
+    assert not bound_policy().cpu_kernels  # no runtime bound: the plain ops
 
 
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
@@ -190,17 +190,17 @@ def test_float32_matmul_router(module, monkeypatch):
     x = mx.array(rng.standard_normal((2, 24)).astype(np.float32))
     wt = mx.array(rng.standard_normal((24, 40)).astype(np.float32))
     with running(cpu_kernels=True):
-        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt)), _bits(mx.matmul(x, wt)))
+        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt, enabled=bound_policy().cpu_kernels)), _bits(mx.matmul(x, wt)))
         assert calls == [1]
-        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16))),
+        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels)),
                               _bits(mx.matmul(x, wt.astype(mx.bfloat16))))  # a bf16 weight: served
         assert calls == [1, 1]
-        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16))  # not a float32 x
-        cpu_qmv.float32_matmul(x, wt.astype(mx.float16))  # a float16 weight
-        cpu_qmv.float32_matmul(x, mx.stack([wt, wt]))  # a batched weight
+        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels)  # not a float32 x
+        cpu_qmv.float32_matmul(x, wt.astype(mx.float16), enabled=bound_policy().cpu_kernels)  # a float16 weight
+        cpu_qmv.float32_matmul(x, mx.stack([wt, wt]), enabled=bound_policy().cpu_kernels)  # a batched weight
         assert calls == [1, 1]
     with running(cpu_kernels=False):
-        cpu_qmv.float32_matmul(x, wt)
+        cpu_qmv.float32_matmul(x, wt, enabled=bound_policy().cpu_kernels)
         assert calls == [1, 1]
 
 
@@ -314,18 +314,18 @@ def test_norm_router_and_bad_arguments(module, monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
     x, w = mx.ones((2, 8)), mx.ones((8,))
     with running(cpu_kernels=True):
-        cpu_qmv.rms_norm(x, w, 1e-6)
-        cpu_qmv.layer_norm(x, w, None, 1e-5)
+        cpu_qmv.rms_norm(x, w, 1e-6, enabled=bound_policy().cpu_kernels)
+        cpu_qmv.layer_norm(x, w, None, 1e-5, enabled=bound_policy().cpu_kernels)
         assert calls == [1, 1]
-        cpu_qmv.rms_norm(x.astype(mx.bfloat16), w, 1e-6)  # not float32
-        cpu_qmv.layer_norm(x, w.astype(mx.int32), None, 1e-5)  # not a float weight
+        cpu_qmv.rms_norm(x.astype(mx.bfloat16), w, 1e-6, enabled=bound_policy().cpu_kernels)  # not float32
+        cpu_qmv.layer_norm(x, w.astype(mx.int32), None, 1e-5, enabled=bound_policy().cpu_kernels)  # not a float weight
         assert calls == [1, 1]
-        cpu_qmv.rms_norm(x, w, 1e-6, served=False)  # the caller's own check says no
+        cpu_qmv.rms_norm(x, w, 1e-6, served=False, enabled=bound_policy().cpu_kernels)  # the caller's own check says no
         assert calls == [1, 1]
-        cpu_qmv.layer_norm(x, w, None, 1e-5, served=True)  # ... or yes, not checked again
+        cpu_qmv.layer_norm(x, w, None, 1e-5, served=True, enabled=bound_policy().cpu_kernels)  # ... or yes, not checked again
         assert calls == [1, 1, 1]
     with running(cpu_kernels=False):
-        cpu_qmv.rms_norm(x, w, 1e-6)
+        cpu_qmv.rms_norm(x, w, 1e-6, enabled=bound_policy().cpu_kernels)
         assert calls == [1, 1, 1]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="takes float32 x"):
@@ -374,10 +374,10 @@ def test_rvq_pass_is_the_per_codebook_ops_bit_for_bit(module):
 def test_rvq_pass_router_and_bad_arguments(module):
     books_t, norms, residual = mx.ones((2, 4, 8)), mx.ones((2, 8)), mx.ones((1, 4))
     with running(cpu_kernels=False):
-        assert cpu_qmv.rvq_pass(residual, books_t, norms) is None
+        assert cpu_qmv.rvq_pass(residual, books_t, norms, enabled=bound_policy().cpu_kernels) is None
     with running(cpu_kernels=True):
-        assert cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms) is None
-        assert cpu_qmv.rvq_pass(residual, books_t, norms) is not None
+        assert cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms, enabled=bound_policy().cpu_kernels) is None
+        assert cpu_qmv.rvq_pass(residual, books_t, norms, enabled=bound_policy().cpu_kernels) is not None
     with pytest.raises(ValueError, match="float32 residual, books_t and norms"):
         module.rvq_pass(residual, books_t.astype(mx.float16), norms)
     with pytest.raises(ValueError, match=r"one row of books_t.shape\[1\] = 4"):
@@ -415,15 +415,15 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
     x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
     ref = _reference(x, w, scales, biases, 64, 4)
     with running(cpu_kernels=True):
-        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
+        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)), _bits(ref))
         assert calls == [(64, 4)]
         # Not served: bfloat16 activations, no biases (other modes), 3-bit, a GPU stream absent here.
-        quantized_matmul(x.astype(mx.bfloat16), w, scales, biases, group_size=64, bits=4)
+        quantized_matmul(x.astype(mx.bfloat16), w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)
         w3, s3, b3 = mx.quantize(mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
-        quantized_matmul(x, w3, s3, b3, group_size=64, bits=3)
+        quantized_matmul(x, w3, s3, b3, group_size=64, bits=3, enabled=bound_policy().cpu_kernels)
         assert calls == [(64, 4)]
     with running(cpu_kernels=False):
-        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4)), _bits(ref))
+        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)), _bits(ref))
         assert calls == [(64, 4)]
 
 
@@ -478,7 +478,7 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bi
 def test_the_policy_decides_and_is_fixed_once_chosen(module, monkeypatch):
     """The kernels are on by default for a CPU device on Linux x86-64 (where they load) and off for
     a GPU one; `VOICECHAT_CPU_QMV` overrides that when the policy is chosen (`for_device`), and
-    only then: `cpu_qmv_enabled()` reads the policy bound on this thread, whatever the environment
+    only then: the runtime bound on this thread hands its policy's `cpu_kernels` to the kernels, whatever the environment
     says afterwards, and is the previous binding's again after a nested one."""
     assert ExecutionPolicy.for_device(mx.cpu, environ={}).cpu_kernels is True
     assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False
@@ -487,11 +487,11 @@ def test_the_policy_decides_and_is_fixed_once_chosen(module, monkeypatch):
     monkeypatch.setenv("VOICECHAT_CPU_QMV", "0")
     assert ExecutionPolicy.for_device(mx.cpu).cpu_kernels is False  # environ defaults to os.environ
     with running(cpu_kernels=True):
-        assert cpu_qmv.cpu_qmv_enabled() is True  # chosen: the environment is not read again
+        assert bound_policy().cpu_kernels is True  # chosen: the environment is not read again
         with running(cpu_kernels=False):
-            assert cpu_qmv.cpu_qmv_enabled() is False
-        assert cpu_qmv.cpu_qmv_enabled() is True
-    assert cpu_qmv.cpu_qmv_enabled() is False  # nothing bound
+            assert bound_policy().cpu_kernels is False
+        assert bound_policy().cpu_kernels is True
+    assert bound_policy().cpu_kernels is False  # nothing bound
     policy = default_policy(cpu_kernels=False)
     monkeypatch.setattr(cpu_qmv, "_state", {"module": None, "reason": "substituted"})
     with pytest.raises(RuntimeError, match="substituted"):  # no policy with them on where they cannot load
@@ -535,10 +535,10 @@ def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once, when the policy was chosen
         with running(policy):
-            assert cpu_qmv.cpu_qmv_enabled() is False
+            assert bound_policy().cpu_kernels is False
             x = mx.ones((1, 64))
             w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
-            assert quantized_matmul(x, w, s, b, group_size=64, bits=4).shape == (1, 8)  # MLX's kernel
+            assert quantized_matmul(x, w, s, b, group_size=64, bits=4, enabled=bound_policy().cpu_kernels).shape == (1, 8)  # MLX's kernel
         assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False  # silent
     with pytest.raises(RuntimeError, match="cannot be used here: no compiler here"):
         ExecutionPolicy(name="forced", cpu_kernels=True)

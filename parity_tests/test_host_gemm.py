@@ -19,7 +19,7 @@ from voicechat.synthetic.presets import preset_config
 from voicechat.runtime import ExecutionPolicy
 from voicechat.runtime import host_products as host_gemm
 
-from .runtime_util import default_policy, running
+from .runtime_util import bound_policy, default_policy, running
 
 # api.md: streamed and offline audio of the same codes agree within 1e-5 (float32 rounding of
 # samples with RMS ~0.1); two summation orders of the same products are held to the same bound.
@@ -53,7 +53,7 @@ def _bf16_codec(seed: int) -> Codec:
 def test_policy_field_env_var_and_binding(monkeypatch):
     """`host_products` is on by default exactly for a CPU device; `VOICECHAT_HOST_GEMM` overrides it
     when the policy is chosen (a bad value names the variable), a policy's field takes only a
-    bool, and `host_gemm_enabled()` reads the policy bound on this thread (off with none)."""
+    bool, and the runtime bound on this thread hands its policy's field to the products (off with none)."""
     with pytest.raises(ValueError, match="VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
         ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "on"})
     assert ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "0"}).host_products is False
@@ -66,11 +66,11 @@ def test_policy_field_env_var_and_binding(monkeypatch):
         default_policy(host_products=1)
     monkeypatch.setenv("VOICECHAT_HOST_GEMM", "0")  # read when a policy is chosen, not while it runs
     with running(host_products=True):
-        assert host_gemm.host_gemm_enabled() is True
+        assert bound_policy().host_products is True
         with running(host_products=False):
-            assert host_gemm.host_gemm_enabled() is False
-        assert host_gemm.host_gemm_enabled() is True
-    assert host_gemm.host_gemm_enabled() is False
+            assert bound_policy().host_products is False
+        assert bound_policy().host_products is True
+    assert bound_policy().host_products is False
 
 
 def test_erf_rational_within_8_ulp():
@@ -101,7 +101,7 @@ def test_matmul_t_numpy_equals_mlx_within_rounding(small_codec):
         bound = (k * EPS32 / (1 - k * EPS32)) * (np.abs(x).astype(np.float64) @ np.abs(np.array(w)).T)
         for enabled in (True, False):
             with running(host_products=enabled):
-                got = host_gemm.matmul_t(mx.array(x), w, owner, "w")
+                got = host_gemm.matmul_t(mx.array(x), w, owner, "w", enabled=bound_policy().host_products)
             assert got.dtype == mx.float32 and got.shape == (rows, out)
             assert (np.abs(np.array(got) - exact) <= bound).all(), (rows, k, out, enabled)
 
@@ -131,8 +131,8 @@ def test_matmul_t_sees_a_replaced_weight():
     owner = nn.Module()
     x = mx.ones((2, 3))
     with running(host_products=True):
-        first = np.array(host_gemm.matmul_t(x, mx.ones((4, 3)), owner, "w"))
-        second = np.array(host_gemm.matmul_t(x, 2 * mx.ones((4, 3)), owner, "w"))
+        first = np.array(host_gemm.matmul_t(x, mx.ones((4, 3)), owner, "w", enabled=bound_policy().host_products))
+        second = np.array(host_gemm.matmul_t(x, 2 * mx.ones((4, 3)), owner, "w", enabled=bound_policy().host_products))
     assert np.array_equal(first, np.full((2, 4), 3.0)) and np.array_equal(second, np.full((2, 4), 6.0))
 
 
@@ -176,11 +176,11 @@ def test_one_blas_thread_limits_and_restores():
     before = blas_threads()
     assert before, "numpy's BLAS should be visible to threadpoolctl"
     with running(host_products=True):
-        with host_gemm.one_blas_thread():
+        with host_gemm.one_blas_thread(bound_policy().host_products):
             assert blas_threads() == [1] * len(before)
     assert blas_threads() == before
     with running(host_products=False):
-        with host_gemm.one_blas_thread():
+        with host_gemm.one_blas_thread(bound_policy().host_products):
             assert blas_threads() == before
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import voicechat
-from voicechat.runtime import ENV_VARS, ExecutionPolicy, current_policy
+from voicechat.runtime import ENV_VARS, ExecutionPolicy
 from voicechat.runtime import compiled, overlap
 from voicechat.runtime import linear as parallel
 from voicechat.runtime.kernels import platform_served, unavailable_reason
@@ -40,7 +40,7 @@ from voicechat.runtime.linear import (
 )
 from voicechat.runtime.policy import UNBOUND
 
-from .runtime_util import default_policy, running
+from .runtime_util import bound_policy, default_policy, running
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_parallel_quantized_linear_is_bit_identical(two_streams, bits, shape):
     want = plain(x)
     prepare_linears(plain, two_streams, min_split_macs=0)
     assert isinstance(plain, ParallelQuantizedLinear)
-    assert parallel.secondary_stream() is not None
+    assert parallel.secondary_stream(bound_policy()) is not None
     _same(plain(x), want)
 
 
@@ -108,13 +108,13 @@ def test_fast_linear_transposed_copies_are_bit_identical(split, bias, shape):
     policy = default_policy(cpu_streams=2, float32_copies=True)
     prepare_linears(layer, policy, min_split_macs=0 if split else 1 << 30)
     with running(policy):
-        weights = layer.unsplit_weights(x)
+        weights = layer.unsplit_weights(x, bound_policy())
         assert "weight_t" in weights and layer.weight.dtype == mx.float32
         _same(layer(x), want)
     with running(policy, cpu_streams=1):
         _same(layer(x), want)
-        got = layer.unsplit_weights(x)  # what a compiled piece would receive on one stream
-        _same(parallel.linear(x, got), want)
+        got = layer.unsplit_weights(x, bound_policy())  # what a compiled piece would receive on one stream
+        _same(parallel.linear(x, got, cpu_kernels=bound_policy().cpu_kernels), want)
 
 
 def test_fast_linear_follows_replaced_weights(two_streams):
@@ -281,8 +281,8 @@ def test_split_rows_is_bit_identical(two_streams, rows):
         return nn.gelu(mx.fast.layer_norm(y, None, None, 1e-5) @ w.T)
 
     x = mx.random.normal((rows, 40))
-    assert parallel.secondary_stream() is not None
-    _same(split_rows(rowwise, x), rowwise(x))
+    assert parallel.secondary_stream(bound_policy()) is not None
+    _same(split_rows(rowwise, x, two_streams), rowwise(x))
 
 
 def test_cpu_streams_validation(monkeypatch):
@@ -295,12 +295,12 @@ def test_cpu_streams_validation(monkeypatch):
     one = ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_STREAMS": "1"})
     assert one.cpu_streams == 1
     with running(one):
-        assert parallel.cpu_streams() == 1 and parallel.secondary_stream() is None
+        assert bound_policy().cpu_streams == 1 and parallel.secondary_stream(bound_policy()) is None
     # outside any runtime: one stream
-    assert current_policy() is UNBOUND and parallel.cpu_streams() == 1 and parallel.secondary_stream() is None
+    assert bound_policy() is UNBOUND and bound_policy().cpu_streams == 1 and parallel.secondary_stream(bound_policy()) is None
     monkeypatch.setenv("VOICECHAT_CPU_STREAMS", "1")  # read by for_device only: the bound policy wins
     with running(one, cpu_streams=2):
-        assert parallel.cpu_streams() == 2 and parallel.secondary_stream() is not None
+        assert bound_policy().cpu_streams == 2 and parallel.secondary_stream(bound_policy()) is not None
 
 
 def test_rvq_books_follow_the_numerics(tiny_ckpt, tiny_model):
@@ -376,8 +376,8 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
         if weights == "float32":  # the language path is never copied; its bf16 weights are transposed
             assert all(parallel._language_path(p) for p in report["bf16_transposed"])
         with model.executing():
-            assert current_policy() is model.policy
-            assert (parallel.secondary_stream() is not None) is (n == 2)
+            assert bound_policy() is model.policy
+            assert (parallel.secondary_stream(bound_policy()) is not None) is (n == 2)
     runs = {n: _streamed_and_offline(model, audio) for n, model in models.items()}
     _assert_identical(runs[1], runs[2])
 
@@ -385,13 +385,13 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
 # -- the policy's flags (voicechat.runtime.policy)
 
 
-@pytest.mark.parametrize("field, enabled, cpu_only", [("compiled", compiled.compile_enabled, False),
-                                                      ("overlap", overlap.overlap_enabled, True)])
+@pytest.mark.parametrize("field, enabled, cpu_only", [("compiled", lambda: bound_policy().compiled, False),
+                                                      ("overlap", lambda: bound_policy().overlap, True)])
 def test_policy_flag_validation(field, enabled, cpu_only):
     """VOICECHAT_COMPILE / VOICECHAT_OVERLAP (read by `ExecutionPolicy.for_device`): 0 / 1 only
     (the error names the variable), unset means the device's default (compile: on; overlap: on
     for a CPU device only); the field itself takes True or False only; the policy is frozen; and
-    `compile_enabled()` / `overlap_enabled()` say what the bound runtime's policy says (off
+    the bound runtime's policy (what `Runtime` hands the compiled pieces / `overlap.start`) says it (off
     outside any runtime)."""
     var = ENV_VARS[field]
     assert var == {"compiled": "VOICECHAT_COMPILE", "overlap": "VOICECHAT_OVERLAP"}[field]
@@ -431,20 +431,20 @@ def test_policy_is_fixed_and_bound_per_thread(monkeypatch):
     with running(policy):
         monkeypatch.setenv("VOICECHAT_COMPILE", "0")
         monkeypatch.setenv("VOICECHAT_CPU_STREAMS", "1")
-        assert current_policy() is policy and compiled.compile_enabled() is True and parallel.cpu_streams() == 2
+        assert bound_policy() is policy and bound_policy().compiled is True and bound_policy().cpu_streams == 2
         with running(policy, compiled=False):
-            assert compiled.compile_enabled() is False
-        assert current_policy() is policy
+            assert bound_policy().compiled is False
+        assert bound_policy() is policy
         seen = {}
-        thread = threading.Thread(target=lambda: seen.update(policy=current_policy()))
+        thread = threading.Thread(target=lambda: seen.update(policy=bound_policy()))
         thread.start()
         thread.join()
         assert seen["policy"] is UNBOUND  # not this thread's runtime
         with pytest.raises(RuntimeError, match="inside"):
             with running(policy, cpu_streams=1):
                 raise RuntimeError("inside")
-        assert current_policy() is policy
-    assert current_policy() is UNBOUND
+        assert bound_policy() is policy
+    assert bound_policy() is UNBOUND
     assert ExecutionPolicy.for_device().compiled is False  # the environment, read again by for_device
 
 
@@ -538,8 +538,8 @@ def test_serial_backend_matches_and_restores_settings(tiny_ckpt_4bit, question_w
             assert backend.model.policy == want[name]
             runs[name] = backend.stream(audio, profile=True)
             assert backend.asr_frame_ms(audio)  # per-step times, one per whole frame
-            assert current_policy() is outer
-    assert current_policy() is UNBOUND
+            assert bound_policy() is outer
+    assert bound_policy() is UNBOUND
     a, b = runs["voicechat"], runs["voicechat-serial"]
     assert np.array_equal(a.text_ids, b.text_ids) and np.array_equal(a.codes, b.codes)
     assert a.audio.shape == b.audio.shape and np.abs(a.audio - b.audio).max() <= 1e-5

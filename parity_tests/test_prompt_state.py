@@ -400,3 +400,81 @@ def test_state_bytes_formula_at_every_capacity_step(tiny_model):
         assert state.nbytes == state_nbytes(tiny_model.config, n), n
         sizes.append(state.nbytes)
     assert sizes == sorted(sizes) and len(set(sizes)) >= 4  # it grows, in steps
+
+
+def _write_v1(state, path):
+    """A prompt-state file exactly as the writer before `state` / `meta_state` wrote it (format
+    version 1; the writer's code, frozen here): the layout every later reader must read."""
+    import hashlib
+    import mlx.core as mx
+
+    from voicechat._version import __version__
+    from voicechat.model.llm.nemotron_h import MambaLayerState
+    from voicechat.streaming.prompt_identity import checkpoint_identity
+
+    ts, rows = state._timeline, dict(state._text_rows._rows)
+    arrays = {}
+    for i, layer in enumerate(ts.llm.layers):
+        if layer is None:
+            continue
+        if isinstance(layer, MambaLayerState):
+            arrays[f"llm.{i}.conv"], arrays[f"llm.{i}.ssm"] = layer.conv, layer.ssm
+        else:
+            arrays[f"llm.{i}.keys"], arrays[f"llm.{i}.values"] = layer.keys, layer.values
+    for i in range(ts.tts.num_layers):
+        arrays[f"tts.{i}.keys"], arrays[f"tts.{i}.values"] = ts.tts.keys[i], ts.tts.values[i]
+    arrays["tts.previous_codes"] = ts.tts.previous_codes
+    arrays["rng.key"] = ts.rng.arrays()["key"]
+    arrays["prev_text"], arrays["prev_function"] = ts.prev_text, ts.prev_function
+    for token, row in rows.items():
+        arrays[f"text_rows.{token}"] = row
+    meta = {
+        "format": "voicechat-prompt-state", "format_version": 1, "voicechat": __version__,
+        "checkpoint": checkpoint_identity(state._model_ref()), "numerics": state.numerics,
+        "system_prompt": state.system_prompt, "tools": list(state.tools), "seed": state.seed,
+        "prompt_positions": state.prompt_positions, "position": ts.position,
+        "llm": {"offset": ts.llm.offset,
+                "layers": [None if s is None else ("mamba" if isinstance(s, MambaLayerState) else ["attention", s.length])
+                           for s in ts.llm.layers]},
+        "tts": {"offset": ts.tts.offset, "ring_origin": list(ts.tts.ring_origin), "windows": list(ts.tts.windows)},
+        "rng": {"seed": ts.rng.seed, "draws": ts.rng.draws},
+        "text_rows": [int(t) for t in rows],
+    }
+    meta_text = json.dumps(meta, sort_keys=True)
+    mx.eval(list(arrays.values()))
+    h = hashlib.sha256(meta_text.encode())
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
+        h.update(np.ascontiguousarray(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)).tobytes())
+    mx.save_safetensors(str(path), arrays, metadata={"voicechat.prompt_state": meta_text,
+                                                     "voicechat.prompt_state.sha256": h.hexdigest()})
+    return path
+
+
+def _timeline_bookkeeping(state) -> tuple:
+    ts = state._timeline
+    return (ts.position, ts.llm.offset, [getattr(s, "length", None) for s in ts.llm.layers], ts.tts.offset,
+            list(ts.tts.ring_origin), ts.rng.seed, ts.rng.draws, list(state._text_rows._rows))
+
+
+@pytest.mark.parametrize("which", ["prompt", "empty", "tools"])
+def test_files_written_before_states_described_themselves_load_bit_for_bit(which, tiny_model, toolcall_model,
+                                                                           tmp_path):
+    """A format-version-1 file written the old way (`_write_v1`) loads to the same arrays, bookkeeping
+    and prompt arguments, and today's writer writes the very same bytes."""
+    if which == "tools":
+        model, state = toolcall_model, toolcall_model.prepare_prompt("Be brief.", tools=[TIME_TOOL], seed=3)
+    else:
+        model, state = tiny_model, tiny_model.prepare_prompt("Be brief." if which == "prompt" else "", seed=4)
+    old = _write_v1(state, tmp_path / "old.safetensors")
+    loaded = voicechat.PromptState.load(old, model)
+    assert list(loaded._arrays()) == list(state._arrays())
+    assert _state_bytes(loaded) == _state_bytes(state)
+    assert {k: (v.dtype, v.shape) for k, v in loaded._arrays().items()} == \
+        {k: (v.dtype, v.shape) for k, v in state._arrays().items()}
+    assert _timeline_bookkeeping(loaded) == _timeline_bookkeeping(state)
+    assert (loaded.system_prompt, loaded.tools, loaded.seed, loaded.prompt_positions) == \
+        (state.system_prompt, state.tools, state.seed, state.prompt_positions)
+    assert state.save(tmp_path / "new.safetensors").read_bytes() == old.read_bytes()
+    assert loaded.save(tmp_path / "again.safetensors").read_bytes() == old.read_bytes()

@@ -24,11 +24,11 @@ import pytest
 import voicechat
 from harness.families import codec_cross_tolerance
 from voicechat.model import ops
-from voicechat.runtime import ENV_VARS, ExecutionPolicy, current_policy
+from voicechat.runtime import ENV_VARS, ExecutionPolicy
 from voicechat.runtime.policy import UNBOUND
 
 from . import independent_writer
-from .runtime_util import POLICIES, default_policy
+from .runtime_util import POLICIES, bound_policy, default_policy
 
 PACKAGE = Path(voicechat.__file__).parent
 COMPONENT_DIRS = ("model/audio", "model/llm", "model/tts")
@@ -120,9 +120,9 @@ def test_load_takes_a_policy_and_keeps_it(tiny_ckpt_4bit, monkeypatch):
     assert summary["execution_policy"] == model.policy.as_dict() and summary["execution_policy"]["cpu_streams"] == 1
     assert "execution policy" in session.profile.table()
     with model.executing():
-        assert current_policy() is model.policy
+        assert bound_policy() is model.policy
     assert model.policy.cpu_streams == 1
-    assert current_policy() is UNBOUND  # nothing stays bound after a frame
+    assert bound_policy() is UNBOUND  # nothing stays bound after a frame
 
 
 # -- every policy gives the same numbers
@@ -226,7 +226,7 @@ def test_two_models_with_different_policies_share_a_process(tiny_ckpt_4bit, ques
 
 def test_unbound_components_run_the_plain_ops():
     """Outside any runtime the seam is its meaning in mx / mx.fast."""
-    assert ops.current() is ops.PLAIN and current_policy() is UNBOUND
+    assert ops.current() is ops.PLAIN and bound_policy() is UNBOUND
     x = mx.random.normal((3, 16))
     w = mx.random.normal((16,))
     assert np.array_equal(np.array(ops.rms_norm(x, w, 1e-5)), np.array(mx.fast.rms_norm(x, w, 1e-5)))

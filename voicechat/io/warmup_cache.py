@@ -31,10 +31,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from voicechat.environment import cache_home, env_flag
+from voicechat.io.states import load_state, nest, part, rebuild, save_state
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
 # 2: the prompt codes use the codec RVQ norms of the numerics setting (stored dtype under "reference").
-FORMAT = "voicechat-tts-warmup-2"
+# 3: the state as its `state` / `meta_state` (voicechat/io/states.py): arrays `prompt_codes` and
+#    `tts.{i}.keys` / `tts.{i}.values` / `tts.previous_codes`, metadata one JSON text.
+FORMAT = "voicechat-tts-warmup-3"
 # Entries kept (the most recently used): every new or touched checkpoint adds one, each a few MB
 # at the published shapes.
 MAX_ENTRIES = 8
@@ -88,40 +91,36 @@ def _warn(msg: str) -> None:
     print(f"voicechat: TTS warm-up cache: {msg}", file=sys.stderr)
 
 
+META_KEY = "voicechat.tts_warmup"
+WHAT = "TTS warm-up cache entry"
+
+
 def load_cached(model, key: str):
     """(prompt_codes, EarTtsState) read from the cache for `key`, or None (absent or unusable)."""
     path = cache_dir() / f"{key}.safetensors"
     if not path.exists():
         return None
     tts = model.tts_model.tts_model
+
+    def check(meta):
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("key") != key:
+            got = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"written for another key or format ({got!r})")
+
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
-        if meta.get("format") != FORMAT or meta.get("key") != key:
-            raise ValueError(f"written for another key or format ({meta.get('format')!r})")
-        state = tts.make_state()
-        n = state.num_layers
-        keys = [arrays[f"keys.{i}"] for i in range(n)]
-        values = [arrays[f"values.{i}"] for i in range(n)]
-        ring_origin = json.loads(meta["ring_origin"])
-        offset = int(meta["offset"])
-        codes, previous = arrays["prompt_codes"], arrays["previous_codes"]
-        want = (2, state.num_kv_heads)
-        for a in keys + values:
-            if tuple(a.shape[:2]) != want or a.shape[3] != state.head_dim or a.dtype != mx.float32:
-                raise ValueError(f"a K/V buffer has shape {tuple(a.shape)} {a.dtype}; the model needs "
-                                 f"(2, {state.num_kv_heads}, n, {state.head_dim}) float32")
-        if len(ring_origin) != n or previous.shape != (1, state.num_quantizers) or codes.ndim != 2 \
-                or codes.shape[1] != state.num_quantizers:
-            raise ValueError("its layer count or code shapes do not fit the model")
-        if len(arrays) != 2 * n + 2:
-            raise ValueError(f"{len(arrays)} arrays stored, expected {2 * n + 2}")
-        mx.eval(keys, values, codes, previous)
+        arrays, meta = load_state(path, meta_key=META_KEY, what=WHAT, check=check)
+        codes = arrays.pop("prompt_codes")
+        fresh = tts.make_state()
+        state = rebuild(type(fresh), part(arrays, "tts"), meta["tts"], fresh)
+        extra = sorted(set(arrays) - set(nest("tts", state.state)))
+        if extra:
+            raise ValueError(f"unexpected arrays {extra[:5]}")
+        if codes.ndim != 2 or codes.shape[1] != state.num_quantizers:
+            raise ValueError(f"prompt codes of shape {tuple(codes.shape)}; the model has {state.num_quantizers} "
+                             "codebooks")
     except Exception as e:  # unusable: say so, recompute (the caller overwrites it)
         _warn(f"ignoring {path} ({type(e).__name__}: {e}); recomputing")
         return None
-    state.keys, state.values = keys, values
-    state.ring_origin, state.offset = ring_origin, offset
-    state.previous_codes = previous
     try:
         os.utime(path)  # most recently used: kept by the pruning in `store`
     except OSError:
@@ -130,22 +129,18 @@ def load_cached(model, key: str):
 
 
 def store(key: str, prompt_codes: mx.array, state) -> Path | None:
-    """Write the warm-up for `key` (atomically: a temporary file, then a rename). A failure to
-    write is reported on stderr; the model goes on with its computed warm-up."""
+    """Write the warm-up for `key` (atomically: a temporary file, then a rename): the prompt codes
+    and the state's `state` / `meta_state` (voicechat/io/states.py). A failure to write is reported
+    on stderr; the model goes on with its computed warm-up."""
     folder = cache_dir()
     path = folder / f"{key}.safetensors"
-    arrays = {"prompt_codes": prompt_codes, "previous_codes": state.previous_codes}
-    for i in range(state.num_layers):
-        arrays[f"keys.{i}"], arrays[f"values.{i}"] = state.keys[i], state.values[i]
-    meta = {"format": FORMAT, "key": key, "offset": str(state.offset), "ring_origin": json.dumps(state.ring_origin)}
-    tmp = folder / f".{key}.{os.getpid()}.tmp.safetensors"
+    arrays = {"prompt_codes": prompt_codes, **nest("tts", state.state)}
+    meta = {"format": FORMAT, "key": key, "tts": state.meta_state}
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(tmp), arrays, metadata=meta)
-        os.replace(tmp, path)
+        save_state(path, arrays, meta, meta_key=META_KEY)
     except OSError as e:
         _warn(f"could not write {path} ({e}); the next load computes the warm-up again")
-        tmp.unlink(missing_ok=True)
         return None
     _prune(folder)
     return path

@@ -37,6 +37,9 @@ class PlainOps:
     def linear_weights(self, x: mx.array, w: dict) -> mx.array:
         raise TypeError("a weights dict reaches `ops.apply` only from a runtime's fused_linear")
 
+    def prepared_linear(self, layer, x: mx.array) -> mx.array:
+        return layer.forward(x, None)
+
     def rms_norm(self, x, weight, eps):
         return mx.fast.rms_norm(x, weight, eps)
 
@@ -117,6 +120,13 @@ def fused_linear(name: str, fn: Callable, static: tuple, layers, x: mx.array, *a
 def apply(x: mx.array, w) -> mx.array:
     """A linear layer on x: `w` is the layer, or the weights a runtime's `fused_linear` gave."""
     return w(x) if isinstance(w, nn.Module) else _bound.ops.linear_weights(x, w)
+
+
+def prepared_linear(layer, x: mx.array) -> mx.array:
+    """A linear layer a runtime's `prepare` gave its own class (`voicechat.runtime.linear`) calls
+    this from `__call__`: `layer.forward(x, policy)` with the bound runtime's policy (None
+    unbound: MLX's kernels on one stream, the same values)."""
+    return _bound.ops.prepared_linear(layer, x)
 
 
 def rms_norm(x, weight, eps):
@@ -208,5 +218,5 @@ def widen_bf16_bits(bits: np.ndarray, order: str = "K") -> np.ndarray:
 
 __all__ = ["PLAIN", "PlainOps", "after_layer", "apply", "bound", "current", "float32_matmul", "fused",
            "fused_layer_norm", "fused_linear", "fused_rms_norm", "host_products", "layer_norm", "matmul_t",
-           "norm_params", "products_scope", "rms_norm", "rowwise", "rvq_pass", "stored_transposed", "structure",
+           "norm_params", "prepared_linear", "products_scope", "rms_norm", "rowwise", "rvq_pass", "stored_transposed", "structure",
            "widen_bf16_bits"]

@@ -6,7 +6,7 @@ the session binds the model's runtime around each frame. See docs/runtime.md.
 """
 
 from voicechat.runtime.execution import Runtime
-from voicechat.runtime.policy import ENV_VARS, ExecutionPolicy, current_policy
+from voicechat.runtime.policy import ENV_VARS, ExecutionPolicy
 from voicechat.runtime.prepare import Prepared, prepare
 
-__all__ = ["ENV_VARS", "ExecutionPolicy", "Prepared", "Runtime", "current_policy", "prepare"]
+__all__ = ["ENV_VARS", "ExecutionPolicy", "Prepared", "Runtime", "prepare"]

@@ -4,7 +4,9 @@
 under its `ExecutionPolicy` (compiled pieces, the CPU kernels, two CPU streams, numpy's BLAS,
 evaluation ahead of graph building). It is made once per model by `prepare` and bound around
 each frame (`runtime.frame()`) and each offline run, on the thread that runs it: nothing about
-execution is process-wide, so two models with different policies can share a process.
+execution is process-wide, so two models with different policies can share a process. It hands
+its policy (or the one field they need) to the runtime's functions it calls: none of them looks
+a policy up.
 """
 
 from __future__ import annotations
@@ -30,48 +32,51 @@ class Runtime(ops.PlainOps):
         return ops.bound(self)
 
     def fused(self, key, make):
-        return compiled.piece(key, make)
+        return compiled.piece(key, make, self.policy)
 
     def fused_linear(self, name, fn, static, layers, x, *arrays):
-        return compiled.linear_piece(name, fn, static, layers, x, *arrays)
+        return compiled.linear_piece(self.policy, name, fn, static, layers, x, *arrays)
 
     def linear_weights(self, x, w):
-        return linear.linear(x, w)
+        return linear.linear(x, w, cpu_kernels=self.policy.cpu_kernels)
+
+    def prepared_linear(self, layer, x):
+        return layer.forward(x, self.policy)
 
     def rms_norm(self, x, weight, eps):
-        return kernels.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps, enabled=self.policy.cpu_kernels)
 
     def layer_norm(self, x, weight, bias, eps):
-        return kernels.layer_norm(x, weight, bias, eps)
+        return kernels.layer_norm(x, weight, bias, eps, enabled=self.policy.cpu_kernels)
 
     def fused_rms_norm(self, x, weight, eps):
-        return compiled.rms_norm(x, weight, eps)
+        return compiled.rms_norm(x, weight, eps, self.policy)
 
     def fused_layer_norm(self, x, weight, bias, eps):
         params = {k: v for k, v in (("weight", weight), ("bias", bias)) if v is not None}
-        return compiled.compiled_layer_norm(x, params, eps)
+        return compiled.compiled_layer_norm(x, params, eps, self.policy)
 
     def float32_matmul(self, x, wt):
-        return kernels.float32_matmul(x, wt)
+        return kernels.float32_matmul(x, wt, enabled=self.policy.cpu_kernels)
 
     def rvq_pass(self, residual, books_t, norms):
-        return kernels.rvq_pass(residual, books_t, norms)
+        return kernels.rvq_pass(residual, books_t, norms, enabled=self.policy.cpu_kernels)
 
     def after_layer(self, *arrays):
-        overlap.start(*arrays)
+        overlap.start(*arrays, enabled=self.policy.overlap)
 
     def rowwise(self, fn, x):
         # With the products on the host (numpy's BLAS), the halves would not run at once.
-        return fn(x) if self.policy.host_products else linear.split_rows(fn, x)
+        return fn(x) if self.policy.host_products else linear.split_rows(fn, x, self.policy)
 
     def host_products(self) -> bool:
         return self.policy.host_products
 
     def matmul_t(self, x, w, owner, name):
-        return host_products.matmul_t(x, w, owner, name)
+        return host_products.matmul_t(x, w, owner, name, enabled=self.policy.host_products)
 
     def products_scope(self):
-        return host_products.one_blas_thread()
+        return host_products.one_blas_thread(self.policy.host_products)
 
 
 __all__ = ["Runtime"]

@@ -5,8 +5,8 @@ faster for the same product (docs/performance.md). The codec decoder's 1x1 convo
 upsamplers are the frame's compute-bound products (each weight reused by hundreds of rows), so
 on the CPU backend they go through numpy.
 
-`matmul_t(x, w, owner, name)` is x @ w.T either way: numpy when
-`host_gemm_enabled()`, else MLX. The numpy path evaluates `x` (a host round
+`matmul_t(x, w, owner, name, enabled=...)` is x @ w.T either way: numpy when
+`enabled` (the policy's `host_products`, passed by `Runtime`), else MLX. The numpy path evaluates `x` (a host round
 trip) and returns a new array; the two paths differ only by float32 summation
 order (tested), and the offline and streaming decodes use the same path, so
 their agreement is unchanged.
@@ -16,7 +16,7 @@ the cores MLX's streams need: callers wrap their products in `one_blas_thread()`
 which runs BLAS on the calling thread and restores the user's setting after
 (threadpoolctl).
 
-The bound policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a CPU device
+The policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a CPU device
 (on Apple silicon MLX's own kernels are the fast path).
 """
 
@@ -31,22 +31,15 @@ import numpy as np
 
 from voicechat.model.derived import derived
 from voicechat.model.ops import widen_bf16_bits
-from voicechat.runtime.policy import current_policy
-
 _controller = None
 _controller_lock = threading.Lock()
 
 
-def host_gemm_enabled() -> bool:
-    """Whether the codec's float32 products run in numpy under the bound policy."""
-    return current_policy().host_products
-
-
 @contextlib.contextmanager
-def one_blas_thread():
-    """numpy's BLAS on one thread inside the block (when the numpy path is on), as before after."""
+def one_blas_thread(enabled: bool):
+    """numpy's BLAS on one thread inside the block (when the numpy path is `enabled`), as before after."""
     global _controller
-    if not host_gemm_enabled():
+    if not enabled:
         yield
         return
     if _controller is None:
@@ -76,11 +69,11 @@ def float32_transposed(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.array(a.astype(mx.float32)).T)
 
 
-def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
-    """x (L, I) @ w (O, I).T as float32 (L, O).
+def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str, *, enabled: bool) -> mx.array:
+    """x (L, I) @ w (O, I).T as float32 (L, O), through numpy when `enabled`.
 
     `owner` / `name` key the numpy copy of w.T, made once per weight array (`derived`)."""
-    if not host_gemm_enabled():
+    if not enabled:
         out = x @ w.T
         return out if out.dtype == mx.float32 else out.astype(mx.float32)
     w_t = derived(owner, "host_gemm_" + name, (w,), float32_transposed)
@@ -89,4 +82,4 @@ def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
     return mx.array(np.asarray(x) @ w_t)
 
 
-__all__ = ["host_gemm_enabled", "one_blas_thread", "float32_transposed", "matmul_t"]
+__all__ = ["one_blas_thread", "float32_transposed", "matmul_t"]

@@ -22,8 +22,8 @@ the key covering the sources and the MLX, nanobind and Python versions; later pr
 Before first use the module is checked against `mx.quantized_matmul` and `mx.matmul` on random
 inputs (every bits / group size, every instruction set); any difference and it is not used.
 
-`quantized_matmul(...)` takes the extension when the bound policy has `cpu_kernels` on and the
-call is one it serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a
+`quantized_matmul(..., enabled=...)` takes the extension when `enabled` (the policy's
+`cpu_kernels`, passed by the runtime that calls it) and the call is one it serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a
 CPU stream), else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D
 float32 or bf16 wt), else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight /
 bias) else `mx.fast`'s; `rvq_pass` returns None where not served (the caller runs MLX's ops); the
@@ -50,7 +50,6 @@ import mlx.core as mx
 import numpy as np
 
 from voicechat.environment import cache_home
-from voicechat.model import ops
 
 MODULE_NAME = "_voicechat_cpu_qmv"
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -242,13 +241,6 @@ def unavailable_reason() -> str | None:
     return _state["reason"]
 
 
-def cpu_qmv_enabled() -> bool:
-    """Whether the bound runtime's policy takes the extension for the calls it serves
-    (`ExecutionPolicy.cpu_kernels`; a policy with it on is only made where the module loaded)."""
-    policy = ops.current().policy  # None outside a runtime: the plain ops, MLX's kernels
-    return policy is not None and policy.cpu_kernels
-
-
 def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether the extension serves products with these weights (affine 4 / 8-bit, group 32 / 64 /
     128, 2-D packed uint32 weights, float scales and biases of one dtype and matching shape). A
@@ -274,20 +266,21 @@ def _input_served(x, w, bits, stream) -> bool:
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *,
                      group_size: int, bits: int, mode: str = "affine", stream=None,
-                     served: bool | None = None) -> mx.array:
+                     served: bool | None = None, enabled: bool) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, through the extension when
-    enabled and the call is one it serves (same bits either way). `served`: the caller's
+    `enabled` (`ExecutionPolicy.cpu_kernels`: a policy with it on is only made where the module
+    loaded) and the call is one it serves (same bits either way). `served`: the caller's
     `weights_served(...)` for these weights, checked here when None (the extension rejects,
     with a clear error, weights it cannot take whatever a caller passes)."""
     if served is None:
         served = weights_served(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
-    if served and _input_served(x, w, bits, stream) and cpu_qmv_enabled():
+    if enabled and served and _input_served(x, w, bits, stream):
         return _state["module"].quantized_matvec(x, w, scales, biases, group_size, bits, stream=stream)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=bits, mode=mode, stream=stream)
 
 
-def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
+def float32_matmul(x: mx.array, wt: mx.array, *, stream=None, enabled: bool) -> mx.array:
     """`mx.matmul(x, wt)` for x (..., K) and a 2-D wt (K, N), through the extension's float32
     product when enabled, x is float32 and wt float32 or bfloat16, on a CPU stream (same bits
     either way: MLX's CPU matmul converts a bf16 operand to float32, exactly, then runs the
@@ -296,54 +289,53 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None) -> mx.array:
     copies of the conformer, TTS and codebook products and for bf16 weights stored transposed
     (`voicechat.runtime.linear.linear`)."""
     if (x.dtype == mx.float32 and wt.dtype in (mx.float32, mx.bfloat16) and wt.ndim == 2 and x.ndim >= 1
-            and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and cpu_qmv_enabled()):
+            and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and enabled):
         return _state["module"].float32_matmul(x, wt, stream=stream)
     return mx.matmul(x, wt, stream=stream)
 
 
-def norm_served(x: mx.array, *params, stream=None) -> bool:
+def norm_served(x: mx.array, *params, stream=None, enabled: bool) -> bool:
     """Whether `rms_norm` / `layer_norm` take the extension for x with these weight / bias (or
     None) params: enabled, float32 x, 1-D float params of x's last axis, a CPU stream."""
-    return (x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] > 0 and _stream_served(stream)
+    return (enabled and x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] > 0 and _stream_served(stream)
             and all(p is None or (p.ndim == 1 and p.shape[0] == x.shape[-1] and p.dtype in _NORM_DTYPES)
-                    for p in params)
-            and cpu_qmv_enabled())
+                    for p in params))
 
 
 _NORM_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None,
-             served: bool | None = None) -> mx.array:
+             served: bool | None = None, enabled: bool) -> mx.array:
     """`mx.fast.rms_norm(x, weight, eps)`, through the extension's norm when enabled and served
     (float32 x, a 1-D float weight or None, a CPU stream): one dispatch instead of MLX's three
     (square, sum, the fused tail), the same bits (MLX's CPU sum is one sequential chain per row
     on x86-64, which the extension runs). `served`: the caller's `norm_served(...)` for these
     arguments, checked here when None."""
-    if norm_served(x, weight, stream=stream) if served is None else served:
+    if norm_served(x, weight, stream=stream, enabled=enabled) if served is None else served:
         return _state["module"].rms_norm(x, weight, eps, stream=stream)
     return mx.fast.rms_norm(x, weight, eps, stream=stream)
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
-               stream=None, served: bool | None = None) -> mx.array:
+               stream=None, served: bool | None = None, enabled: bool) -> mx.array:
     """`mx.fast.layer_norm(x, weight, bias, eps)`, as `rms_norm`: one dispatch instead of five."""
-    if norm_served(x, weight, bias, stream=stream) if served is None else served:
+    if norm_served(x, weight, bias, stream=stream, enabled=enabled) if served is None else served:
         return _state["module"].layer_norm(x, weight, bias, eps, stream=stream)
     return mx.fast.layer_norm(x, weight, bias, eps, stream=stream)
 
 
-def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=None):
+def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=None, enabled: bool):
     """Greedy residual vector quantization of one float32 row over `books_t` (count, latent, C)
     with squared norms `norms` (count, C): -> (codes (count,) int32, the remaining residual), in
     one dispatch instead of five per codebook; the bits of MLX's ops in `tts.ear_tts._rvq_core`.
     None when the extension does not serve the call (disabled, not float32, not a CPU stream):
     the caller then runs those ops."""
     if (residual.dtype == books_t.dtype == norms.dtype == mx.float32 and books_t.ndim == 3
-            and residual.size == books_t.shape[1] and _stream_served(stream) and cpu_qmv_enabled()):
+            and residual.size == books_t.shape[1] and _stream_served(stream) and enabled):
         return tuple(_state["module"].rvq_pass(residual, books_t, norms, stream=stream))
     return None
 
 
-__all__ = ["cpu_qmv_enabled", "extension", "float32_matmul", "layer_norm", "norm_served", "platform_served",
+__all__ = ["extension", "float32_matmul", "layer_norm", "norm_served", "platform_served",
            "rms_norm", "rvq_pass", "quantized_matmul", "self_check", "unavailable_reason", "weights_served"]

@@ -14,9 +14,11 @@ frame's large products in two halves, one per stream, and joins them:
 * `split_rows(fn, x)`: a row-wise function (LayerNorm, 1x1 convs, GELU) over
   the two halves of its input rows; used by the codec's ConvNeXt blocks.
 
-The number of streams is the bound policy's `cpu_streams` (`ExecutionPolicy`): by default 2
+The number of streams is the policy's `cpu_streams` (`ExecutionPolicy`): by default 2
 on a CPU device with at least two cores, else 1 (on a GPU one device serves both streams).
-With 1 stream every layer runs unsplit.
+With 1 stream every layer runs unsplit. The policy is passed in: a layer's `__call__` goes through
+the op seam (`ops.prepared_linear`), whose runtime calls `forward(x, policy)` with its own (the
+plain ops, unbound, with None: `UNBOUND`, one stream, MLX's kernels).
 
 `prepare_linears(module, policy)` gives the dense and quantized layers these classes and the
 weight layout the policy asks for; it is called by `voicechat.runtime.prepare` only.
@@ -30,10 +32,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from voicechat.model import ops
 from voicechat.model.derived import derived
 from voicechat.model.ops import stored_transposed
 from voicechat.runtime.kernels import float32_matmul, quantized_matmul, weights_served
-from voicechat.runtime.policy import ExecutionPolicy, current_policy
+from voicechat.runtime.policy import UNBOUND, ExecutionPolicy
 
 # A split pays when the product is long compared with one cross-stream hand-over; the
 # threshold was chosen by interleaved runs at the small preset (docs/performance.md).
@@ -53,14 +56,9 @@ QMV_SPEEDUP = 4
 _local = threading.local()
 
 
-def cpu_streams() -> int:
-    """How many CPU streams a frame uses under the bound policy (1 = everything on the default stream)."""
-    return current_policy().cpu_streams
-
-
-def secondary_stream():
-    """The second CPU stream of the calling thread, or None when running on one stream."""
-    if cpu_streams() < 2:
+def secondary_stream(policy: ExecutionPolicy):
+    """The second CPU stream of the calling thread, or None when `policy` runs on one stream."""
+    if policy.cpu_streams < 2:
         return None
     stream = getattr(_local, "stream", None)
     if stream is None:
@@ -69,18 +67,18 @@ def secondary_stream():
     return stream
 
 
-def linear(x: mx.array, w: dict, stream=None) -> mx.array:
+def linear(x: mx.array, w: dict, stream=None, *, cpu_kernels: bool) -> mx.array:
     """x @ W.T (+ b) for a weights dict {"weight" (O, I) or "weight_t" (I, O), "bias"?}, or
     {"parts": [dict, ...]} (the output columns in pieces, concatenated): what `FastLinear` runs.
 
     "weight_t" is W.T stored contiguous: MLX's CPU BLAS runs x @ W_t about twice as fast as
     x @ W.T on a transposed view, with the same float32 result (same dot products in the same
     order; tested), and x @ W_t + b equals addmm(b, x, W.T) bit for bit. x @ W_t goes through
-    `cpu_qmv.float32_matmul` (the same bits, faster on Linux x86-64)."""
+    `cpu_qmv.float32_matmul` (the same bits, faster on Linux x86-64, where `cpu_kernels`)."""
     if "parts" in w:
-        return mx.concatenate([linear(x, part, stream) for part in w["parts"]], axis=-1)
+        return mx.concatenate([linear(x, part, stream, cpu_kernels=cpu_kernels) for part in w["parts"]], axis=-1)
     if "weight_t" in w:
-        y = float32_matmul(x, w["weight_t"], stream=stream)
+        y = float32_matmul(x, w["weight_t"], stream=stream, enabled=cpu_kernels)
         return mx.add(y, w["bias"], stream=stream) if "bias" in w else y
     if "bias" in w:
         return mx.addmm(w["bias"], x, w["weight"].T, stream=stream)
@@ -95,13 +93,13 @@ def split_point(rows: int, macs: int) -> int:
     return min(max(int(round(rows * share)), 1), rows - 1)
 
 
-def _row_halves(layer: nn.Module, weights: dict) -> tuple[dict, dict]:
+def _row_halves(layer: nn.Module, weights: dict, policy: ExecutionPolicy) -> tuple[dict, dict]:
     """Row views of `weights` split at `split_point` (the first part for the default stream),
-    made once per weight arrays."""
+    made once per weight arrays (under the policy of the first call)."""
     names = tuple(weights)
 
     def halves(*arrays):
-        split = split_point(arrays[0].shape[0], _split_cost(layer))
+        split = split_point(arrays[0].shape[0], _split_cost(layer, policy))
         return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
 
     return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)
@@ -122,26 +120,33 @@ class FastQuantizedLinear(nn.QuantizedLinear):
             bits=self.bits, mode=self.mode))
         return weights, served
 
-    def _half(self, x, part, stream, served):
+    def _half(self, x, part, stream, served, policy):
         y = quantized_matmul(x, part["weight"], part["scales"], part.get("biases"), group_size=self.group_size,
-                             bits=self.bits, mode=self.mode, stream=stream, served=served)
+                             bits=self.bits, mode=self.mode, stream=stream, served=served,
+                             enabled=policy.cpu_kernels)
         return y + part["bias"] if "bias" in part else y
 
     def __call__(self, x):
+        return ops.prepared_linear(self, x)
+
+    def forward(self, x, policy: ExecutionPolicy | None):
+        """The product under `policy` (None: `UNBOUND`)."""
         weights, served = self._weights()
-        return self._half(x, weights, None, served)
+        return self._half(x, weights, None, served, UNBOUND if policy is None else policy)
 
 
 class ParallelQuantizedLinear(FastQuantizedLinear):
     """`FastQuantizedLinear` whose output rows are computed in two halves on two CPU streams."""
 
-    def __call__(self, x):
-        stream = secondary_stream()
+    def forward(self, x, policy: ExecutionPolicy | None):
+        policy = UNBOUND if policy is None else policy
+        stream = secondary_stream(policy)
         if stream is None:
-            return super().__call__(x)
+            return super().forward(x, policy)
         weights, served = self._weights()  # a row half of served weights is served too
-        lo, hi = _row_halves(self, weights)
-        return mx.concatenate([self._half(x, lo, None, served), self._half(x, hi, stream, served)], axis=-1)
+        lo, hi = _row_halves(self, weights, policy)
+        return mx.concatenate([self._half(x, lo, None, served, policy), self._half(x, hi, stream, served, policy)],
+                              axis=-1)
 
 
 def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
@@ -242,20 +247,27 @@ class FastLinear(nn.Linear):
     def _splits(self) -> bool:
         return self.__dict__.get("_split", False) and not self._replaced()
 
-    def unsplit_weights(self, x) -> dict | None:
-        """The weights a call on `x` would use, or None when the call would split across streams
-        (callers that fuse the product into a compiled piece must then call the layer)."""
-        if self._splits() and secondary_stream() is not None:
+    def unsplit_weights(self, x, policy: ExecutionPolicy) -> dict | None:
+        """The weights a call on `x` under `policy` would use, or None when the call would split
+        across streams (callers that fuse the product into a compiled piece must then call the layer)."""
+        if self._splits() and secondary_stream(policy) is not None:
             return None
         return self._weights(x)
 
     def __call__(self, x):
+        return ops.prepared_linear(self, x)
+
+    def forward(self, x, policy: ExecutionPolicy | None):
+        """The product under `policy` (None: `UNBOUND`)."""
+        policy = UNBOUND if policy is None else policy
+        kernels = policy.cpu_kernels
         weights = self._weights(x)
-        stream = secondary_stream() if self._splits() else None
+        stream = secondary_stream(policy) if self._splits() else None
         if stream is None:
-            return linear(x, weights)
-        lo, hi = weights["parts"] if "parts" in weights else _row_halves(self, weights)
-        return mx.concatenate([linear(x, lo), linear(x, hi, stream)], axis=-1)
+            return linear(x, weights, cpu_kernels=kernels)
+        lo, hi = weights["parts"] if "parts" in weights else _row_halves(self, weights, policy)
+        return mx.concatenate([linear(x, lo, cpu_kernels=kernels), linear(x, hi, stream, cpu_kernels=kernels)],
+                              axis=-1)
 
 
 def _replace_by_float32(layer: FastLinear) -> None:
@@ -335,12 +347,11 @@ def _macs(layer: nn.Module) -> int:
     return w.shape[0] * w.shape[1]
 
 
-def _split_cost(layer: nn.Module, policy: ExecutionPolicy | None = None) -> int:
+def _split_cost(layer: nn.Module, policy: ExecutionPolicy) -> int:
     """The layer's multiply-adds per input row in the units `MIN_SPLIT_MACS` / `STREAM_LAG_MACS`
-    are measured in (MLX's CPU kernels): a quantized product through the CPU kernels counts
-    1 / `QMV_SPEEDUP` of its multiply-adds."""
+    are measured in (MLX's CPU kernels): a quantized product through `policy`'s CPU kernels
+    counts 1 / `QMV_SPEEDUP` of its multiply-adds."""
     macs = _macs(layer)
-    policy = current_policy() if policy is None else policy
     if isinstance(layer, nn.QuantizedLinear) and layer.mode == "affine" and layer.bits in (4, 8) \
             and policy.cpu_kernels:
         return macs // QMV_SPEEDUP
@@ -475,9 +486,9 @@ def resident_bytes(module: nn.Module) -> int:
     return sum(a.nbytes for _, a in resident_arrays(module))
 
 
-def split_rows(fn, x: mx.array) -> mx.array:
-    """fn over the rows of x (axis 0), the second half on the second stream; fn must be row-wise."""
-    stream = secondary_stream()
+def split_rows(fn, x: mx.array, policy: ExecutionPolicy) -> mx.array:
+    """fn over the rows of x (axis 0), the second half on `policy`'s second stream; fn must be row-wise."""
+    stream = secondary_stream(policy)
     rows = x.shape[0]
     if stream is None or rows < 2:
         return fn(x)

@@ -10,7 +10,7 @@ it after each layer of the conformer, of the Nemotron-H stack and of the EAR-TTS
 after each MoG pass. Nothing else changes: the same operations run on the same inputs, only
 sooner, so every value is the same bit for bit (`parity_tests/test_parallel.py`).
 
-The bound policy's `overlap` (`ExecutionPolicy`) turns it on: by default for a CPU device; off
+The policy's `overlap` (`ExecutionPolicy`; `Runtime.after_layer` passes it) turns it on: by default for a CPU device; off
 on a GPU, where each evaluation commits a command buffer and this has not been measured.
 """
 
@@ -18,18 +18,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from voicechat.runtime.policy import current_policy
 
-
-def overlap_enabled() -> bool:
-    """Whether `start` evaluates ahead under the bound policy."""
-    return current_policy().overlap
-
-
-def start(*arrays: mx.array) -> None:
-    """Start evaluating `arrays` (a layer's output) without waiting, when enabled."""
-    if current_policy().overlap:
+def start(*arrays: mx.array, enabled: bool) -> None:
+    """Start evaluating `arrays` (a layer's output) without waiting, when `enabled` (the policy's
+    `overlap`)."""
+    if enabled:
         mx.async_eval(*arrays)
 
 
-__all__ = ["overlap_enabled", "start"]
+__all__ = ["start"]

@@ -35,7 +35,6 @@ from typing import Mapping
 
 import mlx.core as mx
 
-from voicechat.model import ops
 from voicechat.environment import env_flag
 
 ENV_VARS = {
@@ -178,14 +177,9 @@ def describe_fields(fields: Mapping) -> str:
             + f", float32 copies {'by budget' if copies is None else copies}")
 
 
-# What runs when no model's runtime is bound (a component called on its own): the plain ops.
+# What a prepared layer runs under when no model's runtime is bound (a component called on its
+# own: the plain ops pass no policy): one stream, nothing on.
 UNBOUND = ExecutionPolicy(name="unbound")
 
 
-def current_policy() -> ExecutionPolicy:
-    """The policy of the runtime bound on this thread (`voicechat.model.ops.bound`), `UNBOUND` outside one."""
-    policy = ops.current().policy
-    return UNBOUND if policy is None else policy
-
-
-__all__ = ["ENV_VARS", "ExecutionPolicy", "SWITCHES", "UNBOUND", "current_policy", "describe_fields", "switched_on"]
+__all__ = ["ENV_VARS", "ExecutionPolicy", "SWITCHES", "UNBOUND", "describe_fields", "switched_on"]

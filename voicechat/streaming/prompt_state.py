@@ -19,31 +19,28 @@ the model's warm-up buffers themselves (not counted in `nbytes`). Arrays are onl
 never written in place while shared (MLX donates a buffer only when nothing else holds it), so
 sessions started from one state, one after another or side by side, never change it.
 
-Files: `state.save(path)` writes safetensors (the arrays) with JSON metadata (format version, the
-checkpoint's identity, numerics, prompt, tools, seed, the project's version, a SHA-256 of
-everything); `PromptState.load(path, model)` refuses another checkpoint, numerics setting or format
-version and a truncated or corrupt file with `PromptStateError` naming why.
+As arrays and metadata, a state is its `state` / `meta_state` (the timeline state's, whose parts
+each say theirs, and the character-encoder rows'), rebuilt by `PromptState.from_state`. Files:
+`state.save(path)` writes them with the generic writer (voicechat/streaming/prompt_file.py:
+safetensors with JSON metadata: format version, the checkpoint's identity, numerics, the project's
+version, a SHA-256 of everything); `PromptState.load(path, model)` refuses another checkpoint,
+numerics setting or format version and a truncated or corrupt file with `PromptStateError` naming
+why (voicechat/streaming/prompt_identity.py).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
-import struct
 import weakref
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from voicechat.errors import PromptStateError
-
-FORMAT = "voicechat-prompt-state"
-FORMAT_VERSION = 1
-_META_KEY = "voicechat.prompt_state"
-_DIGEST_KEY = "voicechat.prompt_state.sha256"
+from voicechat.io.states import nest, part, rebuild
+from voicechat.streaming import prompt_file
+from voicechat.streaming.prompt_file import FORMAT_VERSION
+from voicechat.streaming.prompt_identity import check_model, checkpoint_identity, numerics_identity
 
 
 class _Unset:
@@ -66,64 +63,6 @@ class _Unset:
 UNSET = _Unset()
 
 
-# --------------------------------------------------------------------------- identity
-
-
-def numerics_identity(model) -> dict:
-    """What the state's bits depend on besides the weights and the prompt: the numerics setting,
-    the MLX version and the device type."""
-    return {"setting": model.numerics.name, "mlx": mx.__version__, "device": str(mx.default_device().type)}
-
-
-def _sampled_digest(path: Path, h) -> None:
-    """A shard's safetensors header (its tensor index: names, dtypes, shapes, offsets) and 16
-    evenly spaced 4 KiB samples of its data: re-reading whole shards (GBs) would cost seconds."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PromptStateError(f"{path}: not a safetensors file (shorter than its header length)")
-        (n,) = struct.unpack("<Q", head)
-        h.update(f.read(n))
-        start = 8 + n
-        span = max(0, size - start)
-        for i in range(16):
-            f.seek(start + (span * i) // 16)
-            h.update(f.read(4096))
-    h.update(str(size).encode())
-
-
-# Each loaded model's checkpoint identity, hashed once (kept beside the model, not on it).
-_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def checkpoint_identity(model) -> str:
-    """Hex SHA-256 of the checkpoint: config.json, the index, tokenizer.json (the prompt's token ids
-    come from it) and each shard's tensor index with samples of its data. Computed once per model."""
-    cached = _IDENTITIES.get(model)
-    if cached is not None:
-        return cached
-    folder = getattr(model, "folder", None)
-    if folder is None:
-        raise PromptStateError("the model was not loaded from a checkpoint folder (voicechat.load), so its "
-                               "identity cannot be recorded or checked; load it with voicechat.load(PATH)")
-    folder = Path(folder)
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
-        p = folder / name
-        h.update(name.encode())
-        if p.exists():
-            h.update(hashlib.sha256(p.read_bytes()).digest())
-    for p in sorted(folder.glob("*.safetensors")):
-        h.update(p.name.encode())
-        _sampled_digest(p, h)
-    _IDENTITIES[model] = h.hexdigest()
-    return _IDENTITIES[model]
-
-
-# --------------------------------------------------------------------------- the value
-
-
 def _norm_prompt(cfg, system_prompt):
     """The prompt text a prefill uses (None: the config's default)."""
     return cfg.default_system_prompt if system_prompt is None else system_prompt
@@ -134,14 +73,20 @@ class PromptState:
     `PromptState.load(path, model)`; never changed by the sessions started from it."""
 
     def __init__(self, *, model, system_prompt, tools, seed: int, timeline_state, prompt_positions: int,
-                 text_rows: dict, checkpoint: str | None = None):
+                 text_rows, checkpoint: str | None = None):
+        from voicechat.model.tts.ear_tts import TextEmbeddingCache
+
         self._model_ref = weakref.ref(model)
         self._system_prompt = system_prompt
         self._tools = tuple(tools)
         self._seed = int(seed)
         self._timeline = timeline_state
         self._prompt_positions = int(prompt_positions)
-        self._text_rows = dict(text_rows)
+        # The character-encoder rows the prefill computed (a dict {token: row} or a cache of them).
+        if not isinstance(text_rows, TextEmbeddingCache):
+            text_rows = TextEmbeddingCache.from_state({str(t): r for t, r in dict(text_rows).items()},
+                                                      [int(t) for t in text_rows])
+        self._text_rows = text_rows
         self._checkpoint = checkpoint
         self._numerics = numerics_identity(model)
 
@@ -171,31 +116,47 @@ class PromptState:
     def numerics(self) -> dict:
         return dict(self._numerics)
 
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """Every array the state holds, by file name: the timeline state's `state` (full K/V buffers,
+        spare capacity included) and the character-encoder rows as `text_rows.{token}`."""
+        return {**self._timeline.state, **nest("text_rows", self._text_rows.state)}
+
+    @property
+    def meta_state(self) -> dict:
+        """The timeline state's `meta_state`, the rows' tokens ("text_rows") and the prompt's
+        arguments (system_prompt, tools, seed, prompt_positions)."""
+        return {**self._timeline.meta_state, "text_rows": self._text_rows.meta_state,
+                "system_prompt": self._system_prompt, "tools": list(self._tools), "seed": self._seed,
+                "prompt_positions": self._prompt_positions}
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: dict, like) -> "PromptState":
+        """The state from `state` / `meta_state` for the model `like` (its fresh timeline state
+        gives the shapes; a "checkpoint" in `meta_state`, as files have, is kept as the identity)."""
+        from voicechat.model.tts.ear_tts import TextEmbeddingCache
+        from voicechat.model.tts.rng import SessionRandom
+        from voicechat.streaming.timeline import TimelineState
+
+        model = like
+        fresh = TimelineState(model.stt_model.llm.make_state(), model.tts_model.tts_model.make_state(),
+                              SessionRandom(0), model.config.pad_token_id)
+        timeline_state = TimelineState.from_state(state, meta_state, fresh)
+        rows = TextEmbeddingCache.from_state(part(state, "text_rows"), meta_state["text_rows"])
+        return cls(model=model, system_prompt=meta_state["system_prompt"], tools=meta_state["tools"],
+                   seed=meta_state["seed"], timeline_state=timeline_state,
+                   prompt_positions=meta_state["prompt_positions"], text_rows=rows,
+                   checkpoint=meta_state.get("checkpoint"))
+
+    def _arrays(self) -> dict[str, mx.array]:
+        """Every array the state holds, by file name (`state`)."""
+        return self.state
+
     def _model_arrays(self, model) -> set[int]:
         warm = getattr(model, "_warm_tts", None) if model is not None else None
         return {id(a) for a in (warm.keys + warm.values + [warm.previous_codes])} if warm is not None else set()
-
-    def _arrays(self) -> dict[str, mx.array]:
-        """Every array the state holds, by file name (full K/V buffers, spare capacity included)."""
-        from voicechat.model.llm.nemotron_h import MambaLayerState
-
-        ts = self._timeline
-        out = {}
-        for i, layer in enumerate(ts.llm.layers):
-            if layer is None:
-                continue
-            if isinstance(layer, MambaLayerState):
-                out[f"llm.{i}.conv"], out[f"llm.{i}.ssm"] = layer.conv, layer.ssm
-            else:
-                out[f"llm.{i}.keys"], out[f"llm.{i}.values"] = layer.keys, layer.values
-        for i in range(ts.tts.num_layers):
-            out[f"tts.{i}.keys"], out[f"tts.{i}.values"] = ts.tts.keys[i], ts.tts.values[i]
-        out["tts.previous_codes"] = ts.tts.previous_codes
-        out["rng.key"] = ts.rng.arrays()["key"]
-        out["prev_text"], out["prev_function"] = ts.prev_text, ts.prev_function
-        for token, row in self._text_rows.items():
-            out[f"text_rows.{token}"] = row
-        return out
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +164,7 @@ class PromptState:
         warm-up buffers, which an empty prompt leaves unchanged)."""
         shared = self._model_arrays(self._model_ref())
         seen, total = set(), 0
-        for a in self._arrays().values():
+        for a in self.state.values():
             if id(a) not in seen and id(a) not in shared:
                 seen.add(id(a))
                 total += a.nbytes
@@ -219,18 +180,7 @@ class PromptState:
 
     def check_model(self, model) -> None:
         """PromptStateError unless `model` computes what the state's model computed."""
-        mine = self._model_ref()
-        if mine is model:
-            return
-        theirs = numerics_identity(model)
-        if theirs != self._numerics:
-            raise PromptStateError(_numerics_mismatch(self._numerics, theirs))
-        have = self._checkpoint or (checkpoint_identity(mine) if mine is not None else None)
-        if have is None or have != checkpoint_identity(model):
-            raise PromptStateError(
-                f"this prompt state was prepared for another checkpoint (identity {str(have)[:16]}...), the model "
-                f"is {checkpoint_identity(model)[:16]}... ({getattr(model, 'folder', None)}); prepare it with "
-                "this model's prepare_prompt")
+        check_model(model, made_by=self._model_ref(), checkpoint=self._checkpoint, numerics=self._numerics)
 
     def resolve(self, model, system_prompt, tools, seed, use_language_cache: bool):
         """The session arguments with the state's values filled in; ValueError where a given one
@@ -258,203 +208,36 @@ class PromptState:
         """Put a copy of the state into a fresh `Timeline` (instead of `timeline.start`); -> positions."""
         timeline.state = self._timeline.copy()
         timeline.prompt_positions = self._prompt_positions
-        for token, row in self._text_rows.items():
+        for token, row in self._text_rows._rows.items():
             timeline.text_cache.put(token, row)
         return self._prompt_positions
 
-    # -- files
+    # -- files (voicechat/streaming/prompt_file.py)
 
     def save(self, path) -> Path:
         """Write the state to `path` (safetensors + JSON metadata; atomically: a temporary file, then a
         rename). The file is bound to this checkpoint and numerics setting."""
-        from voicechat._version import __version__
-
         model = self._model_ref()
         checkpoint = self._checkpoint or (checkpoint_identity(model) if model is not None else None)
         if checkpoint is None:
             raise PromptStateError("the state's model is gone; its checkpoint identity cannot be recorded")
-        from voicechat.model.llm.nemotron_h import MambaLayerState
-
-        ts = self._timeline
-        arrays = self._arrays()
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "voicechat": __version__,
-            "checkpoint": checkpoint, "numerics": self._numerics,
-            "system_prompt": self._system_prompt, "tools": list(self._tools), "seed": self._seed,
-            "prompt_positions": self._prompt_positions, "position": ts.position,
-            "llm": {"offset": ts.llm.offset,
-                    "layers": [None if s is None else ("mamba" if isinstance(s, MambaLayerState) else ["attention", s.length])
-                               for s in ts.llm.layers]},
-            "tts": {"offset": ts.tts.offset, "ring_origin": list(ts.tts.ring_origin), "windows": list(ts.tts.windows)},
-            "rng": {"seed": ts.rng.seed, "draws": ts.rng.draws},
-            "text_rows": [int(t) for t in self._text_rows],
-        }
-        meta_text = json.dumps(meta, sort_keys=True)
-        mx.eval(list(arrays.values()))
-        digest = _digest(meta_text, arrays)
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-        try:
-            mx.save_safetensors(str(tmp), arrays, metadata={_META_KEY: meta_text, _DIGEST_KEY: digest})
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return prompt_file.write(path, self.state, self.meta_state, checkpoint=checkpoint, numerics=self._numerics)
 
     @classmethod
     def load(cls, path, model) -> "PromptState":
         """Read a state written by `save` for `model`. PromptStateError (nothing is used) for a missing,
         truncated or corrupt file, another format version, checkpoint or numerics setting."""
-        path = Path(path)
-        meta_text, digest = _read_header(path)
+        arrays, meta = prompt_file.read(path, model)
         try:
-            meta = json.loads(meta_text)
-        except json.JSONDecodeError as e:
-            raise PromptStateError(f"{path}: corrupt prompt state (its metadata is not JSON: {e})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            got = meta.get("format") if isinstance(meta, dict) else None
-            raise PromptStateError(f"{path}: not a voicechat prompt state (format {got!r}; expected {FORMAT!r})")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise PromptStateError(f"{path}: prompt state format version {meta.get('format_version')!r}; this "
-                                   f"voicechat reads version {FORMAT_VERSION}. Write it again with "
-                                   "`voicechat cache-prompt`")
-        want = checkpoint_identity(model)
-        if meta.get("checkpoint") != want:
-            raise PromptStateError(
-                f"{path}: prompt state of another checkpoint (identity {str(meta.get('checkpoint'))[:16]}...); the "
-                f"model {getattr(model, 'folder', '')} is {want[:16]}.... Write one for it with `voicechat "
-                "cache-prompt -m CKPT`")
-        have = numerics_identity(model)
-        if meta.get("numerics") != have:
-            raise PromptStateError(f"{path}: {_numerics_mismatch(meta.get('numerics') or {}, have)}")
-        try:
-            arrays = mx.load(str(path))
-            mx.eval(list(arrays.values()))
-        except Exception as e:  # a truncated data section, an unreadable file
-            raise PromptStateError(f"{path}: corrupt prompt state (cannot read its arrays: {e})") from None
-        if _digest(meta_text, arrays) != digest:
-            raise PromptStateError(f"{path}: corrupt prompt state (its SHA-256 does not match its contents)")
-        try:
-            state = _build(model, meta, arrays)
+            return rebuild(cls, arrays, meta, model)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise PromptStateError(f"{path}: prompt state does not fit the model ({type(e).__name__}: {e})") from None
-        return state
 
 
 def _short(prompt) -> str:
     if prompt is None:
         return "None (the config's default)"
     return repr(prompt if len(prompt) <= 40 else prompt[:37] + "...")
-
-
-def _numerics_mismatch(stored: dict, have: dict) -> str:
-    diff = [f"{k} {stored.get(k)!r} (the model: {have.get(k)!r})" for k in sorted(set(stored) | set(have))
-            if stored.get(k) != have.get(k)]
-    return ("prompt state made under other numerics: " + "; ".join(diff) +
-            ". Prepare it again under this model's settings")
-
-
-def _digest(meta_text: str, arrays: dict) -> str:
-    """SHA-256 over the metadata and every array's name, dtype, shape and bytes."""
-    h = hashlib.sha256(meta_text.encode())
-    for name in sorted(arrays):
-        a = arrays[name]
-        h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
-        raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-        h.update(np.ascontiguousarray(np.array(raw)).tobytes())
-    return h.hexdigest()
-
-
-def _read_header(path: Path) -> tuple[str, str]:
-    """The metadata and digest of a state file, after checking its size against its header."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise PromptStateError(f"{path}: truncated prompt state ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise PromptStateError(f"{path}: truncated prompt state (its header says {n} bytes, the file has "
-                                       f"{size - 8} after the length)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise PromptStateError(f"{path}: no such prompt state file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PromptStateError(f"{path}: corrupt prompt state (its safetensors header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise PromptStateError(f"{path}: corrupt prompt state (its header is not a JSON object)")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise PromptStateError(f"{path}: corrupt prompt state (a tensor entry of its header is malformed: "
-                               f"{type(e).__name__}: {e})") from None
-    if 8 + n + end != size:
-        raise PromptStateError(f"{path}: truncated or corrupt prompt state ({size} bytes; its header describes "
-                               f"{8 + n + end})")
-    md = header.get("__metadata__") or {}
-    if _META_KEY not in md or _DIGEST_KEY not in md:
-        raise PromptStateError(f"{path}: not a voicechat prompt state (no {_META_KEY!r} metadata)")
-    return md[_META_KEY], md[_DIGEST_KEY]
-
-
-def _build(model, meta: dict, arrays: dict) -> PromptState:
-    """The in-memory state from a checked file (shapes and layer kinds checked against the model)."""
-    from voicechat.model.llm.nemotron_h import AttentionLayerState, MambaLayerState, NemotronHState
-    from voicechat.streaming.timeline import TimelineState
-    from voicechat.model.tts.rng import SessionRandom
-
-    cfg = model.config
-    fresh = model.stt_model.llm.make_state()
-    kinds = meta["llm"]["layers"]
-    if len(kinds) != len(fresh.layers):
-        raise ValueError(f"{len(kinds)} language layers stored, the model has {len(fresh.layers)}")
-    layers = []
-    for i, (kind, ref) in enumerate(zip(kinds, fresh.layers)):
-        if ref is None:
-            if kind is not None:
-                raise ValueError(f"language layer {i}: state stored for a layer without one")
-            layers.append(None)
-        elif isinstance(ref, MambaLayerState):
-            conv, ssm = arrays.pop(f"llm.{i}.conv"), arrays.pop(f"llm.{i}.ssm")
-            if kind != "mamba" or conv.shape != ref.conv.shape or ssm.shape != ref.ssm.shape:
-                raise ValueError(f"language layer {i}: Mamba state of shapes {conv.shape} / {ssm.shape}, the model "
-                                 f"needs {ref.conv.shape} / {ref.ssm.shape}")
-            layers.append(MambaLayerState(conv, ssm))
-        else:
-            k, v = arrays.pop(f"llm.{i}.keys"), arrays.pop(f"llm.{i}.values")
-            if kind[0] != "attention" or k.shape[:2] != ref.keys.shape[:2] or k.shape[3] != ref.keys.shape[3] \
-                    or v.shape != k.shape or not 0 <= kind[1] <= k.shape[2]:
-                raise ValueError(f"language layer {i}: K/V of shape {k.shape}, length {kind[1]}; the model needs "
-                                 f"(1, {ref.keys.shape[1]}, n, {ref.keys.shape[3]})")
-            layers.append(AttentionLayerState(k, v, int(kind[1])))
-    llm = NemotronHState(layers, int(meta["llm"]["offset"]))
-    tts = model.tts_model.tts_model.make_state()
-    t = meta["tts"]
-    if list(t["windows"]) != list(tts.windows):
-        raise ValueError(f"TTS windows {t['windows']}, the model has {tts.windows}")
-    tts.keys = [arrays.pop(f"tts.{i}.keys") for i in range(tts.num_layers)]
-    tts.values = [arrays.pop(f"tts.{i}.values") for i in range(tts.num_layers)]
-    for a in tts.keys + tts.values:
-        if a.ndim != 4 or a.shape[:2] != (2, tts.num_kv_heads) or a.shape[3] != tts.head_dim:
-            raise ValueError(f"a TTS K/V buffer has shape {a.shape}; the model needs "
-                             f"(2, {tts.num_kv_heads}, n, {tts.head_dim})")
-    tts.ring_origin, tts.offset = [int(r) for r in t["ring_origin"]], int(t["offset"])
-    tts.previous_codes = arrays.pop("tts.previous_codes")
-    if tts.previous_codes.shape != (1, tts.num_quantizers):
-        raise ValueError(f"previous codes of shape {tts.previous_codes.shape}, the model has "
-                         f"{tts.num_quantizers} codebooks")
-    rng = SessionRandom(int(meta["rng"]["seed"]))
-    rng._key, rng.draws = arrays.pop("rng.key"), int(meta["rng"]["draws"])
-    ts = TimelineState(llm, tts, rng, cfg.pad_token_id)
-    ts.prev_text, ts.prev_function = arrays.pop("prev_text"), arrays.pop("prev_function")
-    ts.position = int(meta["position"])
-    rows = {int(tok): arrays.pop(f"text_rows.{tok}") for tok in meta["text_rows"]}
-    if arrays:
-        raise ValueError(f"unexpected arrays {sorted(arrays)[:5]}")
-    return PromptState(model=model, system_prompt=meta["system_prompt"], tools=meta["tools"], seed=meta["seed"],
-                       timeline_state=ts, prompt_positions=meta["prompt_positions"], text_rows=rows,
-                       checkpoint=meta["checkpoint"])
 
 
 def state_nbytes(cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_step: int = 256,
@@ -519,4 +302,5 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, shou
                        text_rows=dict(timeline.text_cache._rows))
 
 
-__all__ = ["PromptState", "prepare_prompt", "state_nbytes", "checkpoint_identity", "numerics_identity", "UNSET", "FORMAT_VERSION"]
+__all__ = ["PromptState", "prepare_prompt", "state_nbytes", "checkpoint_identity", "numerics_identity", "UNSET",
+           "FORMAT_VERSION"]

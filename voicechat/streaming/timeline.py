@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from voicechat.io.states import nest, part
 from voicechat.model.llm.nemotron_h import NemotronHState
 from voicechat.model.tts.ear_tts import EarTtsState, TextEmbeddingCache
 from voicechat.model.tts.rng import SessionRandom
@@ -67,6 +68,46 @@ class TimelineState:
         out.update({f"rng.{k}": v for k, v in self.rng.arrays().items()})
         out["prev_text"], out["prev_function"] = self.prev_text, self.prev_function
         return out
+
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """Its parts' `state` under `llm.` (absent in recompute mode), `tts.`, `rng.`; the ids fed
+        forward `prev_text` / `prev_function`; in recompute mode the LLM inputs `llm_inputs.{j}`."""
+        out = nest("llm", self.llm.state) if self.llm is not None else {}
+        out.update(nest("tts", self.tts.state))
+        out.update(nest("rng", self.rng.state))
+        out["prev_text"], out["prev_function"] = self.prev_text, self.prev_function
+        if self.llm is None:
+            out.update({f"llm_inputs.{j}": x for j, x in enumerate(self.llm_inputs)})
+        return out
+
+    @property
+    def meta_state(self) -> dict:
+        """{"position", "llm" (None in recompute mode), "tts", "rng"}: the parts' `meta_state`;
+        in recompute mode also "llm_inputs" (their count)."""
+        meta = {"position": self.position, "llm": None if self.llm is None else self.llm.meta_state,
+                "tts": self.tts.meta_state, "rng": self.rng.meta_state}
+        if self.llm is None:
+            meta["llm_inputs"] = len(self.llm_inputs)
+        return meta
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: dict, like: "TimelineState") -> "TimelineState":
+        """The timeline's state from `state` / `meta_state`; `like` (a fresh one of the same model
+        and mode) gives its parts' shapes."""
+        other = cls.__new__(cls)
+        if (meta_state["llm"] is None) != (like.llm is None):
+            raise ValueError("a language cache stored for a timeline without one, or none for one with it")
+        other.llm = None if like.llm is None else \
+            type(like.llm).from_state(part(state, "llm"), meta_state["llm"], like.llm)
+        other.llm_inputs = [state[f"llm_inputs.{j}"] for j in range(meta_state.get("llm_inputs", 0))]
+        other.tts = type(like.tts).from_state(part(state, "tts"), meta_state["tts"], like.tts)
+        other.rng = type(like.rng).from_state(part(state, "rng"), meta_state["rng"], like.rng)
+        other.prev_text, other.prev_function = state["prev_text"], state["prev_function"]
+        other.position = int(meta_state["position"])
+        return other
 
 
 PREFILL_PIECE = 32  # prompt positions between two should_stop questions of a prefill

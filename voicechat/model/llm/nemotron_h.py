@@ -185,6 +185,26 @@ class MambaLayerState:
     def arrays(self) -> dict[str, mx.array]:
         return {"conv": self.conv, "ssm": self.ssm}
 
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """{"conv": (1, K-1, conv_dim), "ssm": (1, heads, head_dim, state)}."""
+        return {"conv": self.conv, "ssm": self.ssm}
+
+    @property
+    def meta_state(self) -> str:
+        return "mamba"
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state, like: "MambaLayerState") -> "MambaLayerState":
+        """The layer's state from `state` / `meta_state`, of the shapes of `like` (a fresh one)."""
+        conv, ssm = state["conv"], state["ssm"]
+        if meta_state != "mamba" or conv.shape != like.conv.shape or ssm.shape != like.ssm.shape:
+            raise ValueError(f"Mamba state of shapes {conv.shape} / {ssm.shape}, the model "
+                             f"needs {like.conv.shape} / {like.ssm.shape}")
+        return cls(conv, ssm)
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
@@ -235,6 +255,30 @@ class AttentionLayerState:
     def arrays(self) -> dict[str, mx.array]:
         return {"keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
 
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """{"keys", "values"}: the whole buffers (1, kv_heads, capacity, head_dim), spare capacity
+        included, so a rebuilt state grows (and counts its bytes) as this one does."""
+        return {"keys": self.keys, "values": self.values}
+
+    @property
+    def meta_state(self) -> list:
+        """["attention", length]."""
+        return ["attention", self.length]
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state, like: "AttentionLayerState") -> "AttentionLayerState":
+        """The layer's cache from `state` / `meta_state`, with `like`'s heads and head size."""
+        k, v = state["keys"], state["values"]
+        kind, length = meta_state
+        if kind != "attention" or k.shape[:2] != like.keys.shape[:2] or k.shape[3] != like.keys.shape[3] \
+                or v.shape != k.shape or not 0 <= length <= k.shape[2]:
+            raise ValueError(f"K/V of shape {k.shape}, length {length}; the model needs "
+                             f"(1, {like.keys.shape[1]}, n, {like.keys.shape[3]})")
+        return cls(k, v, int(length))
+
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -270,6 +314,45 @@ class NemotronHState:
                 for name, arr in layer_state.arrays().items():
                     out[f"layers.{i}.{name}"] = arr
         return out
+
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """Each layer's `state` under its index: `{i}.conv` / `{i}.ssm` (Mamba), `{i}.keys` /
+        `{i}.values` (attention, whole buffers); MLP layers hold none."""
+        out = {}
+        for i, layer_state in enumerate(self.layers):
+            if layer_state is not None:
+                for name, arr in layer_state.state.items():
+                    out[f"{i}.{name}"] = arr
+        return out
+
+    @property
+    def meta_state(self) -> dict:
+        """{"offset": positions consumed, "layers": per layer None (MLP), "mamba" or ["attention", length]}."""
+        return {"offset": self.offset, "layers": [None if s is None else s.meta_state for s in self.layers]}
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: dict, like: "NemotronHState") -> "NemotronHState":
+        """The stack's state from `state` / `meta_state`; `like` (the model's fresh state) gives
+        each layer's kind and shapes."""
+        kinds = meta_state["layers"]
+        if len(kinds) != len(like.layers):
+            raise ValueError(f"{len(kinds)} language layers stored, the model has {len(like.layers)}")
+        layers = []
+        for i, (kind, ref) in enumerate(zip(kinds, like.layers)):
+            if ref is None:
+                if kind is not None:
+                    raise ValueError(f"language layer {i}: state stored for a layer without one")
+                layers.append(None)
+                continue
+            mine = {k[len(f"{i}."):]: v for k, v in state.items() if k.startswith(f"{i}.")}
+            try:
+                layers.append(type(ref).from_state(mine, kind, ref))
+            except ValueError as e:
+                raise ValueError(f"language layer {i}: {e}") from None
+        return cls(layers, int(meta_state["offset"]))
 
     @property
     def nbytes(self) -> int:

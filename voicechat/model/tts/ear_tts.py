@@ -136,6 +136,26 @@ class TextEmbeddingCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """{str(token): row (1, hidden)}, least recently used first."""
+        return {str(token): row for token, row in self._rows.items()}
+
+    @property
+    def meta_state(self) -> list[int]:
+        """The token ids, least recently used first."""
+        return [int(t) for t in self._rows]
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: list, like: "TextEmbeddingCache | None" = None) -> "TextEmbeddingCache":
+        """A cache of `state`'s rows in `meta_state`'s order (`like`'s capacity, default 1024)."""
+        cache = cls() if like is None else cls(like.max_entries)
+        for token in meta_state:
+            cache.put(int(token), state[str(token)])
+        return cache
+
 
 class EarTtsState:
     """Streaming state of the TTS backbone for the guidance pair (batch 2).
@@ -264,6 +284,49 @@ class EarTtsState:
             out[f"layers.{i}.keys"], out[f"layers.{i}.values"] = self.ordered_kv(i)
         out["offset"] = mx.array(self.offset, dtype=mx.int32)
         out["previous_codes"] = self.previous_codes
+        return out
+
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """`{i}.keys` / `{i}.values`: each layer's whole buffer (2, kv, capacity, D), in ring order as
+        stored; `previous_codes` (1, Q) int32."""
+        out = {}
+        for i in range(self.num_layers):
+            out[f"{i}.keys"], out[f"{i}.values"] = self.keys[i], self.values[i]
+        out["previous_codes"] = self.previous_codes
+        return out
+
+    @property
+    def meta_state(self) -> dict:
+        """{"offset", "ring_origin" (per layer), "windows" (per layer, None: global)}."""
+        return {"offset": self.offset, "ring_origin": list(self.ring_origin), "windows": list(self.windows)}
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: dict, like: "EarTtsState") -> "EarTtsState":
+        """The state from `state` / `meta_state`, checked against `like` (the model's fresh state:
+        its windows, heads, head size and codebooks)."""
+        if list(meta_state["windows"]) != list(like.windows):
+            raise ValueError(f"TTS windows {meta_state['windows']}, the model has {like.windows}")
+        out = cls(like.windows, like.num_kv_heads, like.head_dim, like.num_quantizers, like.mask_code)
+        keys = [state[f"{i}.keys"] for i in range(out.num_layers)]
+        values = [state[f"{i}.values"] for i in range(out.num_layers)]
+        for a in keys + values:
+            if a.ndim != 4 or a.shape[:2] != (2, out.num_kv_heads) or a.shape[3] != out.head_dim \
+                    or a.dtype != mx.float32:
+                raise ValueError(f"a TTS K/V buffer has shape {a.shape} {a.dtype}; the model needs "
+                                 f"(2, {out.num_kv_heads}, n, {out.head_dim}) float32")
+        ring_origin = [int(r) for r in meta_state["ring_origin"]]
+        if len(ring_origin) != out.num_layers:
+            raise ValueError(f"{len(ring_origin)} ring origins, the model has {out.num_layers} TTS layers")
+        previous = state["previous_codes"]
+        if previous.shape != (1, out.num_quantizers):
+            raise ValueError(f"previous codes of shape {previous.shape}, the model has "
+                             f"{out.num_quantizers} codebooks")
+        out.keys, out.values = keys, values
+        out.ring_origin, out.offset = ring_origin, int(meta_state["offset"])
+        out.previous_codes = previous
         return out
 
     @property

@@ -88,5 +88,23 @@ class SessionRandom:
         """{"key": the current generator state (uint32 (2,))}."""
         return {"key": self._key}
 
+    # -- as arrays + metadata (voicechat/io/states.py)
+
+    @property
+    def state(self) -> dict[str, mx.array]:
+        """{"key": the current generator state (uint32 (2,))}."""
+        return {"key": self._key}
+
+    @property
+    def meta_state(self) -> dict:
+        return {"seed": self.seed, "draws": self.draws}
+
+    @classmethod
+    def from_state(cls, state: dict, meta_state: dict, like=None) -> "SessionRandom":
+        """The stream at `state`'s key after `meta_state`'s draws (`like` is not needed)."""
+        other = cls(int(meta_state["seed"]))
+        other._key, other.draws = state["key"], int(meta_state["draws"])
+        return other
+
     def __repr__(self) -> str:
         return f"SessionRandom(seed={self.seed}, draws={self.draws})"
