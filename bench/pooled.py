@@ -1,6 +1,7 @@
 """Pool the frames of several benchmark run folders per side and compare two sides.
 
-    python -m bench.pooled --before 'reports/bench/seam-small16-before-*' --after 'reports/bench/seam-small16-after-*'
+    python -m bench.pooled --before 'reports/bench/seam-before-after/small16-before-*' \\
+        --after 'reports/bench/seam-before-after/small16-after-*'
 
 For before / after measurements of one change, run alternately (old code from a worktree, new
 code from the checkout) so the machine's drift falls on both sides. Each side pools its folders'
