@@ -24,6 +24,7 @@ import numbers
 from pathlib import Path
 
 import numpy as np
+from voicechat.samples import NAMES, sample_path
 
 _INT_SCALE = {np.dtype(np.int16): 1.0 / 32768.0, np.dtype(np.int32): 1.0 / 2147483648.0}
 
@@ -139,7 +140,6 @@ def resolve_input_path(name) -> Path:
     """A CLI `--audio` value: an existing file, else a bundled sample name (`question.wav`,
     `long_question.wav`, with or without `.wav`); a missing file that is not a sample name is
     returned as is, so that reading it fails with "no such audio file"."""
-    from voicechat.samples import NAMES, sample_path
 
     p = Path(name)
     if p.exists():

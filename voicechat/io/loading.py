@@ -24,6 +24,8 @@ from voicechat.runtime.prepare import before_reading
 from voicechat.io.tokenizer import TextTokenizer
 from voicechat.model.tts.numerics import numerics_from
 from voicechat.model.voicechat import VoiceChatNetwork
+from voicechat.io.checkpoint import unsanitize, write_shards
+from voicechat.model.config import dump_config
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -168,8 +170,6 @@ def save(model, folder, n_shards: int = 2) -> Path:
     """Save a loaded model back in the published raw layout (reloads with `load`)."""
     import shutil
 
-    from voicechat.io.checkpoint import unsanitize, write_shards
-    from voicechat.model.config import dump_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ import mlx.core as mx
 
 from voicechat.environment import cache_home, env_flag
 from voicechat.io.states import load_state, nest, part, rebuild, save_state
+from voicechat._version import __version__
+from voicechat.model.ops import stored_transposed
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"
 # 2: the prompt codes use the codec RVQ norms of the numerics setting (stored dtype under "reference").
@@ -59,9 +61,6 @@ def _file_identity(path: Path) -> list:
 
 def cache_key(model) -> str | None:
     """Hex key of `model`'s warm-up, or None when the model has no checkpoint folder."""
-    from voicechat._version import __version__
-    from voicechat.model.ops import stored_transposed
-
     folder = getattr(model, "folder", None)
     if folder is None:
         return None

@@ -36,6 +36,7 @@ from typing import Mapping
 import mlx.core as mx
 
 from voicechat.environment import env_flag
+from voicechat.runtime import heap, kernels
 
 ENV_VARS = {
     "cpu_streams": "VOICECHAT_CPU_STREAMS",
@@ -94,7 +95,6 @@ class ExecutionPolicy:
         variables of `ENV_VARS` (read here, once) overriding its fields. On a CPU device the
         CPU kernels are used where they build and pass their check; where they do not, one
         warning says why (forcing them on with `VOICECHAT_CPU_QMV=1` then raises)."""
-        from voicechat.runtime import heap, kernels
 
         environ = os.environ if environ is None else environ
         device = mx.default_device() if device is None else mx.Device(device) if not isinstance(device, mx.Device) else device

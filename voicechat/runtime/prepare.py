@@ -19,12 +19,13 @@ from voicechat.runtime import heap
 from voicechat.runtime.execution import Runtime
 from voicechat.runtime.linear import prepare_linears, replace_weight_transposed, resident_bytes, transposed_dtype
 from voicechat.runtime.policy import ExecutionPolicy
+from voicechat.model.audio.codec import ConvNeXtBlock
+from voicechat.model.audio.conformer import ConvModule
 
 
 @dataclass
 class Prepared:
     """What `prepare` did: the runtime to bind, the layers it changed, the bytes the model keeps."""
-
     runtime: Runtime
     linears: dict = field(default_factory=dict)  # {"split": [...], "float32": [...], "bf16_transposed": [...]}
     resident_bytes: int = 0
@@ -54,7 +55,6 @@ def float32_codec_weights(decoder, policy: ExecutionPolicy) -> None:
     same buffer); otherwise the ConvNeXt 1x1 convs unless the policy keeps weights as stored
     (`float32_copies` False: MLX converts them per product). Evaluated layer by layer: at most one
     layer's originals beside their copies."""
-    from voicechat.model.audio.codec import ConvNeXtBlock
 
     last = len(decoder.layers) - 1
     for n, layer in enumerate(decoder.layers):
@@ -87,7 +87,6 @@ def before_reading(policy: ExecutionPolicy) -> bool:
 def prepare(model: nn.Module, policy: ExecutionPolicy) -> Prepared:
     """Rewrite `model`'s weight layout for `policy` (bit for bit the same values) and make the
     per-weights constants its frames use, under the runtime it returns (`Prepared.runtime`)."""
-    from voicechat.model.audio.conformer import ConvModule
 
     runtime = Runtime(policy)
     done = Prepared(runtime)

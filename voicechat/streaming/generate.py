@@ -34,6 +34,8 @@ from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
 from voicechat.streaming.speech_output import AudioChunk, ChunkedSpeechOutput
 from voicechat.streaming.timeline import Timeline
 from voicechat.model.tts.ear_tts import replace_control_codes
+from voicechat.streaming.timeline import session_prompt
+from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
 
 
 @dataclass
@@ -57,7 +59,6 @@ class OfflineResult:
 @dataclass
 class OfflineInputs:
     """Everything the offline timeline consumes, computed from the whole waveform."""
-
     waveform: np.ndarray
     mel: mx.array  # (n_mel, F)
     encoder: mx.array  # (T, d)
@@ -105,7 +106,6 @@ class ToolSchedule:
     submitted after that frame (the streamed session's results submitted between the same frames)."""
 
     def __init__(self, model, tools, tool_results, tool_timeout_seconds):
-        from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
 
         cfg = model.config
         self.tools = normalize_tools(tools)
@@ -143,7 +143,6 @@ class ToolSchedule:
 
 def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None,
                   schedule: ToolSchedule | None = None, prompt_state=None):
-    from voicechat.streaming.timeline import session_prompt
 
     with model.executing():
         return _timeline_frames(model, inputs, system_prompt=system_prompt, seed=seed,

@@ -21,6 +21,7 @@ from pathlib import Path
 from voicechat.errors import PromptStateError
 from voicechat.io.states import load_state, save_state
 from voicechat.streaming.prompt_identity import check_file
+from voicechat._version import __version__
 
 FORMAT = "voicechat-prompt-state"
 FORMAT_VERSION = 1
@@ -31,8 +32,6 @@ WHAT = "prompt state"
 
 def write(path, arrays: dict, meta_state: dict, *, checkpoint: str, numerics: dict) -> Path:
     """Write a state's `arrays` and `meta_state` with the header (atomically)."""
-    from voicechat._version import __version__
-
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "voicechat": __version__,
               "checkpoint": checkpoint, "numerics": numerics}
     clash = sorted(set(header) & set(meta_state))

@@ -41,11 +41,16 @@ from voicechat.io.states import nest, part, rebuild
 from voicechat.streaming import prompt_file
 from voicechat.streaming.prompt_file import FORMAT_VERSION
 from voicechat.streaming.prompt_identity import check_model, checkpoint_identity, numerics_identity
+from voicechat.streaming.timeline import session_prompt
+from voicechat.streaming.timeline import Timeline
+from voicechat.tools.channel import normalize_tools
+from voicechat.model.tts.ear_tts import TextEmbeddingCache
+from voicechat.model.tts.rng import SessionRandom
+from voicechat.streaming.timeline import TimelineState
 
 
 class _Unset:
     """The default of `system_prompt` / `tools` / `seed` where a `prompt_state` may supply them."""
-
     _instance = None
 
     def __new__(cls):
@@ -74,7 +79,6 @@ class PromptState:
 
     def __init__(self, *, model, system_prompt, tools, seed: int, timeline_state, prompt_positions: int,
                  text_rows, checkpoint: str | None = None):
-        from voicechat.model.tts.ear_tts import TextEmbeddingCache
 
         self._model_ref = weakref.ref(model)
         self._system_prompt = system_prompt
@@ -136,9 +140,6 @@ class PromptState:
     def from_state(cls, state: dict, meta_state: dict, like) -> "PromptState":
         """The state from `state` / `meta_state` for the model `like` (its fresh timeline state
         gives the shapes; a "checkpoint" in `meta_state`, as files have, is kept as the identity)."""
-        from voicechat.model.tts.ear_tts import TextEmbeddingCache
-        from voicechat.model.tts.rng import SessionRandom
-        from voicechat.streaming.timeline import TimelineState
 
         model = like
         fresh = TimelineState(model.stt_model.llm.make_state(), model.tts_model.tts_model.make_state(),
@@ -185,7 +186,6 @@ class PromptState:
     def resolve(self, model, system_prompt, tools, seed, use_language_cache: bool):
         """The session arguments with the state's values filled in; ValueError where a given one
         disagrees with the state's."""
-        from voicechat.tools.channel import normalize_tools
 
         self.check_model(model)
         if not use_language_cache:
@@ -284,9 +284,6 @@ def resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed, us
 def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, should_stop=None) -> PromptState:
     """Run the system-prompt prefill once -> its `PromptState` (see the module docstring); `should_stop`
     as for a session (`Timeline.start`)."""
-    from voicechat.streaming.timeline import session_prompt
-    from voicechat.streaming.timeline import Timeline
-    from voicechat.tools.channel import normalize_tools
 
     tools = normalize_tools(tools)
     if tools:

@@ -43,6 +43,10 @@ from voicechat.io.checkpoint import unsanitize
 from voicechat.model.config import VoiceChatConfig
 from voicechat.synthetic.presets import preset_dict
 from voicechat.io.tokenizer import write_synthetic_tokenizer
+from voicechat.model.voicechat import VoiceChatNetwork
+from voicechat.io.progress import bar
+from voicechat.environment import cache_home
+from voicechat.synthetic.presets import PRESETS
 
 GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
@@ -206,8 +210,6 @@ def _stored_nbytes(name, shape, init, quant, bits) -> int:
 
 def checkpoint_size(preset: str, bits: int | None = None) -> dict:
     """On-disk tensor count and bytes of a preset, computed from shapes (nothing is written)."""
-    from voicechat.model.voicechat import VoiceChatNetwork
-
     cfg = VoiceChatConfig.from_dict(preset_dict(preset))
     model = VoiceChatNetwork(cfg)
     count, total = 2, sum(a.nbytes for a in _preprocessor_buffers(cfg).values())
@@ -343,7 +345,6 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
     ones in row chunks of `CHUNK_ELEMENTS`). `overrides` is deep-merged into the preset's
     config (e.g. fewer layers for a quick structural test of the `small` geometry).
     """
-    from voicechat.model.voicechat import VoiceChatNetwork
 
     if bits not in (None, 4, 8):
         raise ValueError(f"bits must be None, 4 or 8, got {bits!r}")
@@ -449,7 +450,6 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
 
 
 def _progress_bar(total: int, desc: str):
-    from voicechat.io.progress import bar
 
     return bar(total=total, desc=desc, unit="tensor")
 
@@ -511,7 +511,6 @@ def _write_rows(files: _ShardFiles, name, shape, mean, std, quant, bits, seed):
 
 
 def cache_root() -> Path:
-    from voicechat.environment import cache_home
 
     return cache_home() / "synthetic"
 
@@ -531,7 +530,6 @@ def parse_synthetic_spec(spec: str) -> tuple[str, int | None, int]:
             seed = int(p[4:])
         else:
             raise ValueError(f"{spec!r}: unknown part {p!r}; expected 4, 8, bf16 or seedN")
-    from voicechat.synthetic.presets import PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"{spec!r}: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")

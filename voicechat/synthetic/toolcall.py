@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from voicechat.tools.channel import MARKER_IDS, TOOL_NAME
 
 SPEECH_WORDS = 4
 MAX_SCRIPT = 99  # SOTC at frame 1, so EOTC within the first 100 audio frames (api.md)
@@ -57,9 +58,7 @@ def parse_arguments(arguments) -> dict:
 
 class ToolcallScript:
     """The token plan of one scripted call for a tokenizer (a `tokenizers.Tokenizer`)."""
-
     def __init__(self, tokenizer, name: str, arguments, *, pad_id: int = 12, silence_id: int = 11):
-        from voicechat.tools.channel import MARKER_IDS, TOOL_NAME
 
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise ValueError(f"the tool name must be 1-64 letters, digits, '_' or '-', got {name!r}")
