@@ -29,8 +29,20 @@ from voicechat.server import protocol as P
 from voicechat.server.dialects import make_dialect
 from voicechat.server.dialects.common import Dialect, DialectOptions, dialect_for_query
 from voicechat.server.limits import ServerLimits
-from voicechat.server.messages import (AppendAudio, Cancel, Close, Closed, Command, Disconnected, Finished,
-                                       OpenSession, Reply, SessionError, SessionParams, TimedOut)
+from voicechat.server.messages import (
+    AppendAudio,
+    Cancel,
+    Close,
+    Closed,
+    Command,
+    Disconnected,
+    Finished,
+    OpenSession,
+    Reply,
+    SessionError,
+    SessionParams,
+    TimedOut,
+)
 from voicechat.server.metrics import ServerMetrics
 from voicechat.server.security import SecurityMiddleware, ServerSecurity
 from voicechat.server.validation import MessageRefused, check_size
@@ -415,7 +427,8 @@ class RealtimeConnection:
                     return
                 case TimedOut(code=code, message=message):
                     self.metrics.client_errors.labels(code=code).inc()
-                    await self.send_now((self.dialect.error_payload(code, self.dialect.timeout_message(code, message)),))
+                    message = self.dialect.timeout_message(code, message)
+                    await self.send_now((self.dialect.error_payload(code, message),))
                     await self._close(CLOSE_POLICY, code)
                     return
                 case Disconnected():

@@ -14,10 +14,8 @@ map them to OpenAI's events.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 import numpy as np
-
 
 # -- the session's settings (every dialect opens its model session with these)
 
@@ -90,7 +88,7 @@ class Stop:
     """Stop the worker thread (no channel)."""
 
 
-Command = Union[OpenSession, AppendAudio, Commit, Cancel, Sync, SubmitToolResult, Close, Stop]
+Command = OpenSession | AppendAudio | Commit | Cancel | Sync | SubmitToolResult | Close | Stop
 
 
 # -- outputs: worker -> connection (Channel.emit)
@@ -188,8 +186,8 @@ class Disconnected:
     """The client closed the socket."""
 
 
-Output = Union[SessionOpened, SessionRefused, FrameEvents, Committed, Synced, ToolOutputSent, SessionError, Finished,
-               Closed, Reply, TimedOut, Disconnected]
+Output = (SessionOpened | SessionRefused | FrameEvents | Committed | Synced | ToolOutputSent | SessionError | Finished
+          | Closed | Reply | TimedOut | Disconnected)
 
 __all__ = ["SessionParams", "OpenSession", "AppendAudio", "Commit", "Cancel", "Sync", "SubmitToolResult", "Close",
            "Stop", "Command", "SessionOpened", "SessionRefused", "FrameEvents", "Committed", "Synced",

@@ -15,8 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from voicechat.events import (AssistantTextDelta, Audio, AudioTail, Cancelled, Done, FunctionDelta, ToolCall,
-                              ToolCallError, ToolResultDone, UserTranscriptDelta)
+from voicechat.events import (
+    AssistantTextDelta,
+    Audio,
+    AudioTail,
+    Cancelled,
+    Done,
+    FunctionDelta,
+    ToolCall,
+    ToolCallError,
+    ToolResultDone,
+    UserTranscriptDelta,
+)
 from voicechat.server import validation as V
 from voicechat.server.security import excerpt
 from voicechat.server.validation import MessageRefused

@@ -24,9 +24,26 @@ from typing import Any, Callable
 import numpy as np
 
 from voicechat.events import Audio, ToolCall
-from voicechat.server.messages import (AppendAudio, Cancel, Close, Closed, Command, Commit, Committed, FrameEvents,
-                                       Finished, OpenSession, SessionError, SessionOpened, SessionRefused, Stop,
-                                       SubmitToolResult, Sync, Synced, ToolOutputSent)
+from voicechat.server.messages import (
+    AppendAudio,
+    Cancel,
+    Close,
+    Closed,
+    Command,
+    Commit,
+    Committed,
+    Finished,
+    FrameEvents,
+    OpenSession,
+    SessionError,
+    SessionOpened,
+    SessionRefused,
+    Stop,
+    SubmitToolResult,
+    Sync,
+    Synced,
+    ToolOutputSent,
+)
 
 log = logging.getLogger("voicechat.server")
 

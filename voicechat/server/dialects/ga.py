@@ -29,8 +29,7 @@ import uuid
 
 import numpy as np
 
-from voicechat.events import (Audio, AssistantTextDelta, AudioTail, Cancelled, Done, ToolCall,
-                              UserTranscriptDelta)
+from voicechat.events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, ToolCall, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect
 from voicechat.server.messages import FrameEvents, SessionParams, SessionRefused, SubmitToolResult, Sync, Synced

@@ -18,8 +18,8 @@ import numpy as np
 from voicechat.events import AssistantTextDelta, Audio, AudioTail, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect, openai_error
-from voicechat.server.messages import Commit, FrameEvents, SessionOpened, SessionParams, SessionRefused
 from voicechat.server.dialects.ga import FRAME_MS, decode_pcm, parse_format, public_model_name
+from voicechat.server.messages import Commit, FrameEvents, SessionOpened, SessionParams, SessionRefused
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 
 LIVE_RATES = (16000, 24000)

@@ -14,8 +14,15 @@ from __future__ import annotations
 from voicechat.events import Audio
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect, wants_ga
-from voicechat.server.messages import (Commit, Committed, FrameEvents, SessionOpened, SessionParams, SessionRefused,
-                                       ToolOutputSent)
+from voicechat.server.messages import (
+    Commit,
+    Committed,
+    FrameEvents,
+    SessionOpened,
+    SessionParams,
+    SessionRefused,
+    ToolOutputSent,
+)
 from voicechat.server.security import excerpt
 from voicechat.server.validation import MessageRefused
 
