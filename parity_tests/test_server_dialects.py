@@ -552,27 +552,26 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
 # -- the mapping (GaMapper) on hand-built frames
 
 
-class _Audio:
-    kind = "audio"
-
-    def __init__(self, f, loud):
-        self.frame_index = f
-        self.samples = np.full(1764, 0.3 if loud else 0.0, np.float32)
-        self.audio_codes = np.ones(4, np.int32) if loud else np.zeros(4, np.int32)
+# The session's own event classes (the mapper dispatches on them), with made-up contents.
 
 
-class _User:
-    kind = "user_transcript_delta"
+def _Audio(f, loud):
+    from voicechat.events import Audio
 
-    def __init__(self, f, d):
-        self.frame_index, self.delta = f, d
+    return Audio(f, np.full(1764, 0.3 if loud else 0.0, np.float32),
+                 np.ones(4, np.int32) if loud else np.zeros(4, np.int32))
 
 
-class _Text:
-    kind = "assistant_text_delta"
+def _User(f, d):
+    from voicechat.events import UserTranscriptDelta
 
-    def __init__(self, f, d):
-        self.frame_index, self.delta = f, d
+    return UserTranscriptDelta(f, d, d)
+
+
+def _Text(f, d):
+    from voicechat.events import AssistantTextDelta
+
+    return AssistantTextDelta(f, 0, d, d)
 
 
 def _mapper(**kw):

@@ -1,8 +1,11 @@
-"""The ASGI app: `/v1/realtime` (WebSocket), `/healthz`, `/metrics`, and the browser page at `/`.
+"""The ASGI app: `/v1/realtime` and `/v1/live/sessions` (WebSocket), `/healthz`, `/metrics`, and the
+browser page at `/`.
 
 Starlette under uvicorn. The asyncio side parses, validates and admits messages and
-forwards them to the MLX worker thread (`worker.ModelWorker`); it never touches MLX.
-One active session per process: a second connection gets `server_busy` and close 1013.
+forwards them to the MLX worker thread (`worker.ModelWorker`) as commands
+(voicechat.server.messages); it never touches MLX. One active session per process: a second
+connection gets `server_busy` and close 1013. A connection (`RealtimeConnection`) keeps the
+lifecycle; its dialect (voicechat.server.dialects) speaks the wire through its public surface.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from starlette.applications import Starlette
@@ -24,10 +27,24 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicechat.server import protocol as P
 from voicechat.server.dialects import make_dialect
-from voicechat.server.dialects.common import DialectOptions, dialect_for_query, openai_error, wants_ga
+from voicechat.server.dialects.common import Dialect, DialectOptions, dialect_for_query
 from voicechat.server.limits import ServerLimits
+from voicechat.server.messages import (
+    AppendAudio,
+    Cancel,
+    Close,
+    Closed,
+    Command,
+    Disconnected,
+    Finished,
+    OpenSession,
+    Reply,
+    SessionError,
+    SessionParams,
+    TimedOut,
+)
 from voicechat.server.metrics import ServerMetrics
-from voicechat.server.security import SecurityMiddleware, ServerSecurity, excerpt
+from voicechat.server.security import SecurityMiddleware, ServerSecurity
 from voicechat.server.validation import MessageRefused, check_size
 from voicechat.server.worker import Channel, ModelWorker
 
@@ -119,7 +136,7 @@ def create_app(state: ServerState) -> Starlette:
         return Response(state.metrics.render(), media_type=ServerMetrics.content_type)
 
     async def realtime(ws: WebSocket):
-        # mlx-vlm's dialect unless the URL or the first session.update asks for OpenAI's (dialect.py).
+        # mlx-vlm's dialect unless the URL or the first session.update asks for OpenAI's (dialects/common.py).
         await RealtimeConnection(state, ws, dialect=dialect_for_query(ws.query_params)).run()
 
     async def live(ws: WebSocket):
@@ -135,64 +152,147 @@ def create_app(state: ServerState) -> Starlette:
 
 
 class RealtimeConnection:
-    """One WebSocket connection = at most one streaming session.
+    """One WebSocket connection = at most one streaming session, spoken in one dialect at a time.
 
-    Host, Origin and key were checked by SecurityMiddleware before this runs. Every client message
-    is bounded and validated (validation.py); no exception from one reaches the reader's top level.
+    Host, Origin and key were checked by SecurityMiddleware before this runs. The connection keeps the
+    lifecycle: the slot, the limits and timeouts, the metrics, the worker channel, the reader (every
+    client message bounded, then handed to the dialect; no exception from one reaches the reader's top
+    level) and the writer (the outbox's outputs, in order: the lifecycle ones here, the rest rendered
+    by the dialect).
+
+    The dialect's surface (nothing else of this class is for dialects):
+
+    * `session_id`, `limits`, `model_name`, `model_info` (the worker's geometry), `dialect_options`,
+      `received_samples`, `session_params` (what `open_session` opened, or None);
+    * `configured` (a session was asked for: audio is accepted, no session_update_timeout) and
+      `ending` (commit / cancel sent: the rest of the input is ignored), read and written;
+    * `send(payload)`: queue a server event (without event_id) behind everything already queued;
+      `await send_now(payloads)`: send now, in order (from the writer task: `Dialect.on_output`);
+    * `count_error(code)`: an error event the dialect sends itself, counted (metrics, the session's log);
+    * `await admit_audio(pcm)`: 16 kHz input through the audio limit and backpressure to the worker;
+    * `open_session(params)`, `submit(command)`, `cancel()`: the worker's commands for this session;
+    * `switch_dialect(name)`: another dialect from the next message on (mlx-vlm -> GA); `stop(...)`.
     """
 
-    def __init__(self, state: ServerState, ws: WebSocket, dialect: str | None = None):
+    def __init__(self, state: ServerState, ws: WebSocket, dialect: str = "mlx-vlm"):
         self.state = state
         self.ws = ws
-        self.m = state.metrics
+        self.metrics = state.metrics
         self.limits = state.limits
         self.session_id = f"sess_{uuid.uuid4().hex[:16]}"
         self._event_seq = 0
         self.channel: Channel | None = None
         self.configured = False
         self.ending = False  # commit / cancel sent: the rest of the input is ignored
-        self.info: dict = {}
-        self._session_params: dict = {}
+        self._session_params: SessionParams | None = None
         # stop(): end the connection from outside the reader / writer (shutdown, slow reader).
         self._stop_event = asyncio.Event()
         self._stop_reason: tuple | None = None  # (end, close code, error code or None, message)
-        # None: mlx-vlm's dialect (this class); else the OpenAI dialect that translates both ways
-        # (made once the channel exists).
-        self._dialect_name = dialect
-        self.dialect = None
+        self.dialect: Dialect = make_dialect(dialect, self)
 
-    # -- sending (only the writer task sends on the socket; everyone else goes through the outbox)
+    # -- the dialect's surface
 
-    def _envelope(self, payload: dict) -> str:
-        self._event_seq += 1
-        return json.dumps({"event_id": f"evt_{self._event_seq:06d}", **payload}, separators=(",", ":"))
+    @property
+    def model_name(self) -> str:
+        return self.state.model_name
 
-    def _queue(self, payload: dict) -> None:
-        self.channel.outbox.put_nowait(("send", payload))
+    @property
+    def model_info(self) -> dict:
+        """The loaded model's geometry (ModelWorker.info: rates, frame samples, codebooks, silence codes)."""
+        return self.state.worker.info
 
-    def _error_event(self, code: str, message: str) -> dict:
-        if self.dialect is not None:
-            return self.dialect.error_payload(code, message)
-        return openai_error(code, message) if self._dialect_name else P.error_event(code, message)
+    @property
+    def dialect_options(self) -> DialectOptions:
+        return self.state.dialect_options
 
-    def _error(self, code: str, message: str) -> None:
-        self.m.client_errors.labels(code=code).inc()
+    @property
+    def session_params(self) -> SessionParams | None:
+        return self._session_params
+
+    @property
+    def received_samples(self) -> int:
+        """16 kHz input samples accepted in this session."""
+        return self.channel.received_samples if self.channel is not None else 0
+
+    def send(self, payload: dict) -> None:
+        """Queue a server event for the writer (in order with everything else; only the writer sends)."""
+        self.channel.outbox.put_nowait(Reply(payload))
+
+    async def send_now(self, payloads) -> None:
+        """Send these server events now, in order, each with its event_id (only from the writer task). A client
+        that does not take one within send_timeout is a slow reader (closed with 1008)."""
+        send, timeout = self.ws.send_text, self.limits.send_timeout
+        for p in payloads:
+            # A client that does not read fills the socket buffers and send blocks: bounded by send_timeout.
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(self._envelope(p))
+            except TimeoutError:
+                raise _SlowReader() from None
+
+    def count_error(self, code: str) -> None:
+        """An error event sent to the client: the metric and the session's count."""
+        self.metrics.client_errors.labels(code=code).inc()
         if self.channel is not None:
             self.channel.errors += 1
-        self._queue(self._error_event(code, message))
 
-    async def _send(self, payload: dict) -> None:
-        # A client that does not read fills the socket buffers and send blocks: bounded by send_timeout.
-        try:
-            await asyncio.wait_for(self.ws.send_text(self._envelope(payload)), self.limits.send_timeout)
-        except asyncio.TimeoutError:
-            raise _SlowReader() from None
+    def open_session(self, params: SessionParams) -> None:
+        """Ask the worker for the model session (the server's prompt limit applied); answered in the outbox by
+        SessionOpened or SessionRefused."""
+        params = replace(params, max_prompt_tokens=self.limits.max_prompt_tokens)
+        self._session_params = params
+        self.configured = True
+        self.submit(OpenSession(params))
+
+    def submit(self, command: Command) -> None:
+        """A command (voicechat.server.messages) for this connection's session, behind the ones before it."""
+        self.state.worker.submit(self.channel, command)
+
+    def cancel(self) -> None:
+        """Cancel the session: queued audio is dropped; answered by the session's Cancelled event and Finished."""
+        self.ending = True
+        self.channel.cancel_requested.set()  # the worker skips audio still queued
+        self.submit(Cancel())
+
+    def switch_dialect(self, name: str) -> Dialect:
+        """Speak `name` from now on (mlx-vlm's first session.update written for GA); -> the new dialect."""
+        self.dialect = make_dialect(name, self)
+        return self.dialect
 
     def stop(self, end: str, code: int, error_code: str | None, message: str) -> None:
         """End the connection: the reader and writer are cancelled, then `error_code` (if any) and close `code`."""
         if self._stop_reason is None:
             self._stop_reason = (end, code, error_code, message)
         self._stop_event.set()
+
+    async def admit_audio(self, pcm) -> None:
+        """Admission of 16 kHz input samples (every dialect's appends): the session's audio limit, then
+        backpressure (`_room_for`), then to the worker. ProtocolError when refused (nothing was accepted,
+        or what was dropped is said)."""
+        ch, lim = self.channel, self.limits
+        rate = P.INPUT_SAMPLE_RATE
+        if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
+            raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
+                                  f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
+                                  "Commit the turn and start a new session")
+        if pcm.size == 0:
+            return
+        if not await self._room_for(pcm.size):
+            ch.overflows += 1
+            ch.dropped_samples += int(pcm.size)
+            raise P.ProtocolError("input_overflow", f"the model made no room in {lim.backpressure_timeout:g} s "
+                                  f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
+                                  f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
+                                  f"{ch.dropped_samples} samples dropped in this session so far")
+        ch.received_samples += int(pcm.size)
+        self.metrics.audio_in_seconds.inc(pcm.size / rate)
+        self.submit(AppendAudio(pcm))
+
+    # -- sending (only the writer task sends on the socket; everyone else goes through the outbox)
+
+    def _envelope(self, payload: dict) -> str:
+        self._event_seq += 1
+        return json.dumps({"event_id": f"evt_{self._event_seq:06d}", **payload}, separators=(",", ":"))
 
     # -- lifecycle
 
@@ -204,14 +304,14 @@ class RealtimeConnection:
         if offered:
             subprotocol = offered[0]
         if not await self._acquire():
-            self.m.sessions_refused.labels(reason="busy").inc()
+            self.metrics.sessions_refused.labels(reason="busy").inc()
             await ws.accept(subprotocol=subprotocol)
-            await ws.send_text(self._envelope(self._error_event(
+            await ws.send_text(self._envelope(self.dialect.error_payload(
                 "server_busy", "another session is active on this server (one session per process); retry later")))
             await ws.close(code=CLOSE_TRY_AGAIN)
             return
-        self.m.sessions_opened.inc()
-        self.m.sessions_active.set(1)
+        self.metrics.sessions_opened.inc()
+        self.metrics.sessions_active.set(1)
         loop = asyncio.get_running_loop()
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
         self.channel = Channel(self.session_id, loop, asyncio.Queue(), peer=peer,
@@ -219,26 +319,10 @@ class RealtimeConnection:
                                on_overfull=lambda: self.stop(
                                    "slow_consumer", CLOSE_POLICY, None,
                                    f"more than {self.limits.max_outbound_events} events wait for this client"))
-        if self._dialect_name:
-            self.dialect = make_dialect(self._dialect_name, self)
         st.connections.add(self)
         try:
             await ws.accept(subprotocol=subprotocol)
-            info = st.worker.info
-            if self.dialect is not None:
-                self.dialect.connected()
-            else:
-                self._queue({"type": "session.created", "session": {
-                    "id": self.session_id, "state": "configuring", "model": st.model_name,
-                    "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
-                    "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
-                    "limits": {"max_message_bytes": self.limits.max_message_bytes,
-                               "max_session_audio_seconds": self.limits.max_session_audio_seconds,
-                               "max_session_seconds": self.limits.max_session_seconds,
-                               "max_prompt_tokens": self.limits.max_prompt_tokens,
-                               "session_update_timeout": self.limits.session_update_timeout,
-                               "idle_timeout": self.limits.idle_timeout,
-                               "max_queued_audio_seconds": self.limits.max_queued_audio_seconds}}})
+            self.dialect.connected()
             reader = asyncio.create_task(self._reader())
             writer = asyncio.create_task(self._writer())
             stopper = asyncio.create_task(self._stop_event.wait())
@@ -264,19 +348,19 @@ class RealtimeConnection:
             ch.gone.set()
             st.connections.discard(self)
             if self.configured:
-                st.worker.submit("close", ch)
+                self.submit(Close())
                 # Wait for the worker's log line, so the slot is free only when the session is gone.
                 await self._wait_closed(timeout=30.0)
             if ch.end not in ("done", "cancelled", "disconnect"):
-                self.m.sessions_errored.labels(reason=ch.end).inc()
+                self.metrics.sessions_errored.labels(reason=ch.end).inc()
             st.release(self.session_id)
-            self.m.sessions_active.set(0 if st.active_session is None else 1)
+            self.metrics.sessions_active.set(0 if st.active_session is None else 1)
 
     async def _final_close(self) -> None:
         end, code, error_code, message = self._stop_reason
         self.channel.end = end
         if error_code is not None:
-            self.m.client_errors.labels(code=error_code).inc()
+            self.metrics.client_errors.labels(code=error_code).inc()
             try:
                 await asyncio.wait_for(self.ws.send_text(self._envelope(P.error_event(error_code, message))),
                                        CLOSE_WAIT_SECONDS)
@@ -302,10 +386,10 @@ class RealtimeConnection:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
-                item = await asyncio.wait_for(self.channel.outbox.get(), left)
+                out = await asyncio.wait_for(self.channel.outbox.get(), left)
             except asyncio.TimeoutError:
                 break
-            if item[0] == "closed":
+            if isinstance(out, Closed):
                 return
         log.error("session %s: the worker did not close the session within %.0f s", self.session_id, timeout)
 
@@ -316,7 +400,7 @@ class RealtimeConnection:
         except Exception:  # already closed by the peer, or it does not read
             pass
 
-    # -- the writer: worker results and our own replies, in order
+    # -- the writer: worker outputs and our own replies, in order
 
     async def _writer(self) -> None:
         try:
@@ -327,56 +411,32 @@ class RealtimeConnection:
                       "(--send-timeout)")
 
     async def _write_loop(self) -> None:
-        ch = self.channel
+        outbox = self.channel.outbox
         while True:
-            item = await ch.outbox.get()
-            kind = item[0]
-            if self.dialect is not None:  # True: handled by the dialect; a tuple: the item it should be
-                handled = await self.dialect.on_item(item)
-                if handled is True:
-                    continue
-                if isinstance(handled, tuple):
-                    item, kind = handled, handled[0]
-            if kind == "send":
-                await self._send(item[1])
-            elif kind == "events":
-                for payload in item[1]:
-                    await self._send(payload)
-            elif kind == "opened":
-                self.info = item[1]
-                s = self._session_params
-                await self._send({"type": "session.updated", "session": {
-                    "id": self.session_id, "state": "ready", "model": self.state.model_name,
-                    "system_prompt": s["system_prompt"], "seed": s["seed"],
-                    "max_streaming_seconds": s["max_streaming_seconds"],
-                    "frame_samples": self.info["frame_samples"],
-                    "output_frame_samples": self.info["output_frame_samples"],
-                    "num_codebooks": self.info["num_codebooks"],
-                    "input_audio_format": P.AudioFormat(self.info["input_sample_rate"]).as_dict(),
-                    "output_audio_format": P.AudioFormat(self.info["output_sample_rate"]).as_dict()}})
-            elif kind == "open_failed":
-                self.configured = False  # the client may try another session.update
-                self.m.client_errors.labels(code=item[1]).inc()
-                ch.errors += 1
-                await self._send(self._error_event(item[1], item[2]))
-            elif kind == "error":
-                self.m.client_errors.labels(code=item[1]).inc()
-                ch.errors += 1
-                await self._send(self._error_event(item[1], item[2]))
-            elif kind == "finished":
-                # Session over: done / cancelled / context limit close normally; a worker failure with 1011.
-                await self._close(CLOSE_INTERNAL if item[1] == "internal_error" else CLOSE_NORMAL, item[1])
-                return
-            elif kind == "timeout":
-                code, message = item[1], item[2]
-                self.m.client_errors.labels(code=code).inc()
-                await self._send(self._error_event(code, message))
-                await self._close(CLOSE_POLICY, code)
-                return
-            elif kind == "disconnect":
-                return
+            out = await outbox.get()
+            match out:
+                case Reply(payload=payload):
+                    await self.send_now((payload,))
+                case SessionError(code=code, message=message):
+                    self.count_error(code)
+                    await self.send_now((self.dialect.error_payload(code, message),))
+                case Finished(end=end):
+                    # Session over: done / cancelled / context limit close normally; a worker failure with 1011.
+                    await self.dialect.finishing(end)
+                    await self._close(CLOSE_INTERNAL if end == "internal_error" else CLOSE_NORMAL, end)
+                    return
+                case TimedOut(code=code, message=message):
+                    self.metrics.client_errors.labels(code=code).inc()
+                    message = self.dialect.timeout_message(code, message)
+                    await self.send_now((self.dialect.error_payload(code, message),))
+                    await self._close(CLOSE_POLICY, code)
+                    return
+                case Disconnected():
+                    return
+                case _:  # the session's outputs (frames, opened / refused, markers): the dialect renders them
+                    await self.dialect.on_output(out)
 
-    # -- the reader: client messages, validated and admitted
+    # -- the reader: client messages, bounded, then the dialect's
 
     async def _reader(self) -> None:
         ch, lim = self.channel, self.limits
@@ -393,7 +453,7 @@ class RealtimeConnection:
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                ch.outbox.put_nowait(("timeout", reason, {
+                ch.outbox.put_nowait(TimedOut(reason, {
                     "session_update_timeout": f"no session.update within {lim.session_update_timeout:g} s of "
                                               "connecting; closing",
                     "idle_timeout": f"no message for {lim.idle_timeout:g} s; closing",
@@ -401,7 +461,7 @@ class RealtimeConnection:
                                           "(--max-session-seconds); closing. Start a new session"}[reason]))
                 await asyncio.Event().wait()  # the writer closes the socket and ends the connection
             if msg["type"] == "websocket.disconnect":
-                ch.outbox.put_nowait(("disconnect",))
+                ch.outbox.put_nowait(Disconnected())
                 return
             text = msg.get("text")
             if text is None:
@@ -411,16 +471,13 @@ class RealtimeConnection:
                 continue  # commit / cancel already sent; the session's last events are on their way
             try:
                 check_size(text if text is not None else "", lim.max_message_bytes)
-                if self.dialect is not None:  # parses, validates and answers in its own format
-                    await self.dialect.handle_text(text)
-                else:
-                    await self._dispatch(P.parse_message(text))
+                await self.dialect.handle_text(text)  # parses, validates and answers in its own format
             except MessageRefused as e:
-                self._error(e.code, str(e))
+                self.dialect.error(e.code, str(e))
             except Exception:  # a bug, not the client's fault: the session goes on, the log has it
                 log.exception("session %s: a client message could not be handled", self.session_id)
-                self._error("internal_error", "this message could not be handled (the server log has the details); "
-                                              "the session goes on")
+                self.dialect.error("internal_error", "this message could not be handled (the server log has the "
+                                                     "details); the session goes on")
             # After the message is handled: time spent waiting for room (backpressure) is not idleness.
             last_message = time.monotonic()
 
@@ -435,67 +492,6 @@ class RealtimeConnection:
                 return False
             await asyncio.sleep(0.005)
         return True
-
-    async def _dispatch(self, msg: dict) -> None:
-        t, ch, st, lim = msg["type"], self.channel, self.state, self.limits
-        if t == P.PING:
-            self._queue({"type": "session.pong"})
-            return
-        if t == P.SESSION_UPDATE:
-            if self.configured:
-                raise P.ProtocolError("session_already_configured",
-                                      "session.update may be sent once, before audio; this session is configured")
-            if wants_ga(msg):  # an OpenAI Realtime GA client that did not name a model in the URL
-                self.dialect = make_dialect("ga", self)
-                await self.dialect.handle_msg(msg)
-                return
-            params = P.decode_session_update(msg, max_streaming_seconds=lim.max_session_audio_seconds)
-            self._session_params = params
-            self.configured = True
-            st.worker.submit("open", ch, {**params, "max_prompt_tokens": lim.max_prompt_tokens})
-            return
-        if not self.configured:
-            raise P.ProtocolError("session_not_configured", f"send session.update before {t}")
-        if t == P.APPEND:
-            await self._admit_audio(P.decode_append(msg))
-            return
-        if t == P.COMMIT:
-            pad = msg.get("pad_partial", True)
-            if not isinstance(pad, bool):
-                raise P.ProtocolError("invalid_message", f"pad_partial must be true or false, got {excerpt(pad)}")
-            self.ending = True
-            # `input_audio_buffer.committed` comes from the worker, after the frames of the audio before it
-            # (the order mlx-vlm's server gives).
-            st.worker.submit("commit", ch, pad)
-            return
-        if t in P.CANCEL_TYPES:
-            self.ending = True
-            ch.cancel_requested.set()  # the worker skips audio still queued
-            st.worker.submit("cancel", ch)
-            return
-
-    async def _admit_audio(self, pcm) -> None:
-        """Admission of 16 kHz input samples (every dialect's appends): the session's audio limit, then
-        backpressure (`_room_for`), then to the worker. ProtocolError when refused (nothing was accepted,
-        or what was dropped is said)."""
-        ch, st, lim = self.channel, self.state, self.limits
-        rate = P.INPUT_SAMPLE_RATE
-        if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
-            raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
-                                  f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
-                                  "Commit the turn and start a new session")
-        if pcm.size == 0:
-            return
-        if not await self._room_for(pcm.size):
-            ch.overflows += 1
-            ch.dropped_samples += int(pcm.size)
-            raise P.ProtocolError("input_overflow", f"the model made no room in {lim.backpressure_timeout:g} s "
-                                  f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
-                                  f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
-                                  f"{ch.dropped_samples} samples dropped in this session so far")
-        ch.received_samples += int(pcm.size)
-        self.m.audio_in_seconds.inc(pcm.size / rate)
-        st.worker.submit("append", ch, pcm)
 
 
 class _SlowReader(Exception):

@@ -2,8 +2,8 @@
 
 One JSON object per WebSocket text message. Names follow mlx-vlm's and mlxcel's
 servers (and OpenAI Realtime where it has a name): a client written for those
-works unchanged. Nothing here touches MLX: the network side imports this module,
-the worker thread calls `event_payload` on the numpy arrays the session returns.
+works unchanged. Nothing here touches MLX: the mlx-vlm dialect (dialects/mlx_vlm.py) calls
+`event_payload` on the numpy arrays of the session's events.
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from voicechat.events import (
+    AssistantTextDelta,
+    Audio,
+    AudioTail,
+    Cancelled,
+    Done,
+    FunctionDelta,
+    ToolCall,
+    ToolCallError,
+    ToolResultDone,
+    UserTranscriptDelta,
+)
 from voicechat.server import validation as V
 from voicechat.server.security import excerpt
 from voicechat.server.validation import MessageRefused
@@ -29,19 +41,19 @@ CANCEL_TYPES = ("session.cancel", "response.cancel")
 PING = "session.ping"
 CLIENT_TYPES = (SESSION_UPDATE, APPEND, COMMIT, *CANCEL_TYPES, PING)
 
-# Server -> client event type per session event kind (voicechat.events).
+# Server -> client event type per session event class (voicechat.events).
 EVENT_TYPES = {
-    "user_transcript_delta": "conversation.item.input_audio_transcription.delta",
-    "assistant_text_delta": "response.text.delta",
-    "function_delta": "response.function.delta",
-    "audio": "response.audio.delta",
-    "audio_tail": "response.audio.tail",
-    "done": "response.done",
-    "cancelled": "response.cancelled",
+    UserTranscriptDelta: "conversation.item.input_audio_transcription.delta",
+    AssistantTextDelta: "response.text.delta",
+    FunctionDelta: "response.function.delta",
+    Audio: "response.audio.delta",
+    AudioTail: "response.audio.tail",
+    Done: "response.done",
+    Cancelled: "response.cancelled",
     # Tool events (only with `voicechat serve --mcp`, which runs the tools in the server).
-    "tool_call": "response.function_call_arguments.done",
-    "tool_call_error": "response.function_call.error",
-    "tool_result_done": "response.function_call.result_done",
+    ToolCall: "response.function_call_arguments.done",
+    ToolCallError: "response.function_call.error",
+    ToolResultDone: "response.function_call.result_done",
 }
 
 
@@ -123,27 +135,27 @@ class AudioFormat:
 
 
 def event_payload(e, output_sample_rate: int, *, compute_ms: float | None = None, lag_ms: float | None = None) -> dict:
-    """A session event (voicechat.events) -> its server event (without event_id)."""
-    t = EVENT_TYPES[e.kind]
-    out = {"type": t, "frame_index": int(e.frame_index)}
-    if e.kind in ("assistant_text_delta", "function_delta"):
-        out.update(token_id=int(e.token_id), delta=e.delta, text=e.text)
-    elif e.kind == "user_transcript_delta":
-        # mlx-vlm names the cumulative text `transcript`; `text` as in the session event.
-        out.update(delta=e.delta, transcript=e.text, text=e.text)
-    elif e.kind == "tool_call":
-        out.update(call_id=e.call_id, name=e.name, arguments=json.dumps(e.arguments))
-    elif e.kind == "tool_call_error":
-        out.update(message=e.message, raw=e.raw)
-    elif e.kind == "tool_result_done":
-        out.update(call_id=e.call_id)
-    elif e.kind in ("audio", "audio_tail"):
-        out.update(delta=b64_pcm16(e.samples), format="pcm16", sample_rate=output_sample_rate, channels=1,
-                   samples=int(np.asarray(e.samples).size))
-        if e.kind == "audio":
-            out["audio_codes"] = [int(c) for c in np.asarray(e.audio_codes).reshape(-1)]
-            if compute_ms is not None:
-                out["compute_ms"] = round(compute_ms, 3)
-            if lag_ms is not None:
-                out["lag_ms"] = round(lag_ms, 3)
+    """A session event (voicechat.events) -> its mlx-vlm server event (without event_id)."""
+    out = {"type": EVENT_TYPES[type(e)], "frame_index": int(e.frame_index)}
+    match e:
+        case AssistantTextDelta() | FunctionDelta():
+            out.update(token_id=int(e.token_id), delta=e.delta, text=e.text)
+        case UserTranscriptDelta():
+            # mlx-vlm names the cumulative text `transcript`; `text` as in the session event.
+            out.update(delta=e.delta, transcript=e.text, text=e.text)
+        case ToolCall():
+            out.update(call_id=e.call_id, name=e.name, arguments=json.dumps(e.arguments))
+        case ToolCallError():
+            out.update(message=e.message, raw=e.raw)
+        case ToolResultDone():
+            out.update(call_id=e.call_id)
+        case Audio() | AudioTail():
+            out.update(delta=b64_pcm16(e.samples), format="pcm16", sample_rate=output_sample_rate, channels=1,
+                       samples=int(np.asarray(e.samples).size))
+            if isinstance(e, Audio):
+                out["audio_codes"] = [int(c) for c in np.asarray(e.audio_codes).reshape(-1)]
+                if compute_ms is not None:
+                    out["compute_ms"] = round(compute_ms, 3)
+                if lag_ms is not None:
+                    out["lag_ms"] = round(lag_ms, 3)
     return out

@@ -1,10 +1,12 @@
 """The MLX worker: one thread that owns the model and the (single) streaming session.
 
-The network side (asyncio) never touches MLX. It hands commands to this thread
-through a queue whose audio is bounded by admission control (`Channel.queued_samples`
-and `max_append_commands`, checked by the caller before `submit_append`); control
-commands (open, commit, cancel, close) are at most three per connection. Results go back to
-the connection's asyncio queue with `loop.call_soon_threadsafe`.
+The network side (asyncio) never touches MLX. It hands commands (voicechat.server.messages:
+OpenSession, AppendAudio, Commit, Cancel, Sync, SubmitToolResult, Close) to this thread through a
+queue whose audio is bounded by admission control (`Channel.queued_samples` and
+`max_queued_appends`, checked by the connection before it submits an AppendAudio); control
+commands are at most three per connection. Outputs (SessionOpened, FrameEvents, Finished, ...) go
+back to the connection's asyncio queue with `loop.call_soon_threadsafe`; the session's events travel
+as they are, and each dialect renders them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,27 @@ from typing import Any, Callable
 
 import numpy as np
 
-from voicechat.server.protocol import event_payload
+from voicechat.events import Audio, ToolCall
+from voicechat.server.messages import (
+    AppendAudio,
+    Cancel,
+    Close,
+    Closed,
+    Command,
+    Commit,
+    Committed,
+    Finished,
+    FrameEvents,
+    OpenSession,
+    SessionError,
+    SessionOpened,
+    SessionRefused,
+    Stop,
+    SubmitToolResult,
+    Sync,
+    Synced,
+    ToolOutputSent,
+)
 
 log = logging.getLogger("voicechat.server")
 
@@ -51,9 +73,6 @@ class Channel:
     max_outbox: int = 0
     on_overfull: Callable[[], None] | None = None
     _overfull: bool = False
-    # True: the worker hands the session's own events over ("raw") and the connection's dialect
-    # (dialect_ga / dialect_live) translates them; False: mlx-vlm payloads (protocol.event_payload).
-    raw: bool = False
 
     @property
     def queued_samples(self) -> int:
@@ -67,17 +86,11 @@ class Channel:
                 self.on_overfull()
 
     def emit(self, item) -> None:
+        """An output (voicechat.server.messages) for the connection, from any thread."""
         try:
             self.loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the event loop is closed: the connection is long gone
             pass
-
-
-@dataclass
-class Command:
-    kind: str  # open | append | commit | cancel | close | tool_result | sync | stop
-    channel: Channel | None = None
-    payload: Any = None
 
 
 @dataclass
@@ -110,7 +123,7 @@ class ModelWorker:
             raise ValueError(f"stage_metrics_every must be an int >= 0, got {stage_metrics_every!r}")
         self.stage_metrics_every = stage_metrics_every
         self.warmup_seconds = warmup_seconds
-        self._commands: queue.Queue[Command] = queue.Queue()
+        self._commands: queue.Queue[tuple[Channel | None, Command]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="voicechat-mlx-worker", daemon=True)
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -140,13 +153,14 @@ class ModelWorker:
     def queue_depth(self) -> int:
         return self._commands.qsize()
 
-    def submit(self, kind: str, channel: Channel | None = None, payload=None) -> None:
-        self._commands.put(Command(kind, channel, payload))
+    def submit(self, channel: Channel | None, command: Command) -> None:
+        """`command` (voicechat.server.messages) for the session of `channel`, in order."""
+        self._commands.put((channel, command))
         if self.metrics is not None:
             self.metrics.queue_depth.set(self._commands.qsize())
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._commands.put(Command("stop"))
+        self._commands.put((None, Stop()))
         self._thread.join(timeout)
 
     # -- worker thread
@@ -188,24 +202,24 @@ class ModelWorker:
         self.ready.set()
         active: _Active | None = None
         while True:
-            cmd = self._commands.get()
+            ch, cmd = self._commands.get()
             if self.metrics is not None:
                 self.metrics.queue_depth.set(self._commands.qsize())
-            if cmd.kind == "stop":
+            if isinstance(cmd, Stop):
                 if active is not None:
                     self._close(active)
                 return
             try:
-                active = self._handle(cmd, active)
+                active = self._handle(ch, cmd, active)
             except Exception:  # never let one session kill the worker
                 # The traceback goes to the log; the client gets a code and a message without internals.
-                log.exception("worker command %s of session %s failed", cmd.kind,
-                              cmd.channel.session_id if cmd.channel is not None else "-")
-                if cmd.channel is not None:
-                    cmd.channel.emit(("error", "internal_error", "the server failed while computing this session; "
-                                                                 "the session was ended. Start a new session"))
-                    cmd.channel.emit(("finished", "internal_error"))
-                if active is not None and (cmd.channel is None or active.channel is cmd.channel):
+                log.exception("worker command %s of session %s failed", type(cmd).__name__,
+                              ch.session_id if ch is not None else "-")
+                if ch is not None:
+                    ch.emit(SessionError("internal_error", "the server failed while computing this session; "
+                                                           "the session was ended. Start a new session"))
+                    ch.emit(Finished("internal_error"))
+                if active is not None and (ch is None or active.channel is ch):
                     active.session = None
 
     def _warmup(self, model) -> None:
@@ -215,89 +229,91 @@ class ModelWorker:
         s.flush()
         gc.collect()
 
-    def _handle(self, cmd: Command, active: _Active | None) -> _Active | None:
-        ch = cmd.channel
-        if cmd.kind == "open":
+    def _handle(self, ch: Channel | None, cmd: Command, active: _Active | None) -> _Active | None:
+        if isinstance(cmd, OpenSession):
             if active is not None:  # the network side's slot makes this unreachable; be loud if not
                 self._close(active)
                 active = None
-            p = cmd.payload
-            from voicechat.errors import VoiceChatError
-
-            tools = p.get("tools")
-            runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
-            if runs_tools:
-                tools = self.tool_runner.tools()
-            tools = tools or None
-            limit = p.get("max_prompt_tokens")
-            if limit is not None:
-                # Counted before any work: the prefill costs about one frame's language + TTS step per token.
-                # The client's own prompt; the tools' block is bounded by the tool rules (at most 5, docs/tools.md)
-                # and the message size.
-                n = _prompt_tokens(self.model, p["system_prompt"])
-                if n > limit:
-                    ch.emit(("open_failed", "invalid_session",
-                             f"session.system_prompt is {n} tokens; at most {limit} are accepted "
-                             "(--max-prompt-tokens). Send a shorter prompt"))
-                    return None
-            from voicechat.errors import PrefillStoppedError
-
-            try:
-                prompt = {"system_prompt": p["system_prompt"], "seed": p["seed"], "tools": tools}
-                if self.prompt_states is not None:  # a cached state: no prefill
-                    prompt = {"prompt_state": self.prompt_states.state_for(
-                        self.model, p["system_prompt"], p["seed"], tools=tools, should_stop=ch.gone.is_set)}
-                session = self.model.create_streaming_session(
-                    max_streaming_seconds=p["max_streaming_seconds"], profile=self.stage_metrics_every > 0,
-                    should_stop=ch.gone.is_set, **prompt)
-            except PrefillStoppedError:
-                # The client left during the prefill: nothing to answer; its `close` command follows.
-                log.info("session %s: prefill stopped, the client left", ch.session_id)
-                return None
-            except (VoiceChatError, ValueError, TypeError) as e:
-                # e.g. a system prompt longer than the context: the client may send another session.update.
-                ch.emit(("open_failed", "session_initialization_failed", str(e)[:300]))
-                return None
-            ch.emit(("opened", dict(self.info)))
-            return _Active(ch, session, profile=session.profile, runs_tools=runs_tools)
-        if cmd.kind == "sync":  # a marker: every command before it is done (the GA dialect's commit)
-            ch.emit(("synced", cmd.payload))
+            return self._open(ch, cmd.params)
+        if isinstance(cmd, Sync):  # a marker: every command before it is done (the GA dialect's commit)
+            ch.emit(Synced(cmd.tag))
             return active
         if active is None or active.channel is not ch:
             # Commands of a connection that never opened a session (or was already closed).
-            if cmd.kind == "append" and ch is not None:
-                ch.consumed_samples += int(cmd.payload.size)
-            elif cmd.kind == "close" and ch is not None:
-                ch.emit(("closed", None))
-            elif cmd.kind in ("commit", "cancel") and ch is not None:
-                if cmd.kind == "commit":
-                    ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
-                ch.emit(("finished", "done" if cmd.kind == "commit" else "cancelled"))
+            if ch is None:
+                return active
+            match cmd:
+                case AppendAudio(pcm=pcm):
+                    ch.consumed_samples += int(pcm.size)
+                case Close():
+                    ch.emit(Closed(None))
+                case Commit():
+                    ch.emit(Committed())
+                    ch.emit(Finished("done"))
+                case Cancel():
+                    ch.emit(Finished("cancelled"))
             return active
-        if cmd.kind == "append":
-            self._append(active, cmd.payload)
-        elif cmd.kind == "commit":
-            ch.emit(("events", [{"type": "input_audio_buffer.committed"}]))
-            self._finish(active, lambda s: s.flush(pad_partial=bool(cmd.payload)), "done")
-        elif cmd.kind == "cancel":
-            self._finish(active, lambda s: s.cancel(), "cancelled")
-        elif cmd.kind == "close":
-            self._close(active)
-            return None
-        elif cmd.kind == "tool_result":
-            call_id, output, by_server = (*cmd.payload, False)[:3]
-            s = active.session
-            if s is None or s.closed:
-                return active
-            try:
-                s.submit_tool_result(call_id, output)
-            except ValueError as e:  # unknown or already answered call_id: nothing changed
-                ch.emit(("error", "invalid_tool_result", str(e)))
-                return active
-            if by_server and not ch.raw:  # the client sees what the server answered (the page shows it)
-                ch.emit(("events", [{"type": "response.function_call.output", "frame_index": s.frame_index,
-                                     "call_id": call_id, "output": output}]))
+        match cmd:
+            case AppendAudio(pcm=pcm):
+                self._append(active, pcm)
+            case Commit(pad_partial=pad):
+                ch.emit(Committed())
+                self._finish(active, lambda s: s.flush(pad_partial=bool(pad)), "done")
+            case Cancel():
+                self._finish(active, lambda s: s.cancel(), "cancelled")
+            case Close():
+                self._close(active)
+                return None
+            case SubmitToolResult(call_id=call_id, output=output, by_server=by_server):
+                s = active.session
+                if s is None or s.closed:
+                    return active
+                try:
+                    s.submit_tool_result(call_id, output)
+                except ValueError as e:  # unknown or already answered call_id: nothing changed
+                    ch.emit(SessionError("invalid_tool_result", str(e)))
+                    return active
+                if by_server:  # the client may be shown what the server answered (mlx-vlm's dialect: the page)
+                    ch.emit(ToolOutputSent(s.frame_index, call_id, output))
         return active
+
+    def _open(self, ch: Channel, p) -> _Active | None:
+        from voicechat.errors import PrefillStoppedError, VoiceChatError
+
+        tools = p.tools
+        runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
+        if runs_tools:
+            tools = self.tool_runner.tools()
+        tools = tools or None
+        limit = p.max_prompt_tokens
+        if limit is not None:
+            # Counted before any work: the prefill costs about one frame's language + TTS step per token.
+            # The client's own prompt; the tools' block is bounded by the tool rules (at most 5, docs/tools.md)
+            # and the message size.
+            n = _prompt_tokens(self.model, p.system_prompt)
+            if n > limit:
+                ch.emit(SessionRefused("invalid_session",
+                                       f"session.system_prompt is {n} tokens; at most {limit} are accepted "
+                                       "(--max-prompt-tokens). Send a shorter prompt"))
+                return None
+        try:
+            prompt = {"system_prompt": p.system_prompt, "seed": p.seed, "tools": tools}
+            if self.prompt_states is not None:  # a cached state: no prefill
+                prompt = {"prompt_state": self.prompt_states.state_for(
+                    self.model, p.system_prompt, p.seed, tools=tools, should_stop=ch.gone.is_set)}
+            session = self.model.create_streaming_session(
+                max_streaming_seconds=p.max_streaming_seconds, profile=self.stage_metrics_every > 0,
+                should_stop=ch.gone.is_set, **prompt)
+        except PrefillStoppedError:
+            # The client left during the prefill: nothing to answer; its Close command follows.
+            log.info("session %s: prefill stopped, the client left", ch.session_id)
+            return None
+        except (VoiceChatError, ValueError, TypeError) as e:
+            # e.g. a system prompt longer than the context: the client may send another session.update.
+            ch.emit(SessionRefused("session_initialization_failed", str(e)[:300]))
+            return None
+        ch.emit(SessionOpened(dict(self.info)))
+        return _Active(ch, session, profile=session.profile, runs_tools=runs_tools)
 
     def _append(self, a: _Active, pcm: np.ndarray) -> None:
         ch, s = a.channel, a.session
@@ -325,8 +341,8 @@ class ModelWorker:
             except ContextLimitError as e:
                 ch.consumed_samples += int(pcm.size - i)
                 self._send_events(a, getattr(e, "events", []), (time.perf_counter() - t0) * 1000.0)
-                ch.emit(("error", "context_limit", str(e)))
-                ch.emit(("finished", "context_limit"))
+                ch.emit(SessionError("context_limit", str(e)))
+                ch.emit(Finished("context_limit"))
                 return
             dt = (time.perf_counter() - t0) * 1000.0
             i += take
@@ -336,26 +352,19 @@ class ModelWorker:
     def _send_events(self, a: _Active, events, compute_ms: float) -> None:
         if not events:
             return
-        ch, s = a.channel, a.session
-        rate = self.info["output_sample_rate"]
-        out = []
+        ch = a.channel
         lag = 0.0
         for e in events:
-            if e.kind == "audio":
-                done = (e.frame_index + 1) * s.frame_samples
+            if isinstance(e, Audio):
+                done = (e.frame_index + 1) * a.session.frame_samples
                 lag = max(0, ch.received_samples - done) * 1000.0 / self.info["input_sample_rate"]
                 a.compute_ms.append(compute_ms)
                 a.lag_ms.append(lag)
-                if not ch.raw:
-                    out.append(event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag))
                 self._observe(a, compute_ms, lag)
-            elif e.kind == "tool_call" and a.runs_tools:
+            elif isinstance(e, ToolCall) and a.runs_tools:
                 self._run_tool(ch, e)
-                if not ch.raw:
-                    out.append(event_payload(e, rate))
-            elif not ch.raw:
-                out.append(event_payload(e, rate))
-        ch.emit(("raw", list(events), compute_ms, lag) if ch.raw else ("events", out))
+        # The session's own events; each dialect renders them (mlx-vlm: protocol.event_payload).
+        ch.emit(FrameEvents(tuple(events), compute_ms, lag))
 
     def _run_tool(self, ch: Channel, call) -> None:
         """`--mcp`: run the call on its own thread (the model keeps computing frames meanwhile) and
@@ -366,7 +375,7 @@ class ModelWorker:
                 output = self.tool_runner.call(call.name, call.arguments, timeout=30.0)
             except Exception as e:  # an unknown tool name: the model gets the error as its result
                 output = json.dumps({"error": f"{type(e).__name__}: {e}"})
-            self.submit("tool_result", ch, (call.call_id, output, True))
+            self.submit(ch, SubmitToolResult(call.call_id, output, by_server=True))
 
         threading.Thread(target=run, name="voicechat-tool-call", daemon=True).start()
 
@@ -394,7 +403,7 @@ class ModelWorker:
             s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
         events = end(a.session)
         self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
-        a.channel.emit(("finished", reason))
+        a.channel.emit(Finished(reason))
 
     def _close(self, a: _Active) -> None:
         s = a.session
@@ -419,7 +428,7 @@ class ModelWorker:
                                                                               "tts", "codec")}
         log.info(json.dumps(line, sort_keys=False))
         a.session = None
-        ch.emit(("closed", line))
+        ch.emit(Closed(line))
 
 
 def _prompt_tokens(model, prompt) -> int:
@@ -439,4 +448,4 @@ def _stats(values) -> dict:
             "max": round(max(values), 3)}
 
 
-__all__ = ["ModelWorker", "Channel", "Command"]
+__all__ = ["ModelWorker", "Channel"]

@@ -1,18 +1,20 @@
-"""Which wire dialect a connection speaks, and the small interface the OpenAI dialects implement.
+"""Which wire dialect a connection speaks, and the interface every dialect implements.
 
 One server, three dialects, chosen per connection (docs/server.md, "Dialects"):
 
 * `/v1/live/sessions`: OpenAI Live (dialects/live.py).
 * `/v1/realtime` with `?dialect=openai` or a `?model=` query (the openai SDK, pipecat and LiveKit
   always add one): OpenAI Realtime GA (dialects/ga.py) from the first event (`session.created`).
-* `/v1/realtime` without either: mlx-vlm's dialect (app.RealtimeConnection), unless the first
+* `/v1/realtime` without either: mlx-vlm's dialect (dialects/mlx_vlm.py), unless the first
   `session.update` is a GA one (`session.type == "realtime"`, or GA-only fields: `audio`,
   `output_modalities`, `tools`); then the connection switches to GA at that message.
 * `?dialect=mlx-vlm` forces mlx-vlm's dialect whatever else the URL has.
 
-The RealtimeConnection keeps the lifecycle (auth, Origin, the session slot, timeouts, metrics,
-the worker channel); a dialect parses the client's text messages and turns the worker's items
-into its own server events.
+The connection (app.RealtimeConnection) keeps the lifecycle (auth, Origin, the session slot, limits,
+timeouts, metrics, the worker channel); a dialect parses the client's text messages, acts through
+the connection's public surface (`send`, `send_now`, `admit_audio`, `open_session`, `submit`,
+`cancel`, `count_error`, `switch_dialect`, `configured`, `ending`, `session_params`, ...) and renders
+the worker's outputs (voicechat.server.messages) as its own server events.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ class DialectOptions:
     silence_dbfs: float = -50.0
 
 
-def dialect_for_query(query) -> str | None:
-    """The dialect a /v1/realtime URL asks for: "ga", "mlx-vlm" (-> None) or None (decided by the first message)."""
+def dialect_for_query(query) -> str:
+    """The dialect a /v1/realtime URL asks for: "ga", or "mlx-vlm" (forced, or the default, which a first
+    GA session.update still switches to GA)."""
     forced = query.get("dialect")
     if forced in ("mlx-vlm", "mlxcel"):
-        return None
+        return "mlx-vlm"
     if forced in ("openai", "ga") or query.get("model"):
         return "ga"
-    return None
+    return "mlx-vlm"
 
 
 def wants_ga(msg: dict) -> bool:
@@ -68,12 +71,14 @@ def openai_error(code: str, message: str, client_event_id=None, key: str = "even
 
 
 class Dialect:
-    """Base of the OpenAI dialects. `conn` is the app.RealtimeConnection that owns the socket."""
+    """Base of the dialects. `conn` is the app.RealtimeConnection that owns the socket; a dialect uses
+    only its public surface (docs/server.md, "Internals")."""
+
+    name = ""
 
     def __init__(self, conn):
         self.conn = conn
-        self.state = conn.state
-        self.options: DialectOptions = conn.state.dialect_options
+        self.options: DialectOptions = conn.dialect_options
 
     # -- called by the connection
 
@@ -104,10 +109,17 @@ class Dialect:
         """Handle one client event; may return an awaitable (audio admission waits for room)."""
         raise NotImplementedError
 
-    async def on_item(self, item):
-        """A worker / connection item from the outbox: True when handled here, False to leave it to the
-        connection, or a replacement item (tuple) for the connection to handle."""
-        return False
+    async def on_output(self, out) -> None:
+        """One of the worker's outputs for this dialect to render (from the writer task, so it may
+        `conn.send_now`): SessionOpened, SessionRefused, FrameEvents, Committed, Synced, ToolOutputSent.
+        The connection handles the lifecycle ones (Reply, SessionError, Finished, TimedOut, Disconnected)."""
+
+    async def finishing(self, end: str) -> None:
+        """The session is over (`end`: done, cancelled, ...); the socket closes after this returns."""
+
+    def timeout_message(self, code: str, message: str) -> str:
+        """The message of a timeout error (`code`), in this dialect's words."""
+        return message
 
     def error_payload(self, code: str, message: str, client_event_id=None) -> dict:
         return openai_error(code, message, client_event_id)
@@ -115,16 +127,8 @@ class Dialect:
     # -- helpers
 
     def error(self, code: str, message: str, client_event_id=None) -> None:
-        c = self.conn
-        c.m.client_errors.labels(code=code).inc()
-        if c.channel is not None:
-            c.channel.errors += 1
-        c._queue(self.error_payload(code, message, client_event_id))
+        self.conn.count_error(code)
+        self.conn.send(self.error_payload(code, message, client_event_id))
 
     def send(self, payload: dict) -> None:
-        self.conn._queue(payload)
-
-    async def send_now(self, payloads) -> None:
-        """From the writer task: send in order."""
-        for p in payloads:
-            await self.conn.ws.send_text(self.conn._envelope(p))
+        self.conn.send(payload)

@@ -29,8 +29,10 @@ import uuid
 
 import numpy as np
 
+from voicechat.events import AssistantTextDelta, Audio, AudioTail, Cancelled, Done, ToolCall, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect
+from voicechat.server.messages import FrameEvents, SessionParams, SessionRefused, SubmitToolResult, Sync, Synced
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 
 log = logging.getLogger("voicechat.server")
@@ -120,7 +122,8 @@ class GaMapper:
 
     # -- items
 
-    def _remember(self, item: dict) -> str | None:
+    def remember(self, item: dict) -> str | None:
+        """Keep `item` as the conversation's last; -> the previous last item's id."""
         prev = self.last_item_id
         self.items[item["id"]] = item
         self.last_item_id = item["id"]
@@ -150,7 +153,7 @@ class GaMapper:
             out.append({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": end_ms, "item_id": u["id"]})
         item = {"id": u["id"], "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
                 "content": [{"type": "input_audio", "transcript": u["text"]}]}
-        prev = self._remember(item)
+        prev = self.remember(item)
         if committed:
             out.append({"type": "input_audio_buffer.committed", "item_id": u["id"], "previous_item_id": prev})
         out.append({"type": "conversation.item.added", "item": item, "previous_item_id": prev})
@@ -182,7 +185,7 @@ class GaMapper:
             idx = len(r["output"])
             r["output"].append(item)
             r["audio_item"] = {"item": item, "index": idx, "transcript": "", "segments": [], "samples": 0}
-            prev = self._remember(item)
+            prev = self.remember(item)
             out.append({"type": "response.output_item.added", "response_id": r["id"], "output_index": idx,
                         "item": dict(item, content=[])})
             out.append({"type": "conversation.item.added", "item": dict(item, content=[]), "previous_item_id": prev})
@@ -253,7 +256,7 @@ class GaMapper:
                 "call_id": e.call_id, "name": e.name, "arguments": ""}
         idx = len(r["output"])
         r["output"].append(item)
-        prev = self._remember(item)
+        prev = self.remember(item)
         ids = {"response_id": r["id"], "item_id": item["id"], "output_index": idx}
         out.append({"type": "response.output_item.added", "response_id": r["id"], "output_index": idx,
                     "item": dict(item)})
@@ -305,23 +308,23 @@ class GaMapper:
         out: list = []
         user_deltas, text_deltas = [], []
         for e in events:
-            k = e.kind
-            if k == "user_transcript_delta":
-                user_deltas.append(e)
-            elif k == "assistant_text_delta":
-                text_deltas.append(e.delta)
-            elif k == "tool_call":
-                self.tool_call(e, out)
-            elif k == "audio":
-                self._frame(e, user_deltas, text_deltas, out)
-                user_deltas, text_deltas = [], []
-            elif k == "audio_tail":
-                if self.resp is not None and not self.suppress:
-                    self._audio(self.resp, self.out.push(e.samples), out)
-                    self._audio(self.resp, self.out.flush(), out)
-            elif k in ("done", "cancelled"):
-                self.close_response(out)
-                self.close_user(self.frame * FRAME_MS, out)
+            match e:
+                case UserTranscriptDelta():
+                    user_deltas.append(e)
+                case AssistantTextDelta():
+                    text_deltas.append(e.delta)
+                case ToolCall():
+                    self.tool_call(e, out)
+                case Audio():
+                    self._frame(e, user_deltas, text_deltas, out)
+                    user_deltas, text_deltas = [], []
+                case AudioTail():
+                    if self.resp is not None and not self.suppress:
+                        self._audio(self.resp, self.out.push(e.samples), out)
+                        self._audio(self.resp, self.out.flush(), out)
+                case Done() | Cancelled():
+                    self.close_response(out)
+                    self.close_user(self.frame * FRAME_MS, out)
         return out
 
     def _silent(self, e) -> bool:
@@ -378,8 +381,7 @@ class GaDialect(Dialect):
 
     def __init__(self, conn):
         super().__init__(conn)
-        info = conn.state.worker.info
-        self.model_rate = int(info["output_sample_rate"])
+        self.model_rate = int(conn.model_info["output_sample_rate"])
         self.in_rate = 24000
         self.out_rate = 24000
         self.instructions: str | None = None
@@ -391,7 +393,6 @@ class GaDialect(Dialect):
         self.inp = StreamResampler(self.in_rate, P.INPUT_SAMPLE_RATE)
         self.mapper: GaMapper | None = None
         self.created_at = int(time.time())
-        conn.channel.raw = True
         conn.configured = True  # session.update is optional in GA: no session_update_timeout
 
     # -- the session object
@@ -399,7 +400,7 @@ class GaDialect(Dialect):
     def session_obj(self) -> dict:
         s = self.effective or {"instructions": self.instructions, "tools": self.tools}
         return {"type": "realtime", "object": "realtime.session", "id": self.conn.session_id,
-                "model": public_model_name(self.state.model_name),
+                "model": public_model_name(self.conn.model_name),
                 "output_modalities": ["text"] if self.text_only else ["audio"],
                 "instructions": s["instructions"] or "",
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.in_rate},
@@ -477,20 +478,17 @@ class GaDialect(Dialect):
 
         self.opened = True
         self.effective = {"instructions": self.instructions, "tools": list(self.tools)}
-        info = self.state.worker.info
         self.mapper = GaMapper(model_rate=self.model_rate, client_rate=self.out_rate,
-                               silence_codes=info.get("silence_codes", []), options=self.options,
+                               silence_codes=self.conn.model_info.get("silence_codes", []), options=self.options,
                                text_only=self.text_only)
-        params = {"system_prompt": self.instructions or None, "seed": 0, "max_streaming_seconds": None,
-                  "model": None, "tools": [dict(t, type="function") for t in normalize_tools(self.tools)] or None,
-                  "max_prompt_tokens": self.conn.limits.max_prompt_tokens}
-        self.conn._session_params = params
-        self.state.worker.submit("open", self.conn.channel, params)
+        self.conn.open_session(SessionParams(
+            system_prompt=self.instructions or None,
+            tools=[dict(t, type="function") for t in normalize_tools(self.tools)] or None))
 
     async def _flush_input(self) -> None:
         held = self.inp.flush()
         if held.size and self.opened:
-            await self.conn._admit_audio(held)
+            await self.conn.admit_audio(held)
 
     async def _on_input_audio_buffer_append(self, msg):
         pcm = decode_pcm(msg)
@@ -500,12 +498,12 @@ class GaDialect(Dialect):
             self._open()
         x = self.inp.push(pcm16_to_float(pcm))
         # Refused by admission (overflow / audio limit): the client is told it was not accepted.
-        await self.conn._admit_audio(x)
+        await self.conn.admit_audio(x)
 
     def _on_input_audio_buffer_commit(self, msg):
         # The duplex model does not wait for a commit: it marks the end of the user's turn in the report,
         # answered once the frames of the audio sent before it are computed (as mlx-vlm's commit is).
-        self.state.worker.submit("sync", self.conn.channel, "commit")
+        self.conn.submit(Sync("commit"))
 
     def _committed(self) -> list:
         out: list = []
@@ -559,11 +557,11 @@ class GaDialect(Dialect):
             if not self.opened:
                 raise P.ProtocolError("invalid_tool_result", f"no tool call {call_id!r} is pending: the session "
                                       "has not started")
-            self.state.worker.submit("tool_result", self.conn.channel, (call_id, output))
+            self.conn.submit(SubmitToolResult(call_id, output))
         # Other items (text messages) are kept in the conversation; the model hears audio only.
         prev = None
         if self.mapper is not None:
-            prev = self.mapper._remember(item)
+            prev = self.mapper.remember(item)
         self.send({"type": "conversation.item.added", "item": item, "previous_item_id": prev})
         self.send({"type": "conversation.item.done", "item": item, "previous_item_id": prev})
 
@@ -602,23 +600,17 @@ class GaDialect(Dialect):
 
     # -- worker items
 
-    async def on_item(self, item) -> bool:
-        kind = item[0]
-        if kind == "raw":
-            if self.mapper is not None:
-                await self.send_now(self.mapper.events(item[1]))
-            return True
-        if kind == "opened":
-            return True
-        if kind == "synced":
-            await self.send_now(self._committed())
-            return True
-        if kind == "open_failed":
-            self.opened, self.failed = False, True
-            self.conn.configured = True
-            self.inp = StreamResampler(self.in_rate, P.INPUT_SAMPLE_RATE)
-            await self.send_now([self.error_payload(item[1], item[2] + "; the audio is dropped until a "
-                                                    "session.update with settings the model accepts")])
-            self.conn.m.client_errors.labels(code=item[1]).inc()
-            return True
-        return False
+    async def on_output(self, out) -> None:
+        match out:
+            case FrameEvents(events=events):
+                if self.mapper is not None:
+                    await self.conn.send_now(self.mapper.events(events))
+            case Synced():
+                await self.conn.send_now(self._committed())
+            case SessionRefused(code=code, message=message):
+                self.opened, self.failed = False, True
+                self.conn.configured = True
+                self.inp = StreamResampler(self.in_rate, P.INPUT_SAMPLE_RATE)
+                await self.conn.send_now([self.error_payload(code, message + "; the audio is dropped until a "
+                                                             "session.update with settings the model accepts")])
+                self.conn.count_error(code)

@@ -15,9 +15,11 @@ import time
 
 import numpy as np
 
+from voicechat.events import AssistantTextDelta, Audio, AudioTail, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect, openai_error
 from voicechat.server.dialects.ga import FRAME_MS, decode_pcm, parse_format, public_model_name
+from voicechat.server.messages import Commit, FrameEvents, SessionOpened, SessionParams, SessionRefused
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 
 LIVE_RATES = (16000, 24000)
@@ -30,7 +32,7 @@ class LiveDialect(Dialect):
 
     def __init__(self, conn):
         super().__init__(conn)
-        self.model_rate = int(conn.state.worker.info["output_sample_rate"])
+        self.model_rate = int(conn.model_info["output_sample_rate"])
         self.rate = 24000
         self.started = False
         self.muted = False
@@ -40,7 +42,7 @@ class LiveDialect(Dialect):
         self.out: StreamResampler | None = None
         self.started_at = time.time()
         self.closing = False
-        conn.channel.raw = True
+        self._cid = None  # the session.start's event_id (echoed in session.started)
 
     def error_payload(self, code: str, message: str, client_event_id=None) -> dict:
         return openai_error(code, message, client_event_id, key="client_event_id")
@@ -67,7 +69,7 @@ class LiveDialect(Dialect):
             x = pcm16_to_float(pcm)
             if self.muted:  # muted input: the model hears silence, its timeline goes on
                 x = np.zeros_like(x)
-            await self.conn._admit_audio(self.inp.push(x))
+            await self.conn.admit_audio(self.inp.push(x))
         elif t == "session.input_audio.mute":
             self.muted = True
             self.send(self._with_cid({"type": "session.input_audio.muted"}, cid))
@@ -82,8 +84,8 @@ class LiveDialect(Dialect):
             self.conn.ending = True
             held = self.inp.flush()  # the resampler's last samples belong to the input
             if held.size:
-                await self.conn._admit_audio(held)
-            self.state.worker.submit("commit", self.conn.channel, True)
+                await self.conn.admit_audio(held)
+            self.conn.submit(Commit(True))
 
     @staticmethod
     def _with_cid(p: dict, cid) -> dict:
@@ -109,16 +111,12 @@ class LiveDialect(Dialect):
         rate = parse_format(audio.get("format"), "session.audio.format", LIVE_RATES)
         self.rate = rate or 24000
         # The client's model name is accepted whatever it is; the server reports its own.
-        self.model = public_model_name(self.state.model_name)
+        self.model = public_model_name(self.conn.model_name)
         self.instructions = instructions or ""
         self.inp = StreamResampler(self.rate, P.INPUT_SAMPLE_RATE)
         self.out = StreamResampler(self.model_rate, self.rate)
         self._cid = cid
-        self.conn.configured = True
-        params = {"system_prompt": instructions or None, "seed": 0, "max_streaming_seconds": None, "model": None,
-                  "max_prompt_tokens": self.conn.limits.max_prompt_tokens}
-        self.conn._session_params = params
-        self.state.worker.submit("open", self.conn.channel, params)
+        self.conn.open_session(SessionParams(system_prompt=instructions or None))
 
     # -- worker items
 
@@ -131,45 +129,44 @@ class LiveDialect(Dialect):
     def map_events(self, events) -> list:
         out: list = []
         for e in events:
-            k = e.kind
-            if k in ("user_transcript_delta", "assistant_text_delta") and e.delta:
-                f = int(e.frame_index)
-                t = "session.input_transcript.delta" if k == "user_transcript_delta" else "session.output_transcript.delta"
-                out.append({"type": t, "delta": e.delta, "start_ms": f * FRAME_MS, "end_ms": (f + 1) * FRAME_MS})
-            elif k == "audio":
-                d = self._audio_delta(self.out.push(e.samples))
-                if d:
-                    out.append(d)
-            elif k == "audio_tail":
-                for x in (self.out.push(e.samples), self.out.flush()):
-                    d = self._audio_delta(x)
+            match e:
+                case UserTranscriptDelta() | AssistantTextDelta() if e.delta:
+                    f = int(e.frame_index)
+                    t = "session.input_transcript.delta" if isinstance(e, UserTranscriptDelta) else \
+                        "session.output_transcript.delta"
+                    out.append({"type": t, "delta": e.delta, "start_ms": f * FRAME_MS, "end_ms": (f + 1) * FRAME_MS})
+                case Audio():
+                    d = self._audio_delta(self.out.push(e.samples))
                     if d:
                         out.append(d)
+                case AudioTail():
+                    for x in (self.out.push(e.samples), self.out.flush()):
+                        d = self._audio_delta(x)
+                        if d:
+                            out.append(d)
         return out
 
-    async def on_item(self, item) -> bool:
-        kind = item[0]
-        if kind == "raw":
-            await self.send_now(self.map_events(item[1]))
-            return True
-        if kind == "opened":
-            self.started = True
-            await self.send_now([self._with_cid({"type": "session.started", "session": self.resource()},
-                                                getattr(self, "_cid", None))])
-            return True
-        if kind == "open_failed":
-            self.conn.configured = False  # another session.start may follow
-            self.conn.m.client_errors.labels(code=item[1]).inc()
-            await self.send_now([self.error_payload(item[1], item[2])])
-            return True
-        if kind == "events":  # the worker's commit marker (mlx-vlm's input_audio_buffer.committed): not Live's
-            return True
-        if kind == "finished" and self.closing:
-            usage = {"seconds": float(round(self.conn.channel.received_samples / P.INPUT_SAMPLE_RATE))}
-            await self.send_now([{"type": "session.closed", "reason": "close_requested", "session": self.resource(),
-                                  "usage": usage}])
-            return False  # the connection closes the socket (1000)
-        if kind == "timeout" and item[1] == "session_update_timeout":
-            return ("timeout", item[1], f"no session.start within {self.conn.limits.session_update_timeout:g} s "
-                                        "of connecting; closing")
-        return False
+    async def on_output(self, out) -> None:
+        # Committed (mlx-vlm's input_audio_buffer.committed marker) has no Live event: not sent.
+        match out:
+            case FrameEvents(events=events):
+                await self.conn.send_now(self.map_events(events))
+            case SessionOpened():
+                self.started = True
+                await self.conn.send_now([self._with_cid({"type": "session.started", "session": self.resource()},
+                                                         self._cid)])
+            case SessionRefused(code=code, message=message):
+                self.conn.configured = False  # another session.start may follow
+                self.conn.count_error(code)
+                await self.conn.send_now([self.error_payload(code, message)])
+
+    async def finishing(self, end: str) -> None:
+        if self.closing:
+            usage = {"seconds": float(round(self.conn.received_samples / P.INPUT_SAMPLE_RATE))}
+            await self.conn.send_now([{"type": "session.closed", "reason": "close_requested",
+                                       "session": self.resource(), "usage": usage}])
+
+    def timeout_message(self, code: str, message: str) -> str:
+        if code == "session_update_timeout":
+            return f"no session.start within {self.conn.limits.session_update_timeout:g} s of connecting; closing"
+        return message
