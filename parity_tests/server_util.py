@@ -252,8 +252,9 @@ def make_server(tiny_ckpt):
 
 
 class SessionProxy:
-    """A real streaming session that forwards everything; subclasses change `push_audio` (a model
-    that cannot keep up, a fault mid-frame)."""
+    """A real streaming session that forwards everything; subclasses change how its frames are
+    computed (`push_frames`, what the server's worker calls; `push_audio`): a model that cannot
+    keep up, a fault mid-frame."""
 
     def __init__(self, session):
         object.__setattr__(self, "_s", session)
@@ -273,12 +274,20 @@ class SlowSession(SessionProxy):
         object.__setattr__(self, "_delay", delay)
 
     def push_audio(self, samples, sample_rate=16000):
+        return [e for frame in self.push_frames(samples, sample_rate) for e in frame]
+
+    def push_frames(self, samples, sample_rate=16000):
         import time
 
-        events = self._s.push_audio(samples, sample_rate)
-        if any(e.kind == "audio" for e in events):
-            time.sleep(self._delay)
-        return events
+        frames = self._s.push_frames(samples, sample_rate)
+
+        def slow():
+            for events in frames:
+                if any(e.kind == "audio" for e in events):
+                    time.sleep(self._delay)
+                yield events
+
+        return slow()
 
 
 class WrappedServer:

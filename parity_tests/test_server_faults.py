@@ -547,10 +547,21 @@ class _FailingSession(SessionProxy):
         object.__setattr__(self, "_fail_at", fail_at)
 
     def push_audio(self, samples, sample_rate=16000):
-        if self._s.frame_index == self._fail_at and self._s.pending_samples + np.asarray(samples).size >= \
-                self._s.frame_samples:
-            raise RuntimeError("injected fault /secret/path/model.safetensors")
-        return self._s.push_audio(samples, sample_rate)
+        return [e for frame in self.push_frames(samples, sample_rate) for e in frame]
+
+    def push_frames(self, samples, sample_rate=16000):
+        frames, s = self._s.push_frames(samples, sample_rate), self._s
+
+        def failing():
+            while True:
+                if s.frame_index == self._fail_at and s.pending_samples >= s.frame_samples:
+                    raise RuntimeError("injected fault /secret/path/model.safetensors")
+                events = next(frames, None)
+                if events is None:
+                    return
+                yield events
+
+        return failing()
 
 
 def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, question_wav, caplog):

@@ -14,6 +14,9 @@ import json
 import sys
 import time
 from collections import OrderedDict
+from voicechat.streaming.timeline import session_prompt
+from voicechat.tools.channel import normalize_tools
+from voicechat.streaming.prompt_state import PromptState
 
 
 class PromptStates:
@@ -35,8 +38,6 @@ class PromptStates:
     # -- keys
 
     def _key(self, model, system_prompt, tools, seed) -> tuple:
-        from voicechat.streaming.timeline import session_prompt
-        from voicechat.tools.channel import normalize_tools
 
         tools = normalize_tools(tools)
         text = session_prompt(model.config, system_prompt, tools)
@@ -51,7 +52,6 @@ class PromptStates:
 
     def start(self, model) -> None:
         """Prepare (or load, with a state file) the default prompt's state; one progress line each way."""
-        from voicechat.streaming.prompt_state import PromptState
 
         t0 = time.perf_counter()
         if self.state_file is not None:
@@ -124,7 +124,6 @@ class PromptStates:
 
 class _Gauges:
     """Prometheus series of the prompt states, on the server's own registry."""
-
     def __init__(self, metrics):
         from prometheus_client import Counter, Gauge
 

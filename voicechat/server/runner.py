@@ -9,6 +9,8 @@ import threading
 from voicechat.server.app import ServerLimits, ServerSecurity, ServerState, create_app
 from voicechat.server.metrics import ServerMetrics
 from voicechat.server.worker import ModelWorker
+from voicechat.streaming.model import load
+from voicechat.synthetic.checkpoint import resolve_model_arg
 
 
 def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
@@ -17,14 +19,11 @@ def make_state(model: str, *, limits: ServerLimits | None = None, security: Serv
                dialect_options=None) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
-    def load():
-        from voicechat.streaming.model import load
-        from voicechat.synthetic.checkpoint import resolve_model_arg
-
+    def load_model():
         return load(resolve_model_arg(model), **(load_kwargs or {}))
 
     metrics = metrics or ServerMetrics()
-    worker = ModelWorker(load, metrics=metrics, stage_metrics_every=stage_metrics_every,
+    worker = ModelWorker(load_model, metrics=metrics, stage_metrics_every=stage_metrics_every,
                          warmup_seconds=warmup_seconds, prompt_states=prompt_states, tool_runner=tool_runner).start()
     worker.wait_ready(load_timeout)
     state = ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
@@ -68,7 +67,6 @@ def make_server(config, state: ServerState):
 
 class ServerThread:
     """uvicorn serving `state` on a background thread (tests, `voicechat talk` in-process)."""
-
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
                  tls_cert: str | None = None, tls_key: str | None = None):
         self.tls = tls_cert is not None

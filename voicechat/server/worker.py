@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from voicechat.errors import ContextLimitError
+
 from voicechat.events import Audio, ToolCall
 from voicechat.server.messages import (
     AppendAudio,
@@ -44,6 +46,8 @@ from voicechat.server.messages import (
     Synced,
     ToolOutputSent,
 )
+from voicechat.streaming.profiler import percentile
+from voicechat.errors import PrefillStoppedError, VoiceChatError
 
 log = logging.getLogger("voicechat.server")
 
@@ -107,7 +111,6 @@ class _Active:
 
 class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
-
     def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
                  warmup_seconds: float = 0.0, prompt_states=None, tool_runner=None):
         self._load_model = load_model
@@ -278,7 +281,6 @@ class ModelWorker:
         return active
 
     def _open(self, ch: Channel, p) -> _Active | None:
-        from voicechat.errors import PrefillStoppedError, VoiceChatError
 
         tools = p.tools
         runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
@@ -321,33 +323,36 @@ class ModelWorker:
             a.discarded_samples += int(pcm.size)
             ch.consumed_samples += int(pcm.size)
             return
-        from voicechat.errors import ContextLimitError
+        given_before = s.frame_index * s.frame_samples + s.pending_samples  # samples the session had
+        frames = s.push_frames(pcm)  # checked and buffered; the session cuts the frames
+        counted = 0  # samples of `pcm` counted as consumed
 
-        n = s.frame_samples
-        i = 0
-        while i < pcm.size:
+        def consumed_upto(k: int) -> None:
+            nonlocal counted
+            ch.consumed_samples += k - counted
+            counted = k
+
+        while True:
             if ch.gone.is_set() or ch.cancel_requested.is_set():
-                a.discarded_samples += int(pcm.size - i)
-                ch.consumed_samples += int(pcm.size - i)
+                a.discarded_samples += int(pcm.size - counted)
+                consumed_upto(int(pcm.size))
                 return
-            # At most one frame per push, so each frame's events leave as soon as it is done.
-            take = min(pcm.size - i, n - s.pending_samples)
-            piece = pcm[i:i + take]
-            if a.profile is not None:  # this push computes at most frame `s.frame_index`
+            if a.profile is not None:  # the next step computes frame `s.frame_index`
                 s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
             t0 = time.perf_counter()
             try:
-                events = s.push_audio(piece)
+                events = next(frames, None)  # one frame, so each frame's events leave as soon as it is done
             except ContextLimitError as e:
-                ch.consumed_samples += int(pcm.size - i)
-                self._send_events(a, getattr(e, "events", []), (time.perf_counter() - t0) * 1000.0)
+                consumed_upto(int(pcm.size))
+                self._send_events(a, e.events, (time.perf_counter() - t0) * 1000.0)
                 ch.emit(SessionError("context_limit", str(e)))
                 ch.emit(Finished("context_limit"))
                 return
-            dt = (time.perf_counter() - t0) * 1000.0
-            i += take
-            ch.consumed_samples += take
-            self._send_events(a, events, dt)
+            if events is None:
+                consumed_upto(int(pcm.size))  # the rest waits in the session for its frame
+                return
+            consumed_upto(min(int(pcm.size), s.frame_index * s.frame_samples - given_before))
+            self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
 
     def _send_events(self, a: _Active, events, compute_ms: float) -> None:
         if not events:
@@ -440,7 +445,6 @@ def _prompt_tokens(model, prompt) -> int:
 
 
 def _stats(values) -> dict:
-    from voicechat.streaming.profiler import percentile
 
     if not values:
         return {"mean": 0.0, "p95": 0.0, "max": 0.0}

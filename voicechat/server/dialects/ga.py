@@ -34,6 +34,7 @@ from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect
 from voicechat.server.messages import FrameEvents, SessionParams, SessionRefused, SubmitToolResult, Sync, Synced
 from voicechat.server.resample import StreamResampler, pcm16_to_float
+from voicechat.tools.channel import normalize_tools
 
 log = logging.getLogger("voicechat.server")
 
@@ -99,7 +100,6 @@ def decode_pcm(msg: dict, key: str = "audio") -> np.ndarray:
 
 class GaMapper:
     """Session events (voicechat.events) -> GA server events (without event_id), frame by frame."""
-
     def __init__(self, *, model_rate: int, client_rate: int, silence_codes, options, text_only: bool = False):
         self.model_rate = model_rate
         self.client_rate = client_rate
@@ -474,7 +474,6 @@ class GaDialect(Dialect):
         self.send({"type": "session.updated", "session": self.session_obj()})
 
     def _open(self) -> None:
-        from voicechat.tools.channel import normalize_tools
 
         self.opened = True
         self.effective = {"instructions": self.instructions, "tools": list(self.tools)}
