@@ -22,58 +22,120 @@ def add_bench_parser(subparsers) -> None:
     import argparse
 
     p = subparsers.add_parser(
-        "bench", help="benchmark streaming sessions: RTF / p50 / p95 tables, plots, physical floor",
+        "bench",
+        help="benchmark streaming sessions: RTF / p50 / p95 tables, plots, physical floor",
         description="For each checkpoint x backend x input: warm-up, then N runs of a profiled streamed session "
-                    "(backends interleaved), plus the offline path's wall time. Writes frames.csv, runs.csv, "
-                    "summary.csv, summary.md, floor.csv, env.json and PNG plots into --out.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", dest="models", action="append", default=[], metavar="CKPT",
-                   help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (repeatable)")
-    p.add_argument("--audio", action="append", default=[], metavar="FILE",
-                   help="input audio (repeatable): WAV / FLAC / OGG at any rate and channel count (mixed down to "
-                        "mono, resampled to 16 kHz with soxr), or a bundled sample, question.wav or "
-                        f"long_question.wav (default {DEFAULT_AUDIO})")
-    p.add_argument("--backend", dest="backends", action="append", choices=BACKENDS, default=None,
-                   help="implementation to run (repeatable; default voicechat); voicechat-serial = this project under "
-                        "ExecutionPolicy.serial() (one CPU stream, nothing compiled, no CPU kernels, no overlapped evaluation); "
-                        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm and mlx-audio need the peers extra")
+        "(backends interleaved), plus the offline path's wall time. Writes frames.csv, runs.csv, "
+        "summary.csv, summary.md, floor.csv, env.json and PNG plots into --out.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "-m",
+        "--model",
+        dest="models",
+        action="append",
+        default=[],
+        metavar="CKPT",
+        help="checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8] (repeatable)",
+    )
+    p.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="input audio (repeatable): WAV / FLAC / OGG at any rate and channel count (mixed down to "
+        "mono, resampled to 16 kHz with soxr), or a bundled sample, question.wav or "
+        f"long_question.wav (default {DEFAULT_AUDIO})",
+    )
+    p.add_argument(
+        "--backend",
+        dest="backends",
+        action="append",
+        choices=BACKENDS,
+        default=None,
+        help="implementation to run (repeatable; default voicechat); voicechat-serial = this project under "
+        "ExecutionPolicy.serial() (one CPU stream, nothing compiled, no CPU kernels, no overlapped evaluation); "
+        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm and mlx-audio need the peers extra",
+    )
     p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")
-    p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)")
-    p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
-                   help="silence streamed after the input, and offline extra decoding (default 3)")
+    p.add_argument(
+        "--drop-first", type=int, default=5, help="cold frames dropped from each run's statistics (default 5)"
+    )
+    p.add_argument(
+        "--extra-decoding-seconds",
+        type=float,
+        default=3.0,
+        help="silence streamed after the input, and offline extra decoding (default 3)",
+    )
     p.add_argument("--chunk-samples", type=int, default=1280, help="samples per push_audio call (default 1280)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-p", "--system-prompt", default=None)
     p.add_argument("--no-offline", dest="offline", action="store_false", help="skip the offline timing")
-    p.add_argument("--no-floor", dest="floor", action="store_false",
-                   help="skip the bandwidth measurement and the floor table")
+    p.add_argument(
+        "--no-floor", dest="floor", action="store_false", help="skip the bandwidth measurement and the floor table"
+    )
     p.add_argument("--no-plots", dest="plots", action="store_false")
-    p.add_argument("--frames", type=int, default=None, metavar="N",
-                   help="stream only the first N frames of input + silence (full-size checkpoints on a CPU take "
-                        "seconds per frame); the offline timing still uses the whole input, see --no-offline")
-    p.add_argument("--isolate", action="store_true",
-                   help="run each load + stream (and the floor model) in its own process, for checkpoints too "
-                        "large for two models to sit in memory one after the other")
-    p.add_argument("--cold-page-cache", dest="warm_page_cache", action="store_false",
-                   help="do not read the checkpoint's files before each run (by default they are read, so every "
-                        "backend's load starts from the same page cache; without it the first to load pays the disk)")
-    p.add_argument("--bandwidth-mb", type=float, default=256.0,
-                   help="size of each matrix of the bandwidth measurement (default 256 MB)")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stream only the first N frames of input + silence (full-size checkpoints on a CPU take "
+        "seconds per frame); the offline timing still uses the whole input, see --no-offline",
+    )
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each load + stream (and the floor model) in its own process, for checkpoints too "
+        "large for two models to sit in memory one after the other",
+    )
+    p.add_argument(
+        "--cold-page-cache",
+        dest="warm_page_cache",
+        action="store_false",
+        help="do not read the checkpoint's files before each run (by default they are read, so every "
+        "backend's load starts from the same page cache; without it the first to load pays the disk)",
+    )
+    p.add_argument(
+        "--bandwidth-mb",
+        type=float,
+        default=256.0,
+        help="size of each matrix of the bandwidth measurement (default 256 MB)",
+    )
     p.add_argument("--out", default=None, help="run folder (default reports/bench/<date>-<time>)")
-    p.add_argument("--update-docs", nargs="?", const="", default=None, metavar="RUN_DIR",
-                   help="regenerate the generated section of --docs from RUN_DIR; without RUN_DIR (with -m), "
-                        "from this run's folder when it finishes")
+    p.add_argument(
+        "--update-docs",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN_DIR",
+        help="regenerate the generated section of --docs from RUN_DIR; without RUN_DIR (with -m), "
+        "from this run's folder when it finishes",
+    )
     p.add_argument("--docs", default="docs/performance.md", help="page --update-docs writes (default %(default)s)")
-    p.add_argument("--section", default=None, metavar="NAME",
-                   help="with --update-docs: write the named generated section (e.g. full: the full-shape run) "
-                        "instead of the default one; appended to the page if it has none yet")
-    p.add_argument("--rerender", metavar="RUN_DIR", default=None,
-                   help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit")
-    p.add_argument("--prompt-sweep", default=None, metavar="N,N,...",
-                   help="instead of the streaming benchmark: session start per prompt length in positions (e.g. "
-                        "19,95,376,1000): from scratch, prepare_prompt, from the prompt state, the state's bytes "
-                        "(bench/prompt_sweep.py; --runs runs per length)")
+    p.add_argument(
+        "--section",
+        default=None,
+        metavar="NAME",
+        help="with --update-docs: write the named generated section (e.g. full: the full-shape run) "
+        "instead of the default one; appended to the page if it has none yet",
+    )
+    p.add_argument(
+        "--rerender",
+        metavar="RUN_DIR",
+        default=None,
+        help="redraw the plots and summary.md of RUN_DIR from its CSV files, then exit",
+    )
+    p.add_argument(
+        "--prompt-sweep",
+        default=None,
+        metavar="N,N,...",
+        help="instead of the streaming benchmark: session start per prompt length in positions (e.g. "
+        "19,95,376,1000): from scratch, prepare_prompt, from the prompt state, the state's bytes "
+        "(bench/prompt_sweep.py; --runs runs per length)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
     p.set_defaults(func=cmd_bench)
 
@@ -93,8 +155,11 @@ def missing_bench_extra() -> list[str]:
 def cmd_bench(args) -> int:
     missing = missing_bench_extra()
     if missing:
-        print(f"voicechat bench: needs {' and '.join(missing)} (the `bench` extra): "
-              f"pip install 'voicechat-mlx[bench]' (from a clone: pip install -e '.[bench]')", file=sys.stderr)
+        print(
+            f"voicechat bench: needs {' and '.join(missing)} (the `bench` extra): "
+            f"pip install 'voicechat-mlx[bench]' (from a clone: pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
         return 2
     from .docs import update_docs
 
@@ -112,10 +177,14 @@ def cmd_bench(args) -> int:
         print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {args.update_docs}")
         return 0
     if not args.models:
-        raise ValueError("nothing to do: pass -m CKPT [--audio FILE] to run, or --update-docs RUN_DIR / --rerender RUN_DIR")
+        raise ValueError(
+            "nothing to do: pass -m CKPT [--audio FILE] to run, or --update-docs RUN_DIR / --rerender RUN_DIR"
+        )
     if args.update_docs:
-        raise ValueError("--update-docs RUN_DIR cannot be combined with -m; use --update-docs without a folder "
-                         "to update the docs from this run")
+        raise ValueError(
+            "--update-docs RUN_DIR cannot be combined with -m; use --update-docs without a folder "
+            "to update the docs from this run"
+        )
 
     if args.prompt_sweep:
         from .prompt_sweep import run_prompt_sweep
@@ -123,11 +192,18 @@ def cmd_bench(args) -> int:
         try:
             lengths = [int(x) for x in args.prompt_sweep.split(",") if x.strip()]
         except ValueError:
-            raise ValueError(f"--prompt-sweep takes comma-separated prompt lengths, got {args.prompt_sweep!r}") from None
-        out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("prompt-sweep-%Y%m%d-%H%M%S")
+            raise ValueError(
+                f"--prompt-sweep takes comma-separated prompt lengths, got {args.prompt_sweep!r}"
+            ) from None
+        out = (
+            Path(args.out)
+            if args.out
+            else Path("reports/bench") / datetime.now().strftime("prompt-sweep-%Y%m%d-%H%M%S")
+        )
         for m in args.models:
-            run_prompt_sweep(m, lengths, out / _slug(m) if len(args.models) > 1 else out, runs=args.runs,
-                             progress=not args.quiet)
+            run_prompt_sweep(
+                m, lengths, out / _slug(m) if len(args.models) > 1 else out, runs=args.runs, progress=not args.quiet
+            )
         print(f"wrote {out}")
         if args.update_docs is not None:
             changed = update_docs(out, Path(args.docs), args.section or "prompt_sweep")
@@ -144,12 +220,25 @@ def cmd_bench(args) -> int:
 
     out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("%Y%m%d-%H%M%S")
     opts = BenchOptions(
-        checkpoints=list(args.models), audio=audio, out=out,
-        backends=list(args.backends or ["voicechat"]), runs=args.runs, warmup=args.warmup,
-        drop_first=args.drop_first, extra_decoding_seconds=args.extra_decoding_seconds,
-        chunk_samples=args.chunk_samples, seed=args.seed, system_prompt=args.system_prompt,
-        offline=args.offline, floor=args.floor, bandwidth_mb=args.bandwidth_mb, plots=args.plots,
-        frames=args.frames, isolate=args.isolate, warm_page_cache=args.warm_page_cache)
+        checkpoints=list(args.models),
+        audio=audio,
+        out=out,
+        backends=list(args.backends or ["voicechat"]),
+        runs=args.runs,
+        warmup=args.warmup,
+        drop_first=args.drop_first,
+        extra_decoding_seconds=args.extra_decoding_seconds,
+        chunk_samples=args.chunk_samples,
+        seed=args.seed,
+        system_prompt=args.system_prompt,
+        offline=args.offline,
+        floor=args.floor,
+        bandwidth_mb=args.bandwidth_mb,
+        plots=args.plots,
+        frames=args.frames,
+        isolate=args.isolate,
+        warm_page_cache=args.warm_page_cache,
+    )
     result = run_bench(opts, progress=Progress(enabled=not args.quiet))
     print((out / "summary.md").read_text())
     if args.update_docs is not None:

@@ -109,7 +109,12 @@ def count_dispatches():
             counter.record(a)
         return array(a, *args, **kwargs)
 
-    mx.eval, mx.async_eval, mx.array.item, mx.array.tolist = eval_counted, async_eval_counted, item_counted, tolist_counted
+    mx.eval, mx.async_eval, mx.array.item, mx.array.tolist = (
+        eval_counted,
+        async_eval_counted,
+        item_counted,
+        tolist_counted,
+    )
     np.asarray, np.array = asarray_counted, array_counted
     try:
         yield counter
@@ -143,7 +148,7 @@ def count_voicechat(model, wave: np.ndarray, *, frames: int = 12, drop_first: in
             session.on_stage = counter.enter  # the engine names each stage as it starts
             snaps = [counter.snapshot()]
             for i in range(frames):
-                session.push_audio(wave[i * n:(i + 1) * n])
+                session.push_audio(wave[i * n : (i + 1) * n])
                 snaps.append(counter.snapshot())
         result[profile] = _per_frame(snaps, drop_first)
     disp, _ = result[True]
@@ -151,8 +156,9 @@ def count_voicechat(model, wave: np.ndarray, *, frames: int = 12, drop_first: in
     return [{"stage": s, "dispatches_per_frame": disp[s], "syncs_per_frame": sync[s]} for s in (*STAGES, "total")]
 
 
-def count_mlx_vlm(session_factory, wave: np.ndarray, *, frame_samples: int = 1280, frames: int = 12,
-                  drop_first: int = 4) -> list[dict]:
+def count_mlx_vlm(
+    session_factory, wave: np.ndarray, *, frame_samples: int = 1280, frames: int = 12, drop_first: int = 4
+) -> list[dict]:
     """mlx-vlm: per-frame totals (its stages are not attributed), unprofiled."""
     wave = np.asarray(wave, dtype=np.float32)
     session = session_factory()
@@ -160,7 +166,7 @@ def count_mlx_vlm(session_factory, wave: np.ndarray, *, frame_samples: int = 128
         counter.stage = "codec"  # any stage name: only the total is reported
         snaps = [counter.snapshot()]
         for i in range(frames):
-            out = session.push_audio(wave[i * frame_samples:(i + 1) * frame_samples])
+            out = session.push_audio(wave[i * frame_samples : (i + 1) * frame_samples])
             if out is not None and not isinstance(out, list):
                 list(out)  # a generator: run the frame
             snaps.append(counter.snapshot())

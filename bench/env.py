@@ -12,8 +12,22 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("voicechat-mlx", "mlx", "mlx-cpu", "mlx-metal", "numpy", "pandas", "matplotlib", "soundfile",
-            "tokenizers", "huggingface-hub", "mlx-vlm", "mlx-audio", "mlx-lm", "transformers")
+PACKAGES = (
+    "voicechat-mlx",
+    "mlx",
+    "mlx-cpu",
+    "mlx-metal",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "soundfile",
+    "tokenizers",
+    "huggingface-hub",
+    "mlx-vlm",
+    "mlx-audio",
+    "mlx-lm",
+    "transformers",
+)
 
 
 def _cpu_model() -> str:
@@ -26,8 +40,9 @@ def _cpu_model() -> str:
         pass
     if sys.platform == "darwin":
         try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=5).stdout.strip()
+            return subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
     return platform.processor() or "unknown"
@@ -81,10 +96,13 @@ def sha256_file(path: Path) -> str | None:
 def checkpoint_info(spec: str, folder: Path) -> dict:
     """Identity of one checkpoint: spec, folder, hashes of config.json and the index, synthetic or not."""
     folder = Path(folder)
-    info: dict = {"spec": spec, "folder": str(folder),
-                  "config_sha256": sha256_file(folder / "config.json"),
-                  "index_sha256": sha256_file(folder / "model.safetensors.index.json"),
-                  "synthetic": False}
+    info: dict = {
+        "spec": spec,
+        "folder": str(folder),
+        "config_sha256": sha256_file(folder / "config.json"),
+        "index_sha256": sha256_file(folder / "model.safetensors.index.json"),
+        "synthetic": False,
+    }
     if str(spec).startswith("synthetic:"):
         from voicechat.synthetic.checkpoint import parse_synthetic_spec
 
@@ -93,7 +111,7 @@ def checkpoint_info(spec: str, folder: Path) -> dict:
     try:
         cfg = json.loads((folder / "config.json").read_text())  # Python's json accepts Infinity
         q = cfg.get("quantization") or {}
-        info["quantization"] = ({"bits": q.get("bits"), "group_size": q.get("group_size")} if q else None)
+        info["quantization"] = {"bits": q.get("bits"), "group_size": q.get("group_size")} if q else None
     except (OSError, ValueError):
         info["quantization"] = None
     shards = sorted(folder.glob("*.safetensors"))
@@ -125,14 +143,20 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
             "memory_gib": round(mem / 1024**3, 1) if mem else None,
         },
         "os": {"system": platform.system(), "release": platform.release(), "version": platform.version()},
-        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
-                   "executable": sys.executable},
-        "mlx": {"version": getattr(mx, "__version__", None), "default_device": str(mx.default_device()),
-                "metal_available": metal,
-                # `voicechat` backend's policy (`voicechat-serial` / `voicechat-gpu-policy` run their own)
-                "voicechat_policy": ExecutionPolicy.for_device().as_dict(),
-                "voicechat_cpu_qmv_isa": ISA_NAMES[extension().isa()] if extension() is not None else None,
-                "voicechat_cpu_qmv_unavailable": unavailable_reason()},
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "mlx": {
+            "version": getattr(mx, "__version__", None),
+            "default_device": str(mx.default_device()),
+            "metal_available": metal,
+            # `voicechat` backend's policy (`voicechat-serial` / `voicechat-gpu-policy` run their own)
+            "voicechat_policy": ExecutionPolicy.for_device().as_dict(),
+            "voicechat_cpu_qmv_isa": ISA_NAMES[extension().isa()] if extension() is not None else None,
+            "voicechat_cpu_qmv_unavailable": unavailable_reason(),
+        },
         "packages": package_versions(),
         "git_revision": git_revision(),
         "checkpoints": checkpoints or [],

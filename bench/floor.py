@@ -89,8 +89,7 @@ def _stage_of(name: str) -> str | None:
         return "perception"
     if name.startswith(("stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")):
         return "rnnt"
-    if name.startswith(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head.",
-                        "stt_model.embed_tokens.")):
+    if name.startswith(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head.", "stt_model.embed_tokens.")):
         return "language"
     if name.startswith("tts_model.tts_model."):
         return "tts"
@@ -120,7 +119,7 @@ def _per_frame_fraction(name: str, shape: tuple, cfg, passes: int) -> float | No
     if name.startswith("tts_model.audio_codec.prvq.variance_list."):
         return None  # unused (docs/model.md §9.1)
     if name.startswith(tts):
-        local = name[len(tts):]
+        local = name[len(tts) :]
         if local == "audio_prompt_projection_W":
             return None
         if local.startswith("embed_code."):
@@ -201,8 +200,10 @@ def _halves_product(policy: ExecutionPolicy, x: mx.array, halves_t: list[mx.arra
     """x @ W_t over the halves, the second on `policy`'s second CPU stream (as FastLinear runs them:
     through `cpu_qmv.float32_matmul` with the policy's kernels, unless `product` says otherwise)."""
     if product is None:
+
         def product(a, b, stream=None):
             return float32_matmul(a, b, stream=stream, enabled=policy.cpu_kernels)
+
     if len(halves_t) == 1:
         return product(x, halves_t[0])
     lo = product(x, halves_t[0])
@@ -210,16 +211,17 @@ def _halves_product(policy: ExecutionPolicy, x: mx.array, halves_t: list[mx.arra
     return mx.concatenate([lo, hi], axis=-1)
 
 
-
-def measure_bandwidth(target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096,
-                      policy: ExecutionPolicy | None = None) -> dict[str, dict]:
+def measure_bandwidth(
+    target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096, policy: ExecutionPolicy | None = None
+) -> dict[str, dict]:
     """`_measure_bandwidth` under `policy` (default: this device's, `ExecutionPolicy.for_device()`)."""
     policy = ExecutionPolicy.for_device() if policy is None else policy
     return _measure_bandwidth(policy, target_mb, reps=reps, cols=cols)
 
 
-def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, reps: int = 6,
-                       cols: int = 4096) -> dict[str, dict]:
+def _measure_bandwidth(
+    policy: ExecutionPolicy, target_mb: float = 256.0, *, reps: int = 6, cols: int = 4096
+) -> dict[str, dict]:
     """Effective MLX read bandwidth (GB/s) of a large matrix-vector product per weight format.
 
     The product runs the way the runtime runs its large products: split in two
@@ -234,8 +236,9 @@ def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, rep
     key (the global generator is not touched).
     """
     if not target_mb > 0 or reps < 1 or cols % 64:
-        raise ValueError(f"measure_bandwidth: need target_mb > 0, reps >= 1, cols % 64 == 0; got "
-                         f"{target_mb}, {reps}, {cols}")
+        raise ValueError(
+            f"measure_bandwidth: need target_mb > 0, reps >= 1, cols % 64 == 0; got {target_mb}, {reps}, {cols}"
+        )
     key = mx.random.key(0)
     x32 = mx.random.normal((1, cols), key=key)
     results: dict[str, dict] = {}
@@ -258,9 +261,15 @@ def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, rep
         entry = {"gbps_cpu_qmv": w.nbytes / s_k / 1e9}
         if s_k < s:
             s, kernel = s_k, "voicechat cpu_qmv float32, W.T contiguous"
-    results["f32"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3, "kernel": kernel,
-                      "gbps_transposed_view": w.nbytes / s_view / 1e9,
-                      "gbps_contiguous_transpose": w.nbytes / s_t / 1e9, **entry}
+    results["f32"] = {
+        "gbps": w.nbytes / s / 1e9,
+        "matrix_mb": w.nbytes / 1e6,
+        "ms": s * 1e3,
+        "kernel": kernel,
+        "gbps_transposed_view": w.nbytes / s_view / 1e9,
+        "gbps_contiguous_transpose": w.nbytes / s_t / 1e9,
+        **entry,
+    }
     del w, halves_t
 
     # bf16: bf16 or float32 activations on the stored weight, or a float32 copy stored transposed
@@ -273,12 +282,18 @@ def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, rep
     halves_t = _transposed_halves(w.astype(mx.float32), policy)
     s_copy = _best_seconds(lambda: _halves_product(policy, x32, halves_t), reps)
     del halves_t
-    s, kernel = min((s_bb, "bf16 x bf16 matmul"), (s_bf, "bf16 weights x f32 activations"),
-                    (s_copy, "float32 copy, W.T contiguous"))
-    results["bf16"] = {"gbps": w.nbytes / s / 1e9, "matrix_mb": w.nbytes / 1e6, "ms": s * 1e3, "kernel": kernel,
-                       "gbps_bf16_activations": w.nbytes / s_bb / 1e9,
-                       "gbps_f32_activations": w.nbytes / s_bf / 1e9,
-                       "gbps_float32_copy": w.nbytes / s_copy / 1e9}
+    s, kernel = min(
+        (s_bb, "bf16 x bf16 matmul"), (s_bf, "bf16 weights x f32 activations"), (s_copy, "float32 copy, W.T contiguous")
+    )
+    results["bf16"] = {
+        "gbps": w.nbytes / s / 1e9,
+        "matrix_mb": w.nbytes / 1e6,
+        "ms": s * 1e3,
+        "kernel": kernel,
+        "gbps_bf16_activations": w.nbytes / s_bb / 1e9,
+        "gbps_f32_activations": w.nbytes / s_bf / 1e9,
+        "gbps_float32_copy": w.nbytes / s_copy / 1e9,
+    }
     del w, xb
 
     # affine quantized, group size 64, float32 scales/biases (as the published checkpoints)
@@ -289,20 +304,39 @@ def _measure_bandwidth(policy: ExecutionPolicy, target_mb: float = 256.0, *, rep
         del w
         mx.eval(q, sc, bi)
         nbytes = q.nbytes + sc.nbytes + bi.nbytes
-        s_mlx = _best_seconds(lambda: _rows_split(
-            policy, lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits), q, sc, bi),
-            reps)
+        s_mlx = _best_seconds(
+            lambda: _rows_split(
+                policy,
+                lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits),
+                q,
+                sc,
+                bi,
+            ),
+            reps,
+        )
         s, kernel = s_mlx, f"mx.quantized_matmul {bits}-bit, group 64, f32 activations"
         entry = {}
         if policy.cpu_kernels:  # the runtime's kernel where it serves (same bits as MLX's)
-            s_qmv = _best_seconds(lambda: _rows_split(
-                policy, lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits, enabled=True),
-                q, sc, bi), reps)
+            s_qmv = _best_seconds(
+                lambda: _rows_split(
+                    policy,
+                    lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits, enabled=True),
+                    q,
+                    sc,
+                    bi,
+                ),
+                reps,
+            )
             entry = {"gbps_mx_quantized_matmul": nbytes / s_mlx / 1e9, "gbps_cpu_qmv": nbytes / s_qmv / 1e9}
             if s_qmv < s_mlx:
                 s, kernel = s_qmv, f"voicechat cpu_qmv {bits}-bit, group 64, f32 activations"
-        results[f"q{bits}"] = {"gbps": nbytes / s / 1e9, "matrix_mb": nbytes / 1e6, "ms": s * 1e3,
-                               "kernel": kernel, **entry}
+        results[f"q{bits}"] = {
+            "gbps": nbytes / s / 1e9,
+            "matrix_mb": nbytes / 1e6,
+            "ms": s * 1e3,
+            "kernel": kernel,
+            **entry,
+        }
         del q, sc, bi
     mx.clear_cache()
     for entry in results.values():
@@ -359,4 +393,13 @@ def _row(b: StageBytes, bandwidth, resident: int) -> dict:
     return row
 
 
-__all__ = ["STAGES", "FORMATS", "StageBytes", "frame_weight_bytes", "resident_bytes_by_stage", "measure_bandwidth", "floor_ms", "floor_table"]
+__all__ = [
+    "STAGES",
+    "FORMATS",
+    "StageBytes",
+    "frame_weight_bytes",
+    "resident_bytes_by_stage",
+    "measure_bandwidth",
+    "floor_ms",
+    "floor_table",
+]

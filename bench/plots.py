@@ -9,8 +9,7 @@ import numpy as np
 import pandas as pd
 from voicechat.streaming.engine import STAGES
 
-STAGE_COLORS = {"perception": "#4C72B0", "rnnt": "#8172B3", "language": "#DD8452", "tts": "#55A868",
-                "codec": "#C44E52"}
+STAGE_COLORS = {"perception": "#4C72B0", "rnnt": "#8172B3", "language": "#DD8452", "tts": "#55A868", "codec": "#C44E52"}
 FRAME_MS = 80.0
 
 
@@ -20,8 +19,16 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "figure.dpi": 110, "savefig.dpi": 110,
-                         "axes.grid": True, "grid.alpha": 0.3})
+    plt.rcParams.update(
+        {
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "figure.dpi": 110,
+            "savefig.dpi": 110,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+        }
+    )
     return plt
 
 
@@ -79,15 +86,19 @@ def plot_frame_times(frames: pd.DataFrame, env: dict, path: Path) -> None:
         handles["80 ms real-time budget"] = ax.axhline(FRAME_MS, color="black", linestyle="--", linewidth=1.1)
         if drop:
             handles[f"first {drop} frames (dropped from the statistics)"] = ax.axvspan(
-                -0.04, (drop - 0.5) * FRAME_MS / 1000.0, color="grey", alpha=0.15)
+                -0.04, (drop - 0.5) * FRAME_MS / 1000.0, color="grey", alpha=0.15
+            )
         _ms_axis(ax, "y")
         ax.set_ylabel("time per frame (ms, log)")
         ax.set_title(ck, fontsize=10)
     axes[-1, 0].set_xlabel("position in the session (s of streamed audio; one frame = 80 ms)")
-    fig.suptitle("Processing time of each 80 ms frame over a streamed session" + _synthetic_note(env)
-                 + "\nbelow the dashed line a frame is processed faster than real time", fontsize=11)
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=3, fontsize=8,
-               frameon=False)
+    fig.suptitle(
+        "Processing time of each 80 ms frame over a streamed session"
+        + _synthetic_note(env)
+        + "\nbelow the dashed line a frame is processed faster than real time",
+        fontsize=11,
+    )
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.09 if len(handles) > 3 else 0.06, 1, 1))
     fig.savefig(path)
     plt.close(fig)
@@ -109,17 +120,22 @@ def plot_stage_p50(summary: pd.DataFrame, env: dict, path: Path) -> None:
     totals = ok.total_p50_ms.astype(float).values
     ax.scatter(x, totals, marker="D", color="black", zorder=3, s=22, label="p50 of the whole frame")
     for xi, b, t in zip(x, bottom, totals):
-        ax.text(xi, max(b, t) * 1.02, f"{t:.0f} ms\n= {t / FRAME_MS:.2f} × 80 ms", ha="center", va="bottom",
-                fontsize=8)
+        ax.text(xi, max(b, t) * 1.02, f"{t:.0f} ms\n= {t / FRAME_MS:.2f} × 80 ms", ha="center", va="bottom", fontsize=8)
     ax.axhline(FRAME_MS, color="black", linestyle="--", linewidth=1.1, label="80 ms real-time budget")
     ax.set_xticks(x)
     ax.set_xticklabels([f"{c}\n{b}" for c, b in zip(ok.checkpoint, ok.backend)], fontsize=9)
     ax.set_ylabel("p50 time per frame (ms)")
-    ax.set_ylim(0, max(float(np.nanmax(bottom)) if len(bottom) else 1, float(np.nanmax(totals)) if len(totals) else 1,
-                       FRAME_MS) * 1.22)
+    ax.set_ylim(
+        0,
+        max(float(np.nanmax(bottom)) if len(bottom) else 1, float(np.nanmax(totals)) if len(totals) else 1, FRAME_MS)
+        * 1.22,
+    )
     ax.grid(axis="x", visible=False)
-    ax.set_title("Median (p50) time per stage of one 80 ms frame, stacked" + _synthetic_note(env)
-                 + "\n(bar height: sum of the stage p50s; diamond: p50 of the whole frame)")
+    ax.set_title(
+        "Median (p50) time per stage of one 80 ms frame, stacked"
+        + _synthetic_note(env)
+        + "\n(bar height: sum of the stage p50s; diamond: p50 of the whole frame)"
+    )
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
@@ -140,8 +156,15 @@ def plot_cdf(frames: pd.DataFrame, env: dict, path: Path) -> None:
         y = np.arange(1, len(v) + 1) / len(v)
         c, ls = colors[be], LINESTYLES[ckpts.index(ck) % len(LINESTYLES)]
         p50, p95 = float(np.percentile(v, 50)), float(np.percentile(v, 95))
-        ax.step(v, y, where="post", color=c, linestyle=ls, linewidth=1.4,
-                label=f"{ck} | {be}: p50 {p50:.1f} ms, p95 {p95:.1f} ms ({len(v)} frames)")
+        ax.step(
+            v,
+            y,
+            where="post",
+            color=c,
+            linestyle=ls,
+            linewidth=1.4,
+            label=f"{ck} | {be}: p50 {p50:.1f} ms, p95 {p95:.1f} ms ({len(v)} frames)",
+        )
         ax.plot([p50], [0.50], marker="o", color=c, markersize=7, markeredgecolor="black", zorder=3)
         ax.plot([p95], [0.95], marker="^", color=c, markersize=7, markeredgecolor="black", zorder=3)
     ax.axvline(FRAME_MS, color="black", linestyle="--", linewidth=1.1, label="80 ms real-time budget")
@@ -153,8 +176,11 @@ def plot_cdf(frames: pd.DataFrame, env: dict, path: Path) -> None:
     ax.set_xlabel("time per frame (ms, log)")
     ax.set_ylabel("fraction of frames taking at most this long")
     ax.set_ylim(0, 1.02)
-    ax.set_title("Distribution of per-frame processing time (CDF)" + _synthetic_note(env)
-                 + f"\nmeasured runs pooled, first {env['method']['drop_first']} frames of each run dropped")
+    ax.set_title(
+        "Distribution of per-frame processing time (CDF)"
+        + _synthetic_note(env)
+        + f"\nmeasured runs pooled, first {env['method']['drop_first']} frames of each run dropped"
+    )
     ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path)
@@ -173,8 +199,13 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
         f = floor[floor.checkpoint == ck]
         x = np.arange(len(stages))
         first = f[f.backend == f.backend.iloc[0]].set_index("stage")
-        ax.bar(x - 0.4 + width / 2, [first.floor_ms.get(s, np.nan) for s in stages], width, color="#999999",
-               label="floor: weight bytes / measured bandwidth")
+        ax.bar(
+            x - 0.4 + width / 2,
+            [first.floor_ms.get(s, np.nan) for s in stages],
+            width,
+            color="#999999",
+            label="floor: weight bytes / measured bandwidth",
+        )
         for i, be in enumerate(backends):
             g = f[f.backend == be].set_index("stage")
             if not len(g) or g.measured_p50_ms.isna().all():
@@ -184,9 +215,15 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
             for xi, s in zip(x, stages):
                 r = g.p50_over_floor.get(s, np.nan)
                 if np.isfinite(r):
-                    ax.text(xi - 0.4 + width * (i + 1.5), g.measured_p50_ms.get(s) * 1.08,
-                            f"{r:.1f}×" if r < 10 else f"{r:.0f}×",
-                            ha="center", va="bottom", fontsize=7, rotation=90)
+                    ax.text(
+                        xi - 0.4 + width * (i + 1.5),
+                        g.measured_p50_ms.get(s) * 1.08,
+                        f"{r:.1f}×" if r < 10 else f"{r:.0f}×",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        rotation=90,
+                    )
         ax.set_xticks(x)
         ax.set_xticklabels(stages)
         _ms_axis(ax, "y")
@@ -196,8 +233,12 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
         ax.grid(axis="x", visible=False)
         ax.legend(fontsize=8, loc="upper left")
     axes[0, 0].set_ylabel("time per frame (ms, log)")
-    fig.suptitle("Measured p50 per stage vs the bandwidth floor" + _synthetic_note(env)
-                 + "\n(number above each bar: measured p50 / floor)", fontsize=11)
+    fig.suptitle(
+        "Measured p50 per stage vs the bandwidth floor"
+        + _synthetic_note(env)
+        + "\n(number above each bar: measured p50 / floor)",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -20,7 +20,6 @@ import pandas as pd
 from voicechat.streaming.engine import STAGES
 
 
-
 def pooled(folders: list[str]) -> dict:
     if not folders:
         raise ValueError("no run folders matched")
@@ -29,18 +28,27 @@ def pooled(folders: list[str]) -> dict:
     runs = pd.concat([pd.read_csv(f"{d}/runs.csv") for d in folders])
     runs = runs[runs.phase != "warmup"]
     total = frames.total_ms.to_numpy()
-    out = {"folders": len(folders), "frames": int(total.size), "mean_ms": float(total.mean()),
-           "p50_ms": float(np.percentile(total, 50)), "p95_ms": float(np.percentile(total, 95)),
-           "load_s_median": float(runs.load_s.median()), "mlx_peak_mb": float(runs.mlx_peak_mb.max()),
-           "rss_peak_mb": float(runs.rss_peak_mb.max())}
+    out = {
+        "folders": len(folders),
+        "frames": int(total.size),
+        "mean_ms": float(total.mean()),
+        "p50_ms": float(np.percentile(total, 50)),
+        "p95_ms": float(np.percentile(total, 95)),
+        "load_s_median": float(runs.load_s.median()),
+        "mlx_peak_mb": float(runs.mlx_peak_mb.max()),
+        "rss_peak_mb": float(runs.rss_peak_mb.max()),
+    }
     out.update({f"{s}_mean_ms": float(frames[f"{s}_ms"].mean()) for s in STAGES})
     return out
 
 
 def table(before: dict, after: dict) -> str:
     keys = [k for k in before if k not in ("folders", "frames")]
-    lines = [f"| | before ({before['folders']} runs, {before['frames']} frames) | "
-             f"after ({after['folders']} runs, {after['frames']} frames) | after / before |", "|---|---:|---:|---:|"]
+    lines = [
+        f"| | before ({before['folders']} runs, {before['frames']} frames) | "
+        f"after ({after['folders']} runs, {after['frames']} frames) | after / before |",
+        "|---|---:|---:|---:|",
+    ]
     for k in keys:
         lines.append(f"| {k} | {before[k]:.2f} | {after[k]:.2f} | {after[k] / before[k]:.3f} |")
     return "\n".join(lines)

@@ -21,11 +21,25 @@ from pathlib import Path
 
 import numpy as np
 
-FILLER = ("You are a friendly voice assistant for a small bookshop. Answer briefly, speak naturally, "
-          "and ask a short question back when the request is unclear. ")
-COLUMNS = ("checkpoint", "positions", "run", "scratch_session_s", "prepare_s", "state_session_ms",
-           "scratch_first_frame_ms", "state_first_frame_ms", "state_bytes", "file_bytes", "save_ms", "load_ms",
-           "steady_frame_ms")
+FILLER = (
+    "You are a friendly voice assistant for a small bookshop. Answer briefly, speak naturally, "
+    "and ask a short question back when the request is unclear. "
+)
+COLUMNS = (
+    "checkpoint",
+    "positions",
+    "run",
+    "scratch_session_s",
+    "prepare_s",
+    "state_session_ms",
+    "scratch_first_frame_ms",
+    "state_first_frame_ms",
+    "state_bytes",
+    "file_bytes",
+    "save_ms",
+    "load_ms",
+    "steady_frame_ms",
+)
 
 
 def prompt_of_positions(model, positions: int) -> str:
@@ -69,8 +83,9 @@ def _first_frame_ms(model, session) -> float:
     return dt
 
 
-def run_prompt_sweep(checkpoint: str, lengths: list[int], out: Path, *, runs: int = 2, numerics: str = "reference",
-                     progress: bool = True) -> Path:
+def run_prompt_sweep(
+    checkpoint: str, lengths: list[int], out: Path, *, runs: int = 2, numerics: str = "reference", progress: bool = True
+) -> Path:
     import voicechat
     from voicechat.synthetic.checkpoint import resolve_model_arg
 
@@ -115,16 +130,34 @@ def run_prompt_sweep(checkpoint: str, lengths: list[int], out: Path, *, runs: in
                 voicechat.PromptState.load(path, model)
                 load_ms = (time.perf_counter() - t) * 1000.0
             steady = _steady_frame_ms(model, state)
-            rows.append({"checkpoint": checkpoint, "positions": n, "run": run, "scratch_session_s": scratch_s,
-                         "prepare_s": prepare_s, "state_session_ms": state_ms,
-                         "scratch_first_frame_ms": scratch_first, "state_first_frame_ms": state_first,
-                         "state_bytes": state.nbytes, "file_bytes": file_bytes, "save_ms": save_ms,
-                         "load_ms": load_ms, "steady_frame_ms": steady})
-            say(f"{checkpoint}: {n} positions: scratch {scratch_s:.2f} s, prepare {prepare_s:.2f} s, from state "
-                f"{state_ms:.2f} ms, state {state.nbytes / 2**20:.2f} MiB")
+            rows.append(
+                {
+                    "checkpoint": checkpoint,
+                    "positions": n,
+                    "run": run,
+                    "scratch_session_s": scratch_s,
+                    "prepare_s": prepare_s,
+                    "state_session_ms": state_ms,
+                    "scratch_first_frame_ms": scratch_first,
+                    "state_first_frame_ms": state_first,
+                    "state_bytes": state.nbytes,
+                    "file_bytes": file_bytes,
+                    "save_ms": save_ms,
+                    "load_ms": load_ms,
+                    "steady_frame_ms": steady,
+                }
+            )
+            say(
+                f"{checkpoint}: {n} positions: scratch {scratch_s:.2f} s, prepare {prepare_s:.2f} s, from state "
+                f"{state_ms:.2f} ms, state {state.nbytes / 2**20:.2f} MiB"
+            )
             del state, session, scratch
-    env["prompt_sweep"] = {"lengths": lengths, "runs": runs, "numerics": numerics,
-                           "seconds": round(time.perf_counter() - t_start, 1)}
+    env["prompt_sweep"] = {
+        "lengths": lengths,
+        "runs": runs,
+        "numerics": numerics,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
     (out / "env.json").write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     with open(out / "prompt_sweep.csv", "w") as f:
         f.write(",".join(COLUMNS) + "\n")
@@ -152,20 +185,27 @@ def render_prompt_sweep(run_dir: Path, *, level: int = 1, title: str | None = No
     h = "#" * level
     m = env["machine"]
     sw = env["prompt_sweep"]
-    out = [f"{h} {title or 'Prompt states: session start per prompt length'}", "",
-           f"- **Machine:** {m['cpu']}, {m.get('usable_cpus')} usable CPU cores, {m.get('memory_gib')} GiB RAM; "
-           f"{m['platform']}",
-           f"- **Software:** MLX {env['mlx']['version']} on `{env['mlx']['default_device']}`, voicechat-mlx at git "
-           f"`{(env.get('git_revision') or '?')[:12]}`; numerics `{sw['numerics']}`",
-           f"- **Date:** {env['date']} (UTC); {sw['runs']} run(s) per length, medians shown; the sweep took "
-           f"{sw['seconds'] / 60:.1f} min",
-           "", "Per prompt length in positions ([bos] + tokens + [eos]): *from scratch* = "
-           "`create_streaming_session(system_prompt=...)` (it prefills), *prepare* = `model.prepare_prompt(...)`, "
-           "*from state* = `create_streaming_session(prompt_state=state)`; the first frame of each of those two "
-           "sessions; *steady frame* = median of frames 3-12 of a session (the target: a session from a state "
-           "within one steady frame); the state's bytes (`state.nbytes`), its file's, and saving / loading it.", ""]
-    out.append("| checkpoint | positions | from scratch s | prepare s | from state ms | first frame ms "
-               "(scratch / state) | steady frame ms | state MiB | file MiB | save / load ms |")
+    out = [
+        f"{h} {title or 'Prompt states: session start per prompt length'}",
+        "",
+        f"- **Machine:** {m['cpu']}, {m.get('usable_cpus')} usable CPU cores, {m.get('memory_gib')} GiB RAM; "
+        f"{m['platform']}",
+        f"- **Software:** MLX {env['mlx']['version']} on `{env['mlx']['default_device']}`, voicechat-mlx at git "
+        f"`{(env.get('git_revision') or '?')[:12]}`; numerics `{sw['numerics']}`",
+        f"- **Date:** {env['date']} (UTC); {sw['runs']} run(s) per length, medians shown; the sweep took "
+        f"{sw['seconds'] / 60:.1f} min",
+        "",
+        "Per prompt length in positions ([bos] + tokens + [eos]): *from scratch* = "
+        "`create_streaming_session(system_prompt=...)` (it prefills), *prepare* = `model.prepare_prompt(...)`, "
+        "*from state* = `create_streaming_session(prompt_state=state)`; the first frame of each of those two "
+        "sessions; *steady frame* = median of frames 3-12 of a session (the target: a session from a state "
+        "within one steady frame); the state's bytes (`state.nbytes`), its file's, and saving / loading it.",
+        "",
+    ]
+    out.append(
+        "| checkpoint | positions | from scratch s | prepare s | from state ms | first frame ms "
+        "(scratch / state) | steady frame ms | state MiB | file MiB | save / load ms |"
+    )
     out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     keys = []
     for r in rows:
@@ -175,11 +215,13 @@ def render_prompt_sweep(run_dir: Path, *, level: int = 1, title: str | None = No
     for ck, n in keys:
         sel = [r for r in rows if r["checkpoint"] == ck and int(r["positions"]) == n]
         med = {c: statistics.median(r[c] for r in sel) for c in COLUMNS if c not in ("checkpoint", "positions", "run")}
-        out.append(f"| `{ck}` | {n} | {med['scratch_session_s']:.2f} | {med['prepare_s']:.2f} | "
-                   f"{med['state_session_ms']:.2f} | {med['scratch_first_frame_ms']:.1f} / "
-                   f"{med['state_first_frame_ms']:.1f} | {med['steady_frame_ms']:.1f} | "
-                   f"{med['state_bytes'] / 2**20:.2f} | {med['file_bytes'] / 2**20:.2f} | "
-                   f"{med['save_ms']:.0f} / {med['load_ms']:.0f} |")
+        out.append(
+            f"| `{ck}` | {n} | {med['scratch_session_s']:.2f} | {med['prepare_s']:.2f} | "
+            f"{med['state_session_ms']:.2f} | {med['scratch_first_frame_ms']:.1f} / "
+            f"{med['state_first_frame_ms']:.1f} | {med['steady_frame_ms']:.1f} | "
+            f"{med['state_bytes'] / 2**20:.2f} | {med['file_bytes'] / 2**20:.2f} | "
+            f"{med['save_ms']:.0f} / {med['load_ms']:.0f} |"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -33,26 +33,92 @@ from voicechat.streaming.engine import STAGES as FRAME_STAGES
 STAGES = (*FRAME_STAGES, "total")
 FRAME_MS = 80.0
 
-FRAME_COLUMNS = ["checkpoint", "backend", "input", "run", "frame_index",
-                 *[f"{s}_ms" for s in STAGES], "dropped"]
-RUN_COLUMNS = ["checkpoint", "backend", "input", "phase", "run", "status", "error", "load_s", "create_s",
-               "first_audio_s", "first_text_s", "stream_wall_s", "frames", "total_mean_ms", "total_p50_ms", "rtf",
-               "offline_wall_s", "offline_frames", "offline_rtf", "mlx_peak_mb", "rss_peak_mb", "rss_peak_scope",
-               "offline_mlx_peak_mb", "asr_mean_ms", "asr_p50_ms"]
-FLOOR_BASE_COLUMNS = ["checkpoint", "stage", "weight_mb", "state_mb", "bf16_mb", "f32_mb", "q4_mb", "q8_mb",
-                      "floor_ms", "resident_mb"]
+FRAME_COLUMNS = ["checkpoint", "backend", "input", "run", "frame_index", *[f"{s}_ms" for s in STAGES], "dropped"]
+RUN_COLUMNS = [
+    "checkpoint",
+    "backend",
+    "input",
+    "phase",
+    "run",
+    "status",
+    "error",
+    "load_s",
+    "create_s",
+    "first_audio_s",
+    "first_text_s",
+    "stream_wall_s",
+    "frames",
+    "total_mean_ms",
+    "total_p50_ms",
+    "rtf",
+    "offline_wall_s",
+    "offline_frames",
+    "offline_rtf",
+    "mlx_peak_mb",
+    "rss_peak_mb",
+    "rss_peak_scope",
+    "offline_mlx_peak_mb",
+    "asr_mean_ms",
+    "asr_p50_ms",
+]
+FLOOR_BASE_COLUMNS = [
+    "checkpoint",
+    "stage",
+    "weight_mb",
+    "state_mb",
+    "bf16_mb",
+    "f32_mb",
+    "q4_mb",
+    "q8_mb",
+    "floor_ms",
+    "resident_mb",
+]
 DISPATCH_COLUMNS = ["checkpoint", "backend", "stage", "frames_counted", "dispatches_per_frame", "syncs_per_frame"]
-FLOOR_COLUMNS = ["checkpoint", "backend", *FLOOR_BASE_COLUMNS[1:], "measured_mean_ms", "measured_p50_ms",
-                 "p50_over_floor"]
-PER_RUN_MEDIANS = ("load_s", "create_s", "first_audio_s", "first_text_s", "offline_wall_s", "offline_rtf",
-                   "asr_mean_ms", "asr_p50_ms")
+FLOOR_COLUMNS = [
+    "checkpoint",
+    "backend",
+    *FLOOR_BASE_COLUMNS[1:],
+    "measured_mean_ms",
+    "measured_p50_ms",
+    "p50_over_floor",
+]
+PER_RUN_MEDIANS = (
+    "load_s",
+    "create_s",
+    "first_audio_s",
+    "first_text_s",
+    "offline_wall_s",
+    "offline_rtf",
+    "asr_mean_ms",
+    "asr_p50_ms",
+)
 SUMMARY_COLUMNS = (
-    ["checkpoint", "backend", "synthetic", "status", "runs_ok", "runs_failed", "warmup_failed", "inputs",
-     "frames", "dropped_per_run"]
+    [
+        "checkpoint",
+        "backend",
+        "synthetic",
+        "status",
+        "runs_ok",
+        "runs_failed",
+        "warmup_failed",
+        "inputs",
+        "frames",
+        "dropped_per_run",
+    ]
     + [f"{s}_{k}_ms" for s in STAGES for k in ("mean", "p50", "p95", "max")]
-    + ["rtf", "frames_per_second", *PER_RUN_MEDIANS, "first_frame_ms", "first_frame_over_p50",
-       "mlx_peak_mb", "rss_peak_mb", "floor_ms",
-       "total_p50_over_floor", "baseline", "rtf_vs_baseline"]
+    + [
+        "rtf",
+        "frames_per_second",
+        *PER_RUN_MEDIANS,
+        "first_frame_ms",
+        "first_frame_over_p50",
+        "mlx_peak_mb",
+        "rss_peak_mb",
+        "floor_ms",
+        "total_p50_over_floor",
+        "baseline",
+        "rtf_vs_baseline",
+    ]
     + [f"{s}_p50_vs_baseline" for s in STAGES]
     + ["errors"]
 )
@@ -99,11 +165,15 @@ def summarize(frames: pd.DataFrame, runs: pd.DataFrame, floor: pd.DataFrame, env
             ok = measured[measured.status == "ok"]
             failed = r[r.status != "ok"]
             row = {
-                "checkpoint": ck, "backend": be, "synthetic": synthetic.get(ck, False),
-                "runs_ok": int(len(ok)), "runs_failed": int((measured.status != "ok").sum()),
+                "checkpoint": ck,
+                "backend": be,
+                "synthetic": synthetic.get(ck, False),
+                "runs_ok": int(len(ok)),
+                "runs_failed": int((measured.status != "ok").sum()),
                 "warmup_failed": int((r[r.phase == "warmup"].status != "ok").sum()),
                 "inputs": " ".join(sorted(set(map(str, measured.input)))) if len(measured) else "",
-                "frames": int(len(kept)), "dropped_per_run": int(method["drop_first"]),
+                "frames": int(len(kept)),
+                "dropped_per_run": int(method["drop_first"]),
             }
             if row["runs_ok"] == 0:
                 row["status"] = "failed"
@@ -132,8 +202,9 @@ def summarize(frames: pd.DataFrame, runs: pd.DataFrame, floor: pd.DataFrame, env
             row["rss_peak_mb"] = _max(ok.rss_peak_mb) if len(ok) else math.nan
             fl = floor[(floor.checkpoint == ck) & (floor.stage == "total")] if len(floor) else floor
             row["floor_ms"] = float(fl.floor_ms.iloc[0]) if len(fl) else math.nan
-            row["total_p50_over_floor"] = (row["total_p50_ms"] / row["floor_ms"]
-                                           if row["floor_ms"] and row["floor_ms"] > 0 else math.nan)
+            row["total_p50_over_floor"] = (
+                row["total_p50_ms"] / row["floor_ms"] if row["floor_ms"] and row["floor_ms"] > 0 else math.nan
+            )
             errors = sorted(set(str(e) for e in failed.error if str(e)))
             row["errors"] = " | ".join(errors)
             rows.append(row)
@@ -161,7 +232,7 @@ def floor_with_measured(floor: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFr
             row.update({k: f.get(k, math.nan) for k in FLOOR_BASE_COLUMNS[1:]})
             row["measured_mean_ms"] = s[f"{f.stage}_mean_ms"]
             row["measured_p50_ms"] = s[f"{f.stage}_p50_ms"]
-            row["p50_over_floor"] = (row["measured_p50_ms"] / f.floor_ms if f.floor_ms > 0 else math.nan)
+            row["p50_over_floor"] = row["measured_p50_ms"] / f.floor_ms if f.floor_ms > 0 else math.nan
             rows.append(row)
     return pd.DataFrame(rows, columns=FLOOR_COLUMNS)
 
@@ -179,9 +250,16 @@ def _json_default(o):
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def write_run_folder(out: Path, *, env: dict, frame_rows: list[dict], run_rows: list[dict],
-                     floor_rows: list[dict], dispatch_rows: list[dict] | None = None,
-                     plots: bool = True) -> dict[str, Path]:
+def write_run_folder(
+    out: Path,
+    *,
+    env: dict,
+    frame_rows: list[dict],
+    run_rows: list[dict],
+    floor_rows: list[dict],
+    dispatch_rows: list[dict] | None = None,
+    plots: bool = True,
+) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     frames = pd.DataFrame(frame_rows, columns=FRAME_COLUMNS)
@@ -189,8 +267,9 @@ def write_run_folder(out: Path, *, env: dict, frame_rows: list[dict], run_rows: 
     floor = pd.DataFrame(floor_rows, columns=FLOOR_BASE_COLUMNS)
     summary = summarize(frames, runs, floor, env)
     floor_full = floor_with_measured(floor, summary)
-    paths = {name: out / name for name in ("frames.csv", "runs.csv", "summary.csv", "floor.csv", "env.json",
-                                           "summary.md")}
+    paths = {
+        name: out / name for name in ("frames.csv", "runs.csv", "summary.csv", "floor.csv", "env.json", "summary.md")
+    }
     frames.to_csv(paths["frames.csv"], index=False)
     runs.to_csv(paths["runs.csv"], index=False)
     summary.to_csv(paths["summary.csv"], index=False)
@@ -264,8 +343,11 @@ def read_run_folder(run_dir: Path) -> dict:
         "summary": pd.read_csv(run_dir / "summary.csv", keep_default_na=False, na_values=[""]),
         "runs": pd.read_csv(run_dir / "runs.csv", keep_default_na=False, na_values=[""]),
         "floor": pd.read_csv(run_dir / "floor.csv", keep_default_na=False, na_values=[""]),
-        "dispatch": (pd.read_csv(run_dir / "dispatch.csv", keep_default_na=False, na_values=[""])
-                     if (run_dir / "dispatch.csv").is_file() else None),
+        "dispatch": (
+            pd.read_csv(run_dir / "dispatch.csv", keep_default_na=False, na_values=[""])
+            if (run_dir / "dispatch.csv").is_file()
+            else None
+        ),
     }
 
 
@@ -282,118 +364,242 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     out.append("")
     synth = [c for c in env["checkpoints"] if c.get("synthetic")]
     if synth:
-        out.append("> **Synthetic weights.** " + ", ".join(f"`{c['spec']}`" for c in synth)
-                   + (" is" if len(synth) == 1 else " are")
-                   + " random-weight checkpoint(s) written by `voicechat.synthetic` in the published on-disk layout "
-                     "and quantization, not the trained model. The `small` preset has the real depth and frame "
-                     "geometry with widths divided by about 8, so these timings are not the 11B model's.")
+        out.append(
+            "> **Synthetic weights.** "
+            + ", ".join(f"`{c['spec']}`" for c in synth)
+            + (" is" if len(synth) == 1 else " are")
+            + " random-weight checkpoint(s) written by `voicechat.synthetic` in the published on-disk layout "
+            "and quantization, not the trained model. The `small` preset has the real depth and frame "
+            "geometry with widths divided by about 8, so these timings are not the 11B model's."
+        )
         out.append("")
     m, pk, mlx = env["machine"], env["packages"], env["mlx"]
     peers = [f"{p} {pk[p]}" for p in ("mlx-vlm", "mlx-audio") if pk.get(p)]
-    out.append(f"- **Machine:** {m.get('cpu')}, {m.get('usable_cpus')} usable CPU cores "
-               f"({m.get('cpu_count')} online), {m.get('memory_gib')} GiB RAM; {m.get('platform')}")
-    out.append(f"- **Software:** MLX {mlx.get('version')} on `{mlx.get('default_device')}` "
-               f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
-               f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
-               f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else ""))
+    out.append(
+        f"- **Machine:** {m.get('cpu')}, {m.get('usable_cpus')} usable CPU cores "
+        f"({m.get('cpu_count')} online), {m.get('memory_gib')} GiB RAM; {m.get('platform')}"
+    )
+    out.append(
+        f"- **Software:** MLX {mlx.get('version')} on `{mlx.get('default_device')}` "
+        f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
+        f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
+        f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else "")
+    )
     policy = mlx.get("voicechat_policy")
     if policy is not None:
         from voicechat.runtime.policy import switched_on
 
         on = switched_on(policy)
-        out.append(f"- **Execution policy** of the `voicechat` backend (`voicechat.runtime.ExecutionPolicy`, "
-                   f"chosen at load): {policy.get('cpu_streams')} CPU stream(s); on: {', '.join(on) or 'nothing'}"
-                   + (f"; CPU kernels {mlx.get('voicechat_cpu_qmv_isa')}" if policy.get("cpu_kernels") else
-                      f"; CPU kernels off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'not for this device'})")
-                   + ". `voicechat-serial` runs `ExecutionPolicy.serial()`, `voicechat-gpu-policy` "
-                     "`ExecutionPolicy.gpu()`; the reference runs on one stream")
+        out.append(
+            f"- **Execution policy** of the `voicechat` backend (`voicechat.runtime.ExecutionPolicy`, "
+            f"chosen at load): {policy.get('cpu_streams')} CPU stream(s); on: {', '.join(on) or 'nothing'}"
+            + (
+                f"; CPU kernels {mlx.get('voicechat_cpu_qmv_isa')}"
+                if policy.get("cpu_kernels")
+                else f"; CPU kernels off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'not for this device'})"
+            )
+            + ". `voicechat-serial` runs `ExecutionPolicy.serial()`, `voicechat-gpu-policy` "
+            "`ExecutionPolicy.gpu()`; the reference runs on one stream"
+        )
     elif mlx.get("voicechat_cpu_streams") is not None:  # env.json written before the policy existed
-        out.append(f"- **CPU streams per frame** (this project; `VOICECHAT_CPU_STREAMS`): "
-                   f"{mlx['voicechat_cpu_streams']}; the reference runs on one stream"
-                   + (f". Compiled fixed-shape pieces (`VOICECHAT_COMPILE`): "
-                      f"{'on' if mlx['voicechat_compile'] else 'off'}" if "voicechat_compile" in mlx else "")
-                   + (f". Codec float32 products through numpy's BLAS (`VOICECHAT_HOST_GEMM`): "
-                      f"{'on' if mlx['voicechat_host_gemm'] else 'off'}" if "voicechat_host_gemm" in mlx else "")
-                   + (f". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
-                      + (f"on ({mlx.get('voicechat_cpu_qmv_isa')})" if mlx["voicechat_cpu_qmv"] else
-                         f"off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'switched off'})")
-                      if "voicechat_cpu_qmv" in mlx else "")
-                   + (f". Layer by layer evaluation overlapped with graph building (`VOICECHAT_OVERLAP`): "
-                      f"{'on' if mlx['voicechat_overlap'] else 'off'}" if "voicechat_overlap" in mlx else ""))
+        out.append(
+            f"- **CPU streams per frame** (this project; `VOICECHAT_CPU_STREAMS`): "
+            f"{mlx['voicechat_cpu_streams']}; the reference runs on one stream"
+            + (
+                f". Compiled fixed-shape pieces (`VOICECHAT_COMPILE`): {'on' if mlx['voicechat_compile'] else 'off'}"
+                if "voicechat_compile" in mlx
+                else ""
+            )
+            + (
+                f". Codec float32 products through numpy's BLAS (`VOICECHAT_HOST_GEMM`): "
+                f"{'on' if mlx['voicechat_host_gemm'] else 'off'}"
+                if "voicechat_host_gemm" in mlx
+                else ""
+            )
+            + (
+                f". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
+                + (
+                    f"on ({mlx.get('voicechat_cpu_qmv_isa')})"
+                    if mlx["voicechat_cpu_qmv"]
+                    else f"off ({mlx.get('voicechat_cpu_qmv_unavailable') or 'switched off'})"
+                )
+                if "voicechat_cpu_qmv" in mlx
+                else ""
+            )
+            + (
+                f". Layer by layer evaluation overlapped with graph building (`VOICECHAT_OVERLAP`): "
+                f"{'on' if mlx['voicechat_overlap'] else 'off'}"
+                if "voicechat_overlap" in mlx
+                else ""
+            )
+        )
     la0, la1 = m.get("load_average_start"), m.get("load_average_end")
     if la0 or la1:
-        out.append(f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
-                   f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
-                   f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
-                   + (" (other processes were competing for the CPU: absolute times are pessimistic; the "
-                      "interleaved backends saw the same load)"
-                      if max((la0 or [0])[:1] + (la1 or [0])[:1]) > (m.get("usable_cpus") or 1) * 0.75 else ""))
+        out.append(
+            f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
+            f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
+            f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
+            + (
+                " (other processes were competing for the CPU: absolute times are pessimistic; the "
+                "interleaved backends saw the same load)"
+                if max((la0 or [0])[:1] + (la1 or [0])[:1]) > (m.get("usable_cpus") or 1) * 0.75
+                else ""
+            )
+        )
     ws = env.get("wall_seconds")
     out.append(f"- **Date:** {date} (UTC)" + (f"; the benchmark took {ws / 60:.0f} min" if ws else ""))
     out.append("")
     out.append(f"{h}# Method")
     out.append("")
     for inp in method["inputs"]:
-        out.append(f"- **Input** `{inp['name']}`: {inp['seconds']:.2f} s of 16 kHz speech, then "
-                   f"{method['extra_decoding_seconds']:g} s of silence (extra decoding time for the answer): "
-                   f"{inp['streamed_frames']} streamed frames of 80 ms.")
-    out.append(f"- **Streaming:** a new session per run with the profiler on, fed {method['chunk_samples']}-sample "
-               f"pushes, then `flush()`; every stage ends with its outputs evaluated, so stage times are compute "
-               f"times. Seed {method['seed']}, system prompt "
-               f"{'none' if method.get('system_prompt') is None else repr(method['system_prompt'])}.")
-    out.append(f"- **Runs:** {method['warmup']} warm-up run(s) (not counted), then {method['runs']} measured run(s) "
-               f"per checkpoint and backend; the backends take turns within each run "
-               f"({' → '.join(method['backends'])}), each run loads the checkpoint afresh and releases it"
-               + ("; before each run the checkpoint's files are read once, so every load starts from the same "
-                  "page cache (*load s* is not the disk's speed)." if method.get("warm_page_cache") else "."))
-    out.append(f"- **Statistics:** the first {method['drop_first']} frames of every run are dropped (cold start); "
-               f"the rest of all measured runs are pooled. RTF = mean frame time / 80 ms "
-               f"(above 1.0 the stream falls behind real time). Per-run times are medians over the measured runs; "
-               f"memory peaks are maxima.")
+        out.append(
+            f"- **Input** `{inp['name']}`: {inp['seconds']:.2f} s of 16 kHz speech, then "
+            f"{method['extra_decoding_seconds']:g} s of silence (extra decoding time for the answer): "
+            f"{inp['streamed_frames']} streamed frames of 80 ms."
+        )
+    out.append(
+        f"- **Streaming:** a new session per run with the profiler on, fed {method['chunk_samples']}-sample "
+        f"pushes, then `flush()`; every stage ends with its outputs evaluated, so stage times are compute "
+        f"times. Seed {method['seed']}, system prompt "
+        f"{'none' if method.get('system_prompt') is None else repr(method['system_prompt'])}."
+    )
+    out.append(
+        f"- **Runs:** {method['warmup']} warm-up run(s) (not counted), then {method['runs']} measured run(s) "
+        f"per checkpoint and backend; the backends take turns within each run "
+        f"({' → '.join(method['backends'])}), each run loads the checkpoint afresh and releases it"
+        + (
+            "; before each run the checkpoint's files are read once, so every load starts from the same "
+            "page cache (*load s* is not the disk's speed)."
+            if method.get("warm_page_cache")
+            else "."
+        )
+    )
+    out.append(
+        f"- **Statistics:** the first {method['drop_first']} frames of every run are dropped (cold start); "
+        f"the rest of all measured runs are pooled. RTF = mean frame time / 80 ms "
+        f"(above 1.0 the stream falls behind real time). Per-run times are medians over the measured runs; "
+        f"memory peaks are maxima."
+    )
     if method.get("offline"):
-        out.append(f"- **Offline:** after each stream, the offline path (`generate`) on the same input with "
-                   f"{method['extra_decoding_seconds']:g} s extra decoding, wall time; offline RTF = wall time / "
-                   f"(frames × 80 ms).")
+        out.append(
+            f"- **Offline:** after each stream, the offline path (`generate`) on the same input with "
+            f"{method['extra_decoding_seconds']:g} s extra decoding, wall time; offline RTF = wall time / "
+            f"(frames × 80 ms)."
+        )
     out.append("")
     out.append("Checkpoints:")
     out.append("")
-    out.append(_table(["checkpoint", "on disk", "config.json sha256", "index sha256"],
-                      [[_ckpt_label(c), _fmt(c.get("weights_bytes_on_disk", math.nan) / 1e6, 1, " MB"),
-                        f"`{_short(c.get('config_sha256'))}`", f"`{_short(c.get('index_sha256'))}`"]
-                       for c in env["checkpoints"]], "llll"))
+    out.append(
+        _table(
+            ["checkpoint", "on disk", "config.json sha256", "index sha256"],
+            [
+                [
+                    _ckpt_label(c),
+                    _fmt(c.get("weights_bytes_on_disk", math.nan) / 1e6, 1, " MB"),
+                    f"`{_short(c.get('config_sha256'))}`",
+                    f"`{_short(c.get('index_sha256'))}`",
+                ]
+                for c in env["checkpoints"]
+            ],
+            "llll",
+        )
+    )
     out.append("")
 
     out.append(f"{h}# Real-time summary")
     out.append("")
     rows = []
     for _, s in summary.iterrows():
-        rows.append([f"`{s.checkpoint}`", s.backend, s.status, f"{int(s.runs_ok)}", f"{int(s.frames)}",
-                     _fmt(s.rtf, 2), _fmt(s.frames_per_second, 2), _ms(s.total_p50_ms), _ms(s.total_p95_ms),
-                     _fmt(s.load_s, 2), _fmt(s.create_s, 2), _fmt(s.first_audio_s, 2), _fmt(s.first_text_s, 2),
-                     _fmt(s.offline_rtf, 2), _fmt(s.mlx_peak_mb, 0), _fmt(s.rss_peak_mb, 0)])
-    out.append(_table(["checkpoint", "backend", "status", "runs", "frames", "RTF", "frames/s", "p50 ms", "p95 ms",
-                       "load s", "session s", "first audio s", "first text s", "offline RTF", "MLX peak MB",
-                       "RSS peak MB"], rows, "lll" + "r" * 13))
+        rows.append(
+            [
+                f"`{s.checkpoint}`",
+                s.backend,
+                s.status,
+                f"{int(s.runs_ok)}",
+                f"{int(s.frames)}",
+                _fmt(s.rtf, 2),
+                _fmt(s.frames_per_second, 2),
+                _ms(s.total_p50_ms),
+                _ms(s.total_p95_ms),
+                _fmt(s.load_s, 2),
+                _fmt(s.create_s, 2),
+                _fmt(s.first_audio_s, 2),
+                _fmt(s.first_text_s, 2),
+                _fmt(s.offline_rtf, 2),
+                _fmt(s.mlx_peak_mb, 0),
+                _fmt(s.rss_peak_mb, 0),
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "checkpoint",
+                "backend",
+                "status",
+                "runs",
+                "frames",
+                "RTF",
+                "frames/s",
+                "p50 ms",
+                "p95 ms",
+                "load s",
+                "session s",
+                "first audio s",
+                "first text s",
+                "offline RTF",
+                "MLX peak MB",
+                "RSS peak MB",
+            ],
+            rows,
+            "lll" + "r" * 13,
+        )
+    )
     out.append("")
-    out.append("RTF: mean frame time / 80 ms (real time needs < 1.0). *session s*: session creation including "
-               "the TTS speaker warm-up where the backend does it there. *first audio / first text*: from the "
-               "first push to the return of the push that produced the first `Audio` / assistant text event. "
-               "MLX peak: `mx.get_peak_memory()` over load + stream; RSS peak: the process's resident-set peak "
-               "over the same span.")
+    out.append(
+        "RTF: mean frame time / 80 ms (real time needs < 1.0). *session s*: session creation including "
+        "the TTS speaker warm-up where the backend does it there. *first audio / first text*: from the "
+        "first push to the return of the push that produced the first `Audio` / assistant text event. "
+        "MLX peak: `mx.get_peak_memory()` over load + stream; RSS peak: the process's resident-set peak "
+        "over the same span."
+    )
     out.append("")
 
-    rows = [[f"`{s.checkpoint}`", s.backend, _ms(s.first_frame_ms), _ms(s.total_p50_ms),
-             _fmt(s.first_frame_over_p50, 2, "×"), _ms(s.asr_mean_ms), _ms(s.asr_p50_ms)]
-            for _, s in summary.iterrows()]
+    rows = [
+        [
+            f"`{s.checkpoint}`",
+            s.backend,
+            _ms(s.first_frame_ms),
+            _ms(s.total_p50_ms),
+            _fmt(s.first_frame_over_p50, 2, "×"),
+            _ms(s.asr_mean_ms),
+            _ms(s.asr_p50_ms),
+        ]
+        for _, s in summary.iterrows()
+    ]
     out.append(f"{h}# First frame and ASR session")
     out.append("")
-    out.append(_table(["checkpoint", "backend", "first frame ms", "steady p50 ms", "first / p50",
-                       "ASR mean ms/frame", "ASR p50 ms/frame"], rows, "llrrrrr"))
+    out.append(
+        _table(
+            [
+                "checkpoint",
+                "backend",
+                "first frame ms",
+                "steady p50 ms",
+                "first / p50",
+                "ASR mean ms/frame",
+                "ASR p50 ms/frame",
+            ],
+            rows,
+            "llrrrrr",
+        )
+    )
     out.append("")
-    out.append("*First frame*: the profiled frame 0 right after `create_streaming_session` (median over the "
-               "measured runs). *ASR*: a transcript-only streaming session (`create_asr_session`: log-mel, "
-               "cache-aware conformer, RNNT) over the same input in 1280-sample steps, wall time per step after "
-               "the dropped frames; empty where the backend has none.")
+    out.append(
+        "*First frame*: the profiled frame 0 right after `create_streaming_session` (median over the "
+        "measured runs). *ASR*: a transcript-only streaming session (`create_asr_session`: log-mel, "
+        "cache-aware conformer, RNNT) over the same input in 1280-sample steps, wall time per step after "
+        "the dropped frames; empty where the backend has none."
+    )
     out.append("")
 
     out.append(f"{h}# Per-stage frame time (ms)")
@@ -401,15 +607,25 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     rows = []
     for _, s in summary.iterrows():
         for st in STAGES:
-            rows.append([f"`{s.checkpoint}`", s.backend, st if st != "total" else "**total**",
-                         _ms(s[f"{st}_mean_ms"]), _ms(s[f"{st}_p50_ms"]), _ms(s[f"{st}_p95_ms"]),
-                         _ms(s[f"{st}_max_ms"])])
+            rows.append(
+                [
+                    f"`{s.checkpoint}`",
+                    s.backend,
+                    st if st != "total" else "**total**",
+                    _ms(s[f"{st}_mean_ms"]),
+                    _ms(s[f"{st}_p50_ms"]),
+                    _ms(s[f"{st}_p95_ms"]),
+                    _ms(s[f"{st}_max_ms"]),
+                ]
+            )
     out.append(_table(["checkpoint", "backend", "stage", "mean", "p50", "p95", "max"], rows, "lllrrrr"))
     out.append("")
-    out.append("Stages: perception (streaming log-mel + conformer + projection), rnnt (user transcript), language "
-               "(Nemotron-H step + text/function heads), tts (EAR-TTS step: backbone + MoG refinement), codec "
-               "(one 80 ms audio frame). The stage percentiles are taken separately, so they do not add up to the "
-               "total's.")
+    out.append(
+        "Stages: perception (streaming log-mel + conformer + projection), rnnt (user transcript), language "
+        "(Nemotron-H step + text/function heads), tts (EAR-TTS step: backbone + MoG refinement), codec "
+        "(one 80 ms audio frame). The stage percentiles are taken separately, so they do not add up to the "
+        "total's."
+    )
     out.append("")
 
     backends = list(method["backends"])
@@ -420,11 +636,12 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         for _, s in summary.iterrows():
             if not isinstance(s.baseline, str) or s.backend == s.baseline:
                 continue
-            rows.append([f"`{s.checkpoint}`", f"{s.backend} / {s.baseline}", _fmt(s.rtf_vs_baseline, 2, "×")]
-                        + [_fmt(s[f"{st}_p50_vs_baseline"], 2, "×") for st in STAGES])
+            rows.append(
+                [f"`{s.checkpoint}`", f"{s.backend} / {s.baseline}", _fmt(s.rtf_vs_baseline, 2, "×")]
+                + [_fmt(s[f"{st}_p50_vs_baseline"], 2, "×") for st in STAGES]
+            )
         if rows:
-            out.append(_table(["checkpoint", "ratio", "RTF"] + [f"{st} p50" for st in STAGES], rows,
-                              "ll" + "r" * 7))
+            out.append(_table(["checkpoint", "ratio", "RTF"] + [f"{st} p50" for st in STAGES], rows, "ll" + "r" * 7))
             out.append("")
             out.append("Time of the first-named backend divided by the second's: above 1× the second is faster.")
         else:
@@ -435,48 +652,94 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     if bw and len(floor):
         out.append(f"{h}# Physical floor")
         out.append("")
-        out.append("Weight bytes one steady-state frame must read per stage (from the loaded model's parameters: "
-                   "embedding 3 rows, RNNT one symbol iteration, MoG trunk once per refinement pass, `proj_mus` "
-                   "64 rows per pass, one codebook row per RVQ level; Mamba SSM states read and written in "
-                   "float32), divided by the read rate MLX reaches on this machine for a large matrix-vector "
-                   "product in the same format:")
+        out.append(
+            "Weight bytes one steady-state frame must read per stage (from the loaded model's parameters: "
+            "embedding 3 rows, RNNT one symbol iteration, MoG trunk once per refinement pass, `proj_mus` "
+            "64 rows per pass, one codebook row per RVQ level; Mamba SSM states read and written in "
+            "float32), divided by the read rate MLX reaches on this machine for a large matrix-vector "
+            "product in the same format:"
+        )
         out.append("")
-        out.append(_table(["format", "GB/s", "matrix", "kernel", "CPU streams"],
-                          [[k, _fmt(v["gbps"], 2), _fmt(v["matrix_mb"], 0, " MB"), v["kernel"],
-                            str(v.get("streams", 1))]
-                           for k, v in bw.items()], "lrrlr"))
+        out.append(
+            _table(
+                ["format", "GB/s", "matrix", "kernel", "CPU streams"],
+                [
+                    [k, _fmt(v["gbps"], 2), _fmt(v["matrix_mb"], 0, " MB"), v["kernel"], str(v.get("streams", 1))]
+                    for k, v in bw.items()
+                ],
+                "lrrlr",
+            )
+        )
         out.append("")
         rows = []
         for _, f in floor.iterrows():
-            rows.append([f"`{f.checkpoint}`", f.backend, f.stage if f.stage != "total" else "**total**",
-                         _ms(f.weight_mb), _ms(f.state_mb), _ms(f.floor_ms), _ms(f.measured_p50_ms),
-                         _fmt(f.p50_over_floor, 1, "×"), _fmt(f.get("resident_mb", math.nan), 0)])
-        out.append(_table(["checkpoint", "backend", "stage", "weights MB/frame", "state MB/frame", "floor ms",
-                           "measured p50 ms", "measured / floor", "resident MB"], rows, "lll" + "r" * 6))
+            rows.append(
+                [
+                    f"`{f.checkpoint}`",
+                    f.backend,
+                    f.stage if f.stage != "total" else "**total**",
+                    _ms(f.weight_mb),
+                    _ms(f.state_mb),
+                    _ms(f.floor_ms),
+                    _ms(f.measured_p50_ms),
+                    _fmt(f.p50_over_floor, 1, "×"),
+                    _fmt(f.get("resident_mb", math.nan), 0),
+                ]
+            )
+        out.append(
+            _table(
+                [
+                    "checkpoint",
+                    "backend",
+                    "stage",
+                    "weights MB/frame",
+                    "state MB/frame",
+                    "floor ms",
+                    "measured p50 ms",
+                    "measured / floor",
+                    "resident MB",
+                ],
+                rows,
+                "lll" + "r" * 6,
+            )
+        )
         out.append("")
-        out.append("measured / floor: how many times faster the stage could get if it did nothing but read its "
-                   "weights (and states) once at the measured rate. Near 1× the stage is bound by that rate; far "
-                   "above it, by per-operation overhead, host synchronisation or recomputation. resident MB: "
-                   "what this project's loaded model keeps for the stage (parameters as `load` stores them: on a "
-                   "CPU bf16 W.T or float32 copies in place of their originals; cached derived arrays; `total` "
-                   "includes speaker latents and control codes).")
+        out.append(
+            "measured / floor: how many times faster the stage could get if it did nothing but read its "
+            "weights (and states) once at the measured rate. Near 1× the stage is bound by that rate; far "
+            "above it, by per-operation overhead, host synchronisation or recomputation. resident MB: "
+            "what this project's loaded model keeps for the stage (parameters as `load` stores them: on a "
+            "CPU bf16 W.T or float32 copies in place of their originals; cached derived arrays; `total` "
+            "includes speaker latents and control codes)."
+        )
         out.append("")
     dispatch = d.get("dispatch")
     if dispatch is not None and len(dispatch):
         out.append(f"{h}# Dispatches and host synchronisations per frame")
         out.append("")
-        rows = [[f"`{r.checkpoint}`", r.backend, r.stage if r.stage != "total" else "**total**",
-                 _fmt(r.dispatches_per_frame, 0), _fmt(r.syncs_per_frame, 1), str(int(r.frames_counted))]
-                for r in dispatch.itertuples()]
-        out.append(_table(["checkpoint", "backend", "stage", "operations dispatched", "host syncs", "frames"],
-                          rows, "lllrrr"))
+        rows = [
+            [
+                f"`{r.checkpoint}`",
+                r.backend,
+                r.stage if r.stage != "total" else "**total**",
+                _fmt(r.dispatches_per_frame, 0),
+                _fmt(r.syncs_per_frame, 1),
+                str(int(r.frames_counted)),
+            ]
+            for r in dispatch.itertuples()
+        ]
+        out.append(
+            _table(["checkpoint", "backend", "stage", "operations dispatched", "host syncs", "frames"], rows, "lllrrr")
+        )
         out.append("")
-        out.append("Counted from MLX's graph (bench/dispatch.py): before every evaluation (`mx.eval`, `.item()`, "
-                   "`.tolist()`, numpy reading an array) the operation nodes it runs are counted; each is one "
-                   "kernel dispatch on the CPU backend (a compiled function is one). A host sync is an "
-                   "evaluation that ran at least one node. Steady frames of the first input after the dropped "
-                   "ones; this project's stages from a profiled pass (dispatches) and an unprofiled one (syncs); "
-                   "mlx-vlm per frame only.")
+        out.append(
+            "Counted from MLX's graph (bench/dispatch.py): before every evaluation (`mx.eval`, `.item()`, "
+            "`.tolist()`, numpy reading an array) the operation nodes it runs are counted; each is one "
+            "kernel dispatch on the CPU backend (a compiled function is one). A host sync is an "
+            "evaluation that ran at least one node. Steady frames of the first input after the dropped "
+            "ones; this project's stages from a profiled pass (dispatches) and an unprofiled one (syncs); "
+            "mlx-vlm per frame only."
+        )
         out.append("")
     for e in env.get("floor_errors") or []:
         out.append(f"- floor model failed: {e}")
@@ -485,9 +748,16 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     if len(failed):
         out.append(f"{h}# Failures")
         out.append("")
-        out.append(_table(["checkpoint", "backend", "input", "phase", "run", "error"],
-                          [[f"`{r.checkpoint}`", r.backend, r.input, r.phase, f"{int(r.run)}", str(r.error)]
-                           for _, r in failed.iterrows()], "llllrl"))
+        out.append(
+            _table(
+                ["checkpoint", "backend", "input", "phase", "run", "error"],
+                [
+                    [f"`{r.checkpoint}`", r.backend, r.input, r.phase, f"{int(r.run)}", str(r.error)]
+                    for _, r in failed.iterrows()
+                ],
+                "llllrl",
+            )
+        )
         out.append("")
 
     present = [(n, t) for n, t in PLOTS.items() if (run_dir / n).is_file()]
@@ -500,5 +770,15 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     return "\n".join(out).rstrip() + "\n"
 
 
-__all__ = ["summarize", "floor_with_measured", "write_run_folder", "render_markdown", "read_run_folder",
-           "FRAME_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "FLOOR_COLUMNS", "PLOTS"]
+__all__ = [
+    "summarize",
+    "floor_with_measured",
+    "write_run_folder",
+    "render_markdown",
+    "read_run_folder",
+    "FRAME_COLUMNS",
+    "RUN_COLUMNS",
+    "SUMMARY_COLUMNS",
+    "FLOOR_COLUMNS",
+    "PLOTS",
+]

@@ -58,7 +58,9 @@ class BenchOptions:
 
     def validate(self) -> None:
         if not self.checkpoints:
-            raise ValueError("no checkpoint given; pass -m CKPT (a folder, a Hugging Face repo id or synthetic:PRESET[:4|8])")
+            raise ValueError(
+                "no checkpoint given; pass -m CKPT (a folder, a Hugging Face repo id or synthetic:PRESET[:4|8])"
+            )
         if not self.audio:
             raise ValueError("no input given; pass --audio FILE (WAV/FLAC/OGG) or a bundled sample name")
         if not self.backends:
@@ -69,13 +71,22 @@ class BenchOptions:
             raise ValueError(f"checkpoints repeated: {self.checkpoints}")
         if self.frames is not None and self.frames < 1:
             raise ValueError(f"frames must be at least 1 (frames streamed per run), got {self.frames}")
-        for name, v, lo in (("runs", self.runs, 1), ("warmup", self.warmup, 0), ("drop_first", self.drop_first, 0),
-                            ("chunk_samples", self.chunk_samples, 1)):
+        for name, v, lo in (
+            ("runs", self.runs, 1),
+            ("warmup", self.warmup, 0),
+            ("drop_first", self.drop_first, 0),
+            ("chunk_samples", self.chunk_samples, 1),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        if not (isinstance(self.extra_decoding_seconds, (int, float)) and self.extra_decoding_seconds >= 0
-                and math.isfinite(self.extra_decoding_seconds)):
-            raise ValueError(f"extra_decoding_seconds must be a finite number >= 0, got {self.extra_decoding_seconds!r}")
+        if not (
+            isinstance(self.extra_decoding_seconds, (int, float))
+            and self.extra_decoding_seconds >= 0
+            and math.isfinite(self.extra_decoding_seconds)
+        ):
+            raise ValueError(
+                f"extra_decoding_seconds must be a finite number >= 0, got {self.extra_decoding_seconds!r}"
+            )
 
 
 @dataclass
@@ -230,18 +241,44 @@ def _frame_rows(timings: list[dict], *, drop_first: int, base: dict) -> list[dic
     return rows
 
 
-def run_once(backend_factory: Callable[[str], object], backend_name: str, folder: Path, *, wave: np.ndarray,
-             stream_wave: np.ndarray, opts: BenchOptions, base: dict, progress: Progress,
-             label: str) -> tuple[dict, list[dict]]:
+def run_once(
+    backend_factory: Callable[[str], object],
+    backend_name: str,
+    folder: Path,
+    *,
+    wave: np.ndarray,
+    stream_wave: np.ndarray,
+    opts: BenchOptions,
+    base: dict,
+    progress: Progress,
+    label: str,
+) -> tuple[dict, list[dict]]:
     """Load, stream (profiled), offline, release. -> (run record, frame rows); never raises."""
     import mlx.core as mx
 
     rec = dict(base)
-    rec.update(status="ok", error="", load_s=math.nan, create_s=math.nan, first_audio_s=math.nan,
-               first_text_s=math.nan, stream_wall_s=math.nan, frames=0, total_mean_ms=math.nan,
-               total_p50_ms=math.nan, rtf=math.nan, offline_wall_s=math.nan, offline_frames=0,
-               offline_rtf=math.nan, mlx_peak_mb=math.nan, rss_peak_mb=math.nan, rss_peak_scope="",
-               offline_mlx_peak_mb=math.nan, asr_mean_ms=math.nan, asr_p50_ms=math.nan)
+    rec.update(
+        status="ok",
+        error="",
+        load_s=math.nan,
+        create_s=math.nan,
+        first_audio_s=math.nan,
+        first_text_s=math.nan,
+        stream_wall_s=math.nan,
+        frames=0,
+        total_mean_ms=math.nan,
+        total_p50_ms=math.nan,
+        rtf=math.nan,
+        offline_wall_s=math.nan,
+        offline_frames=0,
+        offline_rtf=math.nan,
+        mlx_peak_mb=math.nan,
+        rss_peak_mb=math.nan,
+        rss_peak_scope="",
+        offline_mlx_peak_mb=math.nan,
+        asr_mean_ms=math.nan,
+        asr_p50_ms=math.nan,
+    )
     frames: list[dict] = []
     backend = None
     step = "creating the backend"
@@ -257,35 +294,54 @@ def run_once(backend_factory: Callable[[str], object], backend_name: str, folder
         rec["load_s"] = time.perf_counter() - t0
         step = "streaming"
         with _Heartbeat(progress, f"{label} streaming", opts.heartbeat_s):
-            run = backend.stream(stream_wave, system_prompt=opts.system_prompt, seed=opts.seed,
-                                 chunk_samples=opts.chunk_samples, profile=True)
+            run = backend.stream(
+                stream_wave,
+                system_prompt=opts.system_prompt,
+                seed=opts.seed,
+                chunk_samples=opts.chunk_samples,
+                profile=True,
+            )
         rec["mlx_peak_mb"] = mx.get_peak_memory() / 1e6
         rec["rss_peak_mb"], rec["rss_peak_scope"] = _rss_peak_mb(rss_reset)
         if not run.frame_timings:
             raise RuntimeError(f"backend {backend_name!r} returned no frame timings with profile=True")
         frames = _frame_rows(run.frame_timings, drop_first=opts.drop_first, base=base)
         totals = [f["total_ms"] for f in frames if not f["dropped"]]
-        rec.update(create_s=run.create_s, stream_wall_s=run.wall_s, frames=len(frames),
-                   first_audio_s=math.nan if run.first_audio_s is None else run.first_audio_s,
-                   first_text_s=math.nan if run.first_text_s is None else run.first_text_s)
+        rec.update(
+            create_s=run.create_s,
+            stream_wall_s=run.wall_s,
+            frames=len(frames),
+            first_audio_s=math.nan if run.first_audio_s is None else run.first_audio_s,
+            first_text_s=math.nan if run.first_text_s is None else run.first_text_s,
+        )
         if totals:
-            rec.update(total_mean_ms=float(np.mean(totals)), total_p50_ms=float(np.percentile(totals, 50)),
-                       rtf=float(np.mean(totals)) / FRAME_MS)
+            rec.update(
+                total_mean_ms=float(np.mean(totals)),
+                total_p50_ms=float(np.percentile(totals, 50)),
+                rtf=float(np.mean(totals)) / FRAME_MS,
+            )
         if hasattr(backend, "asr_frame_ms"):  # backends with a transcript-only streaming session
             step = "ASR session"
-            asr = backend.asr_frame_ms(stream_wave, chunk_samples=FRAME_SAMPLES)[opts.drop_first:]
+            asr = backend.asr_frame_ms(stream_wave, chunk_samples=FRAME_SAMPLES)[opts.drop_first :]
             if asr:
                 rec.update(asr_mean_ms=float(np.mean(asr)), asr_p50_ms=float(np.percentile(asr, 50)))
         if opts.offline:
             step = "offline generation"
             mx.reset_peak_memory()
             with _Heartbeat(progress, f"{label} offline", opts.heartbeat_s):
-                off = backend.offline(wave, system_prompt=opts.system_prompt, seed=opts.seed,
-                                      extra_decoding_seconds=opts.extra_decoding_seconds)
+                off = backend.offline(
+                    wave,
+                    system_prompt=opts.system_prompt,
+                    seed=opts.seed,
+                    extra_decoding_seconds=opts.extra_decoding_seconds,
+                )
             rec["offline_mlx_peak_mb"] = mx.get_peak_memory() / 1e6
             n = int(len(off.text_ids))
-            rec.update(offline_wall_s=off.wall_s, offline_frames=n,
-                       offline_rtf=off.wall_s / (n * FRAME_MS / 1000.0) if n else math.nan)
+            rec.update(
+                offline_wall_s=off.wall_s,
+                offline_frames=n,
+                offline_rtf=off.wall_s / (n * FRAME_MS / 1000.0) if n else math.nan,
+            )
     except Exception as e:  # recorded, reported, and the benchmark goes on
         rec["status"] = "failed"
         rec["error"] = f"{step}: {type(e).__name__}: {e}".replace("\n", " ")
@@ -312,8 +368,9 @@ def _default_factory(name: str):
     return get_backend(name)
 
 
-def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | None = None,
-              progress: Progress | None = None) -> BenchResult:
+def run_bench(
+    opts: BenchOptions, *, backend_factory: Callable[[str], object] | None = None, progress: Progress | None = None
+) -> BenchResult:
     """Run everything `opts` asks and write the run folder (see bench.report). Returns counts of runs."""
     from . import report
     from .env import checkpoint_info, environment, sha256_file
@@ -331,8 +388,9 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
         stream_wave = np.concatenate([wave, silence])
         if opts.frames is not None:
             stream_wave = stream_wave[: opts.frames * FRAME_SAMPLES]
-        inputs.append({"path": str(path), "name": _input_name(path, opts.audio), "wave": wave,
-                       "stream_wave": stream_wave})
+        inputs.append(
+            {"path": str(path), "name": _input_name(path, opts.audio), "wave": wave, "stream_wave": stream_wave}
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     ckpts = []
@@ -363,13 +421,19 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
         "offline": opts.offline,
         "warm_page_cache": opts.warm_page_cache,
         "order": "per checkpoint and input: warm-up runs, then measured runs; within each run the backends "
-                 "take turns in the order given; each run loads the checkpoint, streams, runs offline, releases",
-        "inputs": [{"name": i["name"], "path": i["path"], "samples": int(i["wave"].size),
-                    "seconds": i["wave"].size / 16000.0,
-                    "streamed_samples": int(i["stream_wave"].size),
-                    "streamed_frames": -(-int(i["stream_wave"].size) // 1280),
-                    "sha256": sha256_file(Path(i["path"]))}
-                   for i in inputs],
+        "take turns in the order given; each run loads the checkpoint, streams, runs offline, releases",
+        "inputs": [
+            {
+                "name": i["name"],
+                "path": i["path"],
+                "samples": int(i["wave"].size),
+                "seconds": i["wave"].size / 16000.0,
+                "streamed_samples": int(i["stream_wave"].size),
+                "streamed_frames": -(-int(i["stream_wave"].size) // 1280),
+                "sha256": sha256_file(Path(i["path"])),
+            }
+            for i in inputs
+        ],
     }
     env["bandwidth"] = bandwidth
 
@@ -388,8 +452,11 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
         progress(f"checkpoint {ci + 1}/{len(ckpts)}: {spec} ({folder})")
         if opts.floor:
             try:
-                floor_rows.extend(_isolated(_floor_rows, spec, folder, bandwidth) if opts.isolate
-                                  else _floor_rows(spec, folder, bandwidth))
+                floor_rows.extend(
+                    _isolated(_floor_rows, spec, folder, bandwidth)
+                    if opts.isolate
+                    else _floor_rows(spec, folder, bandwidth)
+                )
             except Exception as e:
                 progress(f"    floor model failed for {spec}: {type(e).__name__}: {e}")
                 floor_errors.append(f"{spec}: {type(e).__name__}: {e}")
@@ -397,10 +464,17 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
             for name in opts.backends:
                 progress(f"    counting dispatches and host syncs: {name}, {frames_counted} frames")
                 try:
-                    args = (spec, name, folder, inputs[0]["stream_wave"], frames_counted,
-                            min(opts.drop_first, frames_counted - 2))
-                    dispatch_rows.extend(_isolated(_dispatch_rows, *args) if opts.isolate
-                                         else _dispatch_rows(*args, factory=factory))
+                    args = (
+                        spec,
+                        name,
+                        folder,
+                        inputs[0]["stream_wave"],
+                        frames_counted,
+                        min(opts.drop_first, frames_counted - 2),
+                    )
+                    dispatch_rows.extend(
+                        _isolated(_dispatch_rows, *args) if opts.isolate else _dispatch_rows(*args, factory=factory)
+                    )
                 except Exception as e:
                     progress(f"    dispatch count failed for {spec} / {name}: {type(e).__name__}: {e}")
                     floor_errors.append(f"{spec} / {name} dispatch count: {type(e).__name__}: {e}")
@@ -412,39 +486,73 @@ def run_bench(opts: BenchOptions, *, backend_factory: Callable[[str], object] | 
                     done += 1
                     count = opts.warmup if phase == "warmup" else opts.runs
                     label = f"{spec} | {name} | {inp['name']} | {phase} {r}/{count}"
-                    progress(f"[{done}/{total_runs}] {label}: ~{n_frames} frames "
-                             f"({inp['wave'].size / 16000:.2f} s input + {opts.extra_decoding_seconds:g} s silence)")
+                    progress(
+                        f"[{done}/{total_runs}] {label}: ~{n_frames} frames "
+                        f"({inp['wave'].size / 16000:.2f} s input + {opts.extra_decoding_seconds:g} s silence)"
+                    )
                     base = {"checkpoint": spec, "backend": name, "input": inp["name"], "run": r}
                     if opts.warm_page_cache:
                         read_through(folder)
                     if opts.isolate:
                         if backend_factory is not None:
                             raise ValueError("isolate=True runs the registered backends; it takes no backend_factory")
-                        rec, frames = _isolated(_run_once_default, name, folder, inp["wave"], inp["stream_wave"],
-                                                opts, base, progress.enabled, label)
+                        rec, frames = _isolated(
+                            _run_once_default,
+                            name,
+                            folder,
+                            inp["wave"],
+                            inp["stream_wave"],
+                            opts,
+                            base,
+                            progress.enabled,
+                            label,
+                        )
                     else:
-                        rec, frames = run_once(factory, name, folder, wave=inp["wave"], stream_wave=inp["stream_wave"],
-                                               opts=opts, base=base, progress=progress, label=label)
-                    rec = {**{"checkpoint": spec, "backend": name, "input": inp["name"], "phase": phase, "run": r},
-                           **rec}
+                        rec, frames = run_once(
+                            factory,
+                            name,
+                            folder,
+                            wave=inp["wave"],
+                            stream_wave=inp["stream_wave"],
+                            opts=opts,
+                            base=base,
+                            progress=progress,
+                            label=label,
+                        )
+                    rec = {
+                        **{"checkpoint": spec, "backend": name, "input": inp["name"], "phase": phase, "run": r},
+                        **rec,
+                    }
                     run_rows.append(rec)
                     runs_bar.update()
                     if phase == "measured":
                         frame_rows.extend(frames)
                     if rec["status"] == "ok":
-                        progress(f"    done: {rec['frames']} frames, total mean {rec['total_mean_ms']:.1f} ms "
-                                 f"p50 {rec['total_p50_ms']:.1f} ms, RTF {rec['rtf']:.2f}; load {rec['load_s']:.2f} s, "
-                                 f"session {rec['create_s']:.2f} s, first audio {rec['first_audio_s']:.2f} s"
-                                 + (f"; offline {rec['offline_wall_s']:.1f} s (RTF {rec['offline_rtf']:.2f})"
-                                    if opts.offline else ""))
+                        progress(
+                            f"    done: {rec['frames']} frames, total mean {rec['total_mean_ms']:.1f} ms "
+                            f"p50 {rec['total_p50_ms']:.1f} ms, RTF {rec['rtf']:.2f}; load {rec['load_s']:.2f} s, "
+                            f"session {rec['create_s']:.2f} s, first audio {rec['first_audio_s']:.2f} s"
+                            + (
+                                f"; offline {rec['offline_wall_s']:.1f} s (RTF {rec['offline_rtf']:.2f})"
+                                if opts.offline
+                                else ""
+                            )
+                        )
 
     runs_bar.close()
     env["floor_errors"] = floor_errors
     env["machine"]["load_average_end"] = _loadavg()
     env["wall_seconds"] = time.perf_counter() - progress.t0
     progress(f"writing reports to {out}")
-    report.write_run_folder(out, env=env, frame_rows=frame_rows, run_rows=run_rows, floor_rows=floor_rows,
-                            dispatch_rows=dispatch_rows, plots=opts.plots)
+    report.write_run_folder(
+        out,
+        env=env,
+        frame_rows=frame_rows,
+        run_rows=run_rows,
+        floor_rows=floor_rows,
+        dispatch_rows=dispatch_rows,
+        plots=opts.plots,
+    )
     failed = sum(1 for r in run_rows if r["status"] != "ok") + len(floor_errors)
     progress(f"finished: {len(run_rows)} runs, {failed} failed; summary in {out / 'summary.md'}")
     return BenchResult(out=out, runs=len(run_rows), failed=failed)
@@ -470,8 +578,17 @@ def _isolated(fn, *args):
 
 
 def _run_once_default(name, folder, wave, stream_wave, opts, base, progress_enabled, label):
-    return run_once(_default_factory, name, folder, wave=wave, stream_wave=stream_wave, opts=opts, base=base,
-                    progress=Progress(enabled=progress_enabled), label=label)
+    return run_once(
+        _default_factory,
+        name,
+        folder,
+        wave=wave,
+        stream_wave=stream_wave,
+        opts=opts,
+        base=base,
+        progress=Progress(enabled=progress_enabled),
+        label=label,
+    )
 
 
 def _floor_rows(spec: str, folder: Path, bandwidth: dict) -> list[dict]:
@@ -494,8 +611,16 @@ def _floor_rows(spec: str, folder: Path, bandwidth: dict) -> list[dict]:
 DISPATCH_FRAMES = 12
 
 
-def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, drop_first: int, *,
-                   factory: Callable[[str], object] | None = None) -> list[dict]:
+def _dispatch_rows(
+    spec: str,
+    backend: str,
+    folder: Path,
+    wave,
+    frames: int,
+    drop_first: int,
+    *,
+    factory: Callable[[str], object] | None = None,
+) -> list[dict]:
     """Dispatches and host syncs per frame (bench.dispatch) of one backend, made by the run's backend
     factory, on one checkpoint."""
     from harness.backends.voicechat_backend import VoiceChatBackend
@@ -510,8 +635,9 @@ def _dispatch_rows(spec: str, backend: str, folder: Path, wave, frames: int, dro
             with b.execution_settings():  # the backend's execution policy (chosen at its load)
                 rows = count_voicechat(b.model, wave, frames=frames, drop_first=drop_first)
         else:  # mlx-vlm
-            rows = count_mlx_vlm(lambda: b.session.create_streaming_session(seed=0), wave, frames=frames,
-                                 drop_first=drop_first)
+            rows = count_mlx_vlm(
+                lambda: b.session.create_streaming_session(seed=0), wave, frames=frames, drop_first=drop_first
+            )
     finally:
         b.close()
         del b

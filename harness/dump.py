@@ -34,8 +34,17 @@ def _top2(logits) -> np.ndarray | None:
     return np.sort(np.partition(logits, -2, axis=-1)[:, -2:], axis=-1)
 
 
-def dump_reference(path, backend: Backend, runs: Runs, audio: np.ndarray, *, system_prompt: str | None, seed: int,
-                   checkpoint: str | None = None, chunk_samples: int = 1280) -> Path:
+def dump_reference(
+    path,
+    backend: Backend,
+    runs: Runs,
+    audio: np.ndarray,
+    *,
+    system_prompt: str | None,
+    seed: int,
+    checkpoint: str | None = None,
+    chunk_samples: int = 1280,
+) -> Path:
     """Write `runs` (from `engine.collect_runs(backend, audio, ...)`) to a .npz file."""
     path = Path(path)
     if path.suffix != ".npz":
@@ -77,8 +86,11 @@ def dump_reference(path, backend: Backend, runs: Runs, audio: np.ndarray, *, sys
             "text": run.text,
             "transcript": run.transcript,
             "transcript_tokens": None if run.transcript_tokens is None else [int(t) for t in run.transcript_tokens],
-            "transcript_frame_tokens": (None if run.transcript_frame_tokens is None
-                                        else [[int(t) for t in f] for f in run.transcript_frame_tokens]),
+            "transcript_frame_tokens": (
+                None
+                if run.transcript_frame_tokens is None
+                else [[int(t) for t in f] for f in run.transcript_frame_tokens]
+            ),
         }
     if runs.first_text_logits is not None:
         arrays["offline.first_text_logits"] = np.asarray(runs.first_text_logits, np.float32)
@@ -162,10 +174,16 @@ class DumpBackend(Backend):
             raise ValueError(f"{self.path}: the dump has no offline run")
         m = self.meta["offline"]
         return OfflineRun(
-            text_ids=self._get("offline.text_ids"), function_ids=self._get("offline.function_ids"),
-            codes=self._get("offline.codes"), audio=self._get("offline.audio"), text=m["text"],
-            transcript=m["transcript"], transcript_tokens=m["transcript_tokens"], mel=self._get("offline.mel"),
-            encoder=self._get("offline.encoder"), text_logits=self._get("offline.text_logits_top2"),
+            text_ids=self._get("offline.text_ids"),
+            function_ids=self._get("offline.function_ids"),
+            codes=self._get("offline.codes"),
+            audio=self._get("offline.audio"),
+            text=m["text"],
+            transcript=m["transcript"],
+            transcript_tokens=m["transcript_tokens"],
+            mel=self._get("offline.mel"),
+            encoder=self._get("offline.encoder"),
+            text_logits=self._get("offline.text_logits_top2"),
             function_logits=self._get("offline.function_logits_top2"),
             transcript_frame_tokens=m["transcript_frame_tokens"],
         )
@@ -176,11 +194,18 @@ class DumpBackend(Backend):
             raise ValueError(f"{self.path}: the dump has no streamed run")
         m = self.meta["stream"]
         return StreamRun(
-            text_ids=self._get("stream.text_ids"), function_ids=self._get("stream.function_ids"),
-            codes=self._get("stream.codes"), audio=self._get("stream.audio"), tail=self._get("stream.tail"),
-            text=m["text"], transcript=m["transcript"], transcript_tokens=m["transcript_tokens"],
-            mel=self._get("stream.mel"), encoder=self._get("stream.encoder"),
-            text_logits=self._get("stream.text_logits_top2"), function_logits=self._get("stream.function_logits_top2"),
+            text_ids=self._get("stream.text_ids"),
+            function_ids=self._get("stream.function_ids"),
+            codes=self._get("stream.codes"),
+            audio=self._get("stream.audio"),
+            tail=self._get("stream.tail"),
+            text=m["text"],
+            transcript=m["transcript"],
+            transcript_tokens=m["transcript_tokens"],
+            mel=self._get("stream.mel"),
+            encoder=self._get("stream.encoder"),
+            text_logits=self._get("stream.text_logits_top2"),
+            function_logits=self._get("stream.function_logits_top2"),
             transcript_frame_tokens=m["transcript_frame_tokens"],
         )
 

@@ -55,44 +55,78 @@ class Tolerance:
 # One table of tolerances. Values were chosen ~100x above what float32 rounding
 # gives on the tiny and small presets (measured values in docs/parity.md) and
 # well below what a real bug moves (> 1e-2).
-TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (
-    Tolerance("mel_abs", 1e-4,
-              "same framing code on the same samples; only FFT/matmul row blocking differs, and the "
-              "streamed first frame is built as the reference's streaming frontend builds it "
-              "(~1e-6 on log values of magnitude ~20)"),
-    Tolerance("encoder_abs", 1e-3,
-              "one query row vs a masked T x T score matrix: reduction order differs by a few ulp "
-              "per op over the layers on O(1) activations (measured ~1e-6 tiny)"),
-    Tolerance("logits_rel", 1e-4,
-              "single-step recurrence vs chunked SSD scan: same recurrence, different summation order; "
-              "bound is relative to max(1, max |logit|)"),
-    Tolerance("tts_hidden_abs", 1e-4,
-              "cached K/V ring vs full causal recompute: attention reductions reorder; RMS-normed O(1) "
-              "hidden (measured ~1.5e-6 tiny)"),
-    Tolerance("codec_abs", 1e-5,
-              "decode_step vs one decode: same convs on cached vs zero-padded history, float32 "
-              "iSTFT overlap-add; samples of RMS ~0.1 (warm-up samples excluded)"),
-    Tolerance("audio_abs", 1e-5,
-              "same codes through the streaming and the offline codec path (api.md: within 1e-5)"),
-    Tolerance("cross_audio_abs", "8 * sqrt(n) * L * 2^-24 * peak",
-              "two codec implementations on the same codes: float32 reductions in another order; n the "
-              "codec decoder's longest reduction, L its layers, peak the signals' max |sample| "
-              "(harness.families.codec_cross_tolerance; each row states its value)"),
-    Tolerance("cross_mel_abs", 2e-4,
-              "two implementations of the same float32 filterbank recipe (docs/model.md §4.1: ~2e-4 "
-              "without the exact float32 mel-point recipe)"),
-    Tolerance("cross_encoder_abs", 1e-3,
-              "two implementations, same math; reduction order and mel rounding propagate through the "
-              "conformer (reference check: ~3e-6 encoder from a 2e-4 mel difference)"),
-    Tolerance("cross_logits_rel", 1e-3,
-              "two implementations of the first-frame LLM pass (quantized matmul kernels, summation "
-              "order), relative to max(1, max |logit|)"),
-    Tolerance("cross_logits_abs", 1e-5,
-              "text / function logits of every frame against the reference (issue 15): both run the "
-              "same operations in the same order on the same inputs (measured 0, bit-identical, at "
-              "real depth over 105 frames); 1e-5 is ~40 ulp of float32 at logits of order 4"),
-    Tolerance("exact", 0, "discrete decisions (ids, codes, tokens, strings, lengths) must be identical"),
-)}
+TOLERANCES: dict[str, Tolerance] = {
+    t.name: t
+    for t in (
+        Tolerance(
+            "mel_abs",
+            1e-4,
+            "same framing code on the same samples; only FFT/matmul row blocking differs, and the "
+            "streamed first frame is built as the reference's streaming frontend builds it "
+            "(~1e-6 on log values of magnitude ~20)",
+        ),
+        Tolerance(
+            "encoder_abs",
+            1e-3,
+            "one query row vs a masked T x T score matrix: reduction order differs by a few ulp "
+            "per op over the layers on O(1) activations (measured ~1e-6 tiny)",
+        ),
+        Tolerance(
+            "logits_rel",
+            1e-4,
+            "single-step recurrence vs chunked SSD scan: same recurrence, different summation order; "
+            "bound is relative to max(1, max |logit|)",
+        ),
+        Tolerance(
+            "tts_hidden_abs",
+            1e-4,
+            "cached K/V ring vs full causal recompute: attention reductions reorder; RMS-normed O(1) "
+            "hidden (measured ~1.5e-6 tiny)",
+        ),
+        Tolerance(
+            "codec_abs",
+            1e-5,
+            "decode_step vs one decode: same convs on cached vs zero-padded history, float32 "
+            "iSTFT overlap-add; samples of RMS ~0.1 (warm-up samples excluded)",
+        ),
+        Tolerance(
+            "audio_abs", 1e-5, "same codes through the streaming and the offline codec path (api.md: within 1e-5)"
+        ),
+        Tolerance(
+            "cross_audio_abs",
+            "8 * sqrt(n) * L * 2^-24 * peak",
+            "two codec implementations on the same codes: float32 reductions in another order; n the "
+            "codec decoder's longest reduction, L its layers, peak the signals' max |sample| "
+            "(harness.families.codec_cross_tolerance; each row states its value)",
+        ),
+        Tolerance(
+            "cross_mel_abs",
+            2e-4,
+            "two implementations of the same float32 filterbank recipe (docs/model.md §4.1: ~2e-4 "
+            "without the exact float32 mel-point recipe)",
+        ),
+        Tolerance(
+            "cross_encoder_abs",
+            1e-3,
+            "two implementations, same math; reduction order and mel rounding propagate through the "
+            "conformer (reference check: ~3e-6 encoder from a 2e-4 mel difference)",
+        ),
+        Tolerance(
+            "cross_logits_rel",
+            1e-3,
+            "two implementations of the first-frame LLM pass (quantized matmul kernels, summation "
+            "order), relative to max(1, max |logit|)",
+        ),
+        Tolerance(
+            "cross_logits_abs",
+            1e-5,
+            "text / function logits of every frame against the reference (issue 15): both run the "
+            "same operations in the same order on the same inputs (measured 0, bit-identical, at "
+            "real depth over 105 frames); 1e-5 is ~40 ulp of float32 at logits of order 4",
+        ),
+        Tolerance("exact", 0, "discrete decisions (ids, codes, tokens, strings, lengths) must be identical"),
+    )
+}
 
 
 # A mismatched argmax whose top-1 / top-2 gap is below NEAR_TIE_FACTOR x logits_rel x max(1, max|logit|)
@@ -155,7 +189,7 @@ def _tol(name) -> Tolerance:
     return name if isinstance(name, Tolerance) else TOLERANCES[name]
 
 
-FLOAT32_UNIT_ROUNDOFF = 2.0 ** -24
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 
 
 def codec_cross_tolerance(codec_cfg, peak: float) -> Tolerance:
@@ -175,10 +209,13 @@ def codec_cross_tolerance(codec_cfg, peak: float) -> Tolerance:
     n = width * max(int(codec_cfg.block_kernel_size), 4)
     layers = len(codec_cfg.downsample_rates) * (int(codec_cfg.blocks_per_stage) + 1) + 3
     value = 8.0 * math.sqrt(n) * layers * FLOAT32_UNIT_ROUNDOFF * max(float(peak), 1e-3)
-    return Tolerance("cross_audio_abs", float(f"{value:.3g}"),
-                     f"two codec implementations, float32 reductions in another order: 8 * sqrt(n = {n}) * "
-                     f"(L = {layers}) * 2^-24 * peak {max(float(peak), 1e-3):.3g} (harness.families."
-                     "codec_cross_tolerance)")
+    return Tolerance(
+        "cross_audio_abs",
+        float(f"{value:.3g}"),
+        f"two codec implementations, float32 reductions in another order: 8 * sqrt(n = {n}) * "
+        f"(L = {layers}) * 2^-24 * peak {max(float(peak), 1e-3):.3g} (harness.families."
+        "codec_cross_tolerance)",
+    )
 
 
 def not_available(family: str, comparison: str, metric: str, why: str) -> FamilyResult:
@@ -194,9 +231,19 @@ def _headroom(tol: float, observed: float) -> float:
 # --------------------------------------------------------------------------- continuous arrays
 
 
-def compare_frames(family: str, comparison: str, metric: str, a, b, tol_name: str, *,
-                   frame_unit: str = "frame", relative_to_scale: bool = False, frame_offset: int = 0,
-                   note: str = "") -> FamilyResult:
+def compare_frames(
+    family: str,
+    comparison: str,
+    metric: str,
+    a,
+    b,
+    tol_name: str,
+    *,
+    frame_unit: str = "frame",
+    relative_to_scale: bool = False,
+    frame_offset: int = 0,
+    note: str = "",
+) -> FamilyResult:
     """Frame-major arrays (T, ...) compared over their common frames.
 
     observed = max abs difference (or max abs / max(1, max |b|) with
@@ -212,16 +259,35 @@ def compare_frames(family: str, comparison: str, metric: str, a, b, tol_name: st
     if a.ndim == 1:
         a, b = a[:, None], b[:, None]
     if a.shape[1:] != b.shape[1:]:
-        return FamilyResult(family, comparison, metric, FAIL, observed=f"shape {a.shape} vs {b.shape}",
-                            tolerance=tol.value, tolerance_name=tol.name, justification=tol.justification,
-                            first_failing_frame=frame_offset, frame_unit=frame_unit,
-                            note="per-frame shapes differ")
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed=f"shape {a.shape} vs {b.shape}",
+            tolerance=tol.value,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            first_failing_frame=frame_offset,
+            frame_unit=frame_unit,
+            note="per-frame shapes differ",
+        )
     n = min(a.shape[0], b.shape[0])
     counts = f"{a.shape[0]} vs {b.shape[0]} {frame_unit}s, {n} compared"
     if n == 0:
-        return FamilyResult(family, comparison, metric, FAIL, observed="no common frames", tolerance=tol.value,
-                            tolerance_name=tol.name, justification=tol.justification, frame_unit=frame_unit,
-                            frames_compared=0, note=counts)
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed="no common frames",
+            tolerance=tol.value,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            frame_unit=frame_unit,
+            frames_compared=0,
+            note=counts,
+        )
     diff = np.abs(a[:n] - b[:n]).reshape(n, -1)
     finite = np.isfinite(a[:n]).reshape(n, -1).all(axis=1) & np.isfinite(b[:n]).reshape(n, -1).all(axis=1)
     per_frame = np.where(finite, diff.max(axis=1), np.inf)
@@ -236,11 +302,22 @@ def compare_frames(family: str, comparison: str, metric: str, a, b, tol_name: st
     extra = f"{counts}; max rel {rel:.3g}"
     if relative_to_scale:
         extra += f"; scale max(1, max|ref|) = {scale:.4g}"
-    return FamilyResult(family, comparison, metric, status, observed=observed, tolerance=tol.value,
-                        tolerance_name=tol.name, justification=tol.justification,
-                        first_failing_frame=(int(bad[0]) + frame_offset) if bad.size else None,
-                        frame_unit=frame_unit, margin=_headroom(float(tol.value), observed),
-                        margin_kind="headroom", frames_compared=n, note=_join(note, extra))
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        status,
+        observed=observed,
+        tolerance=tol.value,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        first_failing_frame=(int(bad[0]) + frame_offset) if bad.size else None,
+        frame_unit=frame_unit,
+        margin=_headroom(float(tol.value), observed),
+        margin_kind="headroom",
+        frames_compared=n,
+        note=_join(note, extra),
+    )
 
 
 # --------------------------------------------------------------------------- discrete decisions
@@ -270,8 +347,9 @@ def min_logit_gap(logits, frames: int) -> tuple[float | None, int | None]:
     return float(gaps[i]), i
 
 
-def compare_ids(family: str, comparison: str, metric: str, a, b, *, logits=None, frame_offset: int = 0,
-                note: str = "") -> FamilyResult:
+def compare_ids(
+    family: str, comparison: str, metric: str, a, b, *, logits=None, frame_offset: int = 0, note: str = ""
+) -> FamilyResult:
     """Per-frame argmax ids over common frames; margin from `logits` (either side's)."""
     tol = _tol("exact")
     if a is None or b is None:
@@ -289,20 +367,41 @@ def compare_ids(family: str, comparison: str, metric: str, a, b, *, logits=None,
             # A decision whose top-2 gap is within a few rounding bounds can flip on rounding alone.
             scale = max(1.0, float(np.abs(np.asarray(logits[k], dtype=np.float64)).max()))
             near = gap <= NEAR_TIE_FACTOR * float(TOLERANCES["logits_rel"].value) * scale
-            verdict = ("near tie: the gap is within rounding reach, likely a flip" if near
-                       else "clear decision: the gap is far beyond rounding, a real difference")
-        return FamilyResult(family, comparison, metric, FAIL, observed=int(mism.size), tolerance=0,
-                            tolerance_name=tol.name, justification=tol.justification,
-                            first_failing_frame=k + frame_offset, margin=gap,
-                            margin_kind="logit gap at first mismatch" if gap is not None else None,
-                            frames_compared=n,
-                            note=_join(note, f"{counts}; frame {k + frame_offset}: {int(a[k])} vs {int(b[k])}",
-                                       verdict))
+            verdict = (
+                "near tie: the gap is within rounding reach, likely a flip"
+                if near
+                else "clear decision: the gap is far beyond rounding, a real difference"
+            )
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed=int(mism.size),
+            tolerance=0,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            first_failing_frame=k + frame_offset,
+            margin=gap,
+            margin_kind="logit gap at first mismatch" if gap is not None else None,
+            frames_compared=n,
+            note=_join(note, f"{counts}; frame {k + frame_offset}: {int(a[k])} vs {int(b[k])}", verdict),
+        )
     gap, at = min_logit_gap(logits, n)
-    return FamilyResult(family, comparison, metric, PASS if n else FAIL, observed=0, tolerance=0,
-                        tolerance_name=tol.name, justification=tol.justification, margin=gap,
-                        margin_kind=(f"min logit gap (frame {at + frame_offset})" if gap is not None else None),
-                        frames_compared=n, note=_join(note, counts if n else "no common frames"))
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        PASS if n else FAIL,
+        observed=0,
+        tolerance=0,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        margin=gap,
+        margin_kind=(f"min logit gap (frame {at + frame_offset})" if gap is not None else None),
+        frames_compared=n,
+        note=_join(note, counts if n else "no common frames"),
+    )
 
 
 def logits_per_frame(ours_text, ref_text, ours_function, ref_function, ours_ids=None, ref_ids=None) -> list[dict]:
@@ -338,23 +437,51 @@ def compare_logits_per_frame(family: str, comparison: str, channel: str, per_fra
     metric = f"{channel} logits per frame (max abs)"
     frames = [f for f in per_frame if not f["after_divergence"]]
     if not frames:
-        return FamilyResult(family, comparison, metric, FAIL, observed="no common frames", tolerance=tol.value,
-                            tolerance_name=tol.name, justification=tol.justification, frames_compared=0)
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed="no common frames",
+            tolerance=tol.value,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            frames_compared=0,
+        )
     errs = np.array([f[f"{channel}_abs"] for f in frames])
     observed = float(errs.max())
     bad = np.nonzero(~(errs <= tol.value))[0]
     note = f"{len(per_frame)} common frames, {len(frames)} compared"
     if len(frames) < len(per_frame):
         note += f" (frames after the first id difference, frame {frames[-1]['frame']}, are fed different ids)"
-    return FamilyResult(family, comparison, metric, FAIL if bad.size else PASS, observed=observed,
-                        tolerance=tol.value, tolerance_name=tol.name, justification=tol.justification,
-                        first_failing_frame=int(frames[bad[0]]["frame"]) if bad.size else None,
-                        margin=_headroom(float(tol.value), observed), margin_kind="headroom",
-                        frames_compared=len(frames), note=note)
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        FAIL if bad.size else PASS,
+        observed=observed,
+        tolerance=tol.value,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        first_failing_frame=int(frames[bad[0]]["frame"]) if bad.size else None,
+        margin=_headroom(float(tol.value), observed),
+        margin_kind="headroom",
+        frames_compared=len(frames),
+        note=note,
+    )
 
 
-def compare_codes(family: str, comparison: str, metric: str, a, b, *, frame_offset: int = 0,
-                  note: str = "", skip_frames: tuple[int, ...] = ()) -> FamilyResult:
+def compare_codes(
+    family: str,
+    comparison: str,
+    metric: str,
+    a,
+    b,
+    *,
+    frame_offset: int = 0,
+    note: str = "",
+    skip_frames: tuple[int, ...] = (),
+) -> FamilyResult:
     """Per-frame code rows (T, Q) over common frames; observed = number of differing frames."""
     tol = _tol("exact")
     if a is None or b is None:
@@ -362,9 +489,18 @@ def compare_codes(family: str, comparison: str, metric: str, a, b, *, frame_offs
     a = np.asarray(a).astype(np.int64)
     b = np.asarray(b).astype(np.int64)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-        return FamilyResult(family, comparison, metric, FAIL, observed=f"shape {a.shape} vs {b.shape}",
-                            tolerance=0, tolerance_name=tol.name, justification=tol.justification,
-                            first_failing_frame=frame_offset, note=_join(note, "code shapes differ"))
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed=f"shape {a.shape} vs {b.shape}",
+            tolerance=0,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            first_failing_frame=frame_offset,
+            note=_join(note, "code shapes differ"),
+        )
     n = min(a.shape[0], b.shape[0])
     rows = a[:n] != b[:n]
     frame_bad = rows.any(axis=1)
@@ -378,14 +514,34 @@ def compare_codes(family: str, comparison: str, metric: str, a, b, *, frame_offs
     if bad.size:
         k = int(bad[0])
         books = np.nonzero(rows[k])[0].tolist()
-        return FamilyResult(family, comparison, metric, FAIL, observed=int(bad.size), tolerance=0,
-                            tolerance_name=tol.name, justification=tol.justification,
-                            first_failing_frame=k + frame_offset, frames_compared=n,
-                            note=_join(note, f"{counts}; frame {k + frame_offset} differs in codebooks {books[:8]}"
-                                             f"{'...' if len(books) > 8 else ''}"))
-    return FamilyResult(family, comparison, metric, PASS if n else FAIL, observed=0, tolerance=0,
-                        tolerance_name=tol.name, justification=tol.justification, frames_compared=n,
-                        note=_join(note, counts if n else "no common frames"))
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed=int(bad.size),
+            tolerance=0,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            first_failing_frame=k + frame_offset,
+            frames_compared=n,
+            note=_join(
+                note,
+                f"{counts}; frame {k + frame_offset} differs in codebooks {books[:8]}{'...' if len(books) > 8 else ''}",
+            ),
+        )
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        PASS if n else FAIL,
+        observed=0,
+        tolerance=0,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        frames_compared=n,
+        note=_join(note, counts if n else "no common frames"),
+    )
 
 
 def compare_token_frames(family: str, comparison: str, metric: str, a, b, *, note: str = "") -> FamilyResult:
@@ -398,16 +554,36 @@ def compare_token_frames(family: str, comparison: str, metric: str, a, b, *, not
     for k in range(n):
         if list(a[k]) != list(b[k]):
             diff = sum(1 for i in range(n) if list(a[i]) != list(b[i]))
-            return FamilyResult(family, comparison, metric, FAIL, observed=diff, tolerance=0,
-                                tolerance_name=tol.name, justification=tol.justification, first_failing_frame=k,
-                                frames_compared=n,
-                                note=_join(note, f"{counts}; frame {k}: {list(a[k])} vs {list(b[k])}"))
-    return FamilyResult(family, comparison, metric, PASS, observed=0, tolerance=0, tolerance_name=tol.name,
-                        justification=tol.justification, frames_compared=n, note=_join(note, counts))
+            return FamilyResult(
+                family,
+                comparison,
+                metric,
+                FAIL,
+                observed=diff,
+                tolerance=0,
+                tolerance_name=tol.name,
+                justification=tol.justification,
+                first_failing_frame=k,
+                frames_compared=n,
+                note=_join(note, f"{counts}; frame {k}: {list(a[k])} vs {list(b[k])}"),
+            )
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        PASS,
+        observed=0,
+        tolerance=0,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        frames_compared=n,
+        note=_join(note, counts),
+    )
 
 
-def compare_token_lists(family: str, comparison: str, metric: str, a, b, *, prefix_ok: bool = False,
-                        note: str = "") -> FamilyResult:
+def compare_token_lists(
+    family: str, comparison: str, metric: str, a, b, *, prefix_ok: bool = False, note: str = ""
+) -> FamilyResult:
     """Flat token lists; the first differing index is reported in tokens. With `prefix_ok`, `a` may be a
     prefix of `b` (b decoded more frames)."""
     tol = _tol("exact")
@@ -420,38 +596,94 @@ def compare_token_lists(family: str, comparison: str, metric: str, a, b, *, pref
         first = n
     counts = f"{len(a)} vs {len(b)} tokens"
     if first is not None:
-        return FamilyResult(family, comparison, metric, FAIL, observed=f"differ at token {first}", tolerance=0,
-                            tolerance_name=tol.name, justification=tol.justification, first_failing_frame=first,
-                            frame_unit="token", note=_join(note, counts))
-    return FamilyResult(family, comparison, metric, PASS, observed=0, tolerance=0, tolerance_name=tol.name,
-                        justification=tol.justification, frame_unit="token", note=_join(note, counts))
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL,
+            observed=f"differ at token {first}",
+            tolerance=0,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            first_failing_frame=first,
+            frame_unit="token",
+            note=_join(note, counts),
+        )
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        PASS,
+        observed=0,
+        tolerance=0,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        frame_unit="token",
+        note=_join(note, counts),
+    )
 
 
-def compare_text(family: str, comparison: str, metric: str, a: str | None, b: str | None, *,
-                 note: str = "") -> FamilyResult:
+def compare_text(
+    family: str, comparison: str, metric: str, a: str | None, b: str | None, *, note: str = ""
+) -> FamilyResult:
     tol = _tol("exact")
     if a is None or b is None:
         return not_available(family, comparison, metric, "the backend did not provide this text")
     if a == b:
-        return FamilyResult(family, comparison, metric, PASS, observed=f"{len(a)} chars equal", tolerance=0,
-                            tolerance_name=tol.name, justification=tol.justification, note=note)
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            PASS,
+            observed=f"{len(a)} chars equal",
+            tolerance=0,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            note=note,
+        )
     i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    return FamilyResult(family, comparison, metric, FAIL, observed=f"differ at char {i}", tolerance=0,
-                        tolerance_name=tol.name, justification=tol.justification,
-                        note=_join(note, f"{a[max(0, i - 10):i + 20]!r} vs {b[max(0, i - 10):i + 20]!r}"))
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        FAIL,
+        observed=f"differ at char {i}",
+        tolerance=0,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        note=_join(note, f"{a[max(0, i - 10) : i + 20]!r} vs {b[max(0, i - 10) : i + 20]!r}"),
+    )
 
 
-def compare_value(family: str, comparison: str, metric: str, observed, expected, *,
-                  first_failing_frame: int | None = None, frame_unit: str = "frame", note: str = "") -> FamilyResult:
+def compare_value(
+    family: str,
+    comparison: str,
+    metric: str,
+    observed,
+    expected,
+    *,
+    first_failing_frame: int | None = None,
+    frame_unit: str = "frame",
+    note: str = "",
+) -> FamilyResult:
     """An exact scalar check (a length, a count)."""
     tol = _tol("exact")
     if observed is None or expected is None:
         return not_available(family, comparison, metric, "the backend did not provide this value")
     ok = observed == expected
-    return FamilyResult(family, comparison, metric, PASS if ok else FAIL, observed=_scalar(observed),
-                        tolerance=f"== {_scalar(expected)}", tolerance_name=tol.name,
-                        justification=tol.justification,
-                        first_failing_frame=None if ok else first_failing_frame, frame_unit=frame_unit, note=note)
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        PASS if ok else FAIL,
+        observed=_scalar(observed),
+        tolerance=f"== {_scalar(expected)}",
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        first_failing_frame=None if ok else first_failing_frame,
+        frame_unit=frame_unit,
+        note=note,
+    )
 
 
 def _scalar(v):
@@ -463,9 +695,20 @@ def _scalar(v):
 # --------------------------------------------------------------------------- audio
 
 
-def compare_aligned_audio(family: str, comparison: str, metric: str, delayed, reference, *, delay: int,
-                          skip: int, samples_per_frame: int, tol_name: "str | Tolerance", end: int | None = None,
-                          note: str = "") -> FamilyResult:
+def compare_aligned_audio(
+    family: str,
+    comparison: str,
+    metric: str,
+    delayed,
+    reference,
+    *,
+    delay: int,
+    skip: int,
+    samples_per_frame: int,
+    tol_name: "str | Tolerance",
+    end: int | None = None,
+    note: str = "",
+) -> FamilyResult:
     """`delayed[delay + i]` vs `reference[i]` for skip <= i < end (default: all common samples).
 
     A failing sample is reported by the frame of `delayed` that holds it
@@ -478,19 +721,38 @@ def compare_aligned_audio(family: str, comparison: str, metric: str, delayed, re
     r = np.asarray(reference, dtype=np.float64)
     n = min(d.size, r.size) if end is None else min(d.size, r.size, end)
     if n <= skip:
-        return FamilyResult(family, comparison, metric, FAIL if n < skip else PASS, observed="no samples compared",
-                            tolerance=tol.value, tolerance_name=tol.name, justification=tol.justification,
-                            frames_compared=0, note=note)
+        return FamilyResult(
+            family,
+            comparison,
+            metric,
+            FAIL if n < skip else PASS,
+            observed="no samples compared",
+            tolerance=tol.value,
+            tolerance_name=tol.name,
+            justification=tol.justification,
+            frames_compared=0,
+            note=note,
+        )
     diff = np.abs(d[skip:n] - r[skip:n])
     diff = np.where(np.isfinite(diff), diff, np.inf)
     observed = float(diff.max())
     bad = np.nonzero(diff > tol.value)[0]
     detail = f"samples [{skip}, {n}) after a {delay}-sample delay"
-    return FamilyResult(family, comparison, metric, FAIL if bad.size else PASS, observed=observed,
-                        tolerance=tol.value, tolerance_name=tol.name, justification=tol.justification,
-                        first_failing_frame=int((bad[0] + skip + delay) // samples_per_frame) if bad.size else None,
-                        margin=_headroom(float(tol.value), observed), margin_kind="headroom",
-                        frames_compared=int(-(-n // samples_per_frame)), note=_join(note, detail))
+    return FamilyResult(
+        family,
+        comparison,
+        metric,
+        FAIL if bad.size else PASS,
+        observed=observed,
+        tolerance=tol.value,
+        tolerance_name=tol.name,
+        justification=tol.justification,
+        first_failing_frame=int((bad[0] + skip + delay) // samples_per_frame) if bad.size else None,
+        margin=_headroom(float(tol.value), observed),
+        margin_kind="headroom",
+        frames_compared=int(-(-n // samples_per_frame)),
+        note=_join(note, detail),
+    )
 
 
 def _join(*parts: str) -> str:
@@ -524,9 +786,32 @@ class ComponentRun:
 
 
 __all__ = [
-    "PASS", "FAIL", "NOT_AVAILABLE", "DOCUMENTED", "STATUSES", "FAMILIES",
-    "MEL", "CONFORMER", "RNNT", "NEMOTRON", "EAR_TTS", "CODEC", "E2E",
-    "Tolerance", "TOLERANCES", "FamilyResult", "ComponentRun",
-    "compare_frames", "compare_ids", "compare_codes", "compare_token_frames", "compare_token_lists",
-    "compare_text", "compare_value", "compare_aligned_audio", "logit_gap", "min_logit_gap", "not_available",
+    "PASS",
+    "FAIL",
+    "NOT_AVAILABLE",
+    "DOCUMENTED",
+    "STATUSES",
+    "FAMILIES",
+    "MEL",
+    "CONFORMER",
+    "RNNT",
+    "NEMOTRON",
+    "EAR_TTS",
+    "CODEC",
+    "E2E",
+    "Tolerance",
+    "TOLERANCES",
+    "FamilyResult",
+    "ComponentRun",
+    "compare_frames",
+    "compare_ids",
+    "compare_codes",
+    "compare_token_frames",
+    "compare_token_lists",
+    "compare_text",
+    "compare_value",
+    "compare_aligned_audio",
+    "logit_gap",
+    "min_logit_gap",
+    "not_available",
 ]

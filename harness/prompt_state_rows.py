@@ -32,8 +32,9 @@ def _event_key(e) -> str:
 
 
 def _states(session) -> dict[str, bytes]:
-    return {k: np.array(v).tobytes() + str(v.dtype).encode() + str(v.shape).encode()
-            for k, v in session.states().items()}
+    return {
+        k: np.array(v).tobytes() + str(v.dtype).encode() + str(v.shape).encode() for k, v in session.states().items()
+    }
 
 
 def _first_diff(a: list, b: list) -> int | None:
@@ -48,13 +49,22 @@ def _stream(model, audio, chunk_samples, **kw):
     start = _states(s)
     events = []
     for i in range(0, audio.size, chunk_samples):
-        events += s.push_audio(audio[i:i + chunk_samples])
+        events += s.push_audio(audio[i : i + chunk_samples])
     events += s.flush()
     return s, start, events
 
 
-def prompt_state_rows(model, audio: np.ndarray, *, system_prompt=None, tools=None, seed: int = 0,
-                      chunk_samples: int = 1280, offline: bool = True, through_file: bool = True) -> list[FamilyResult]:
+def prompt_state_rows(
+    model,
+    audio: np.ndarray,
+    *,
+    system_prompt=None,
+    tools=None,
+    seed: int = 0,
+    chunk_samples: int = 1280,
+    offline: bool = True,
+    through_file: bool = True,
+) -> list[FamilyResult]:
     """Rows comparing a prefilling run with a run from the prompt's state, streamed (and offline)."""
     from voicechat import PromptState
 
@@ -66,22 +76,40 @@ def prompt_state_rows(model, audio: np.ndarray, *, system_prompt=None, tools=Non
             state = PromptState.load(path, model)
         how = "through a file"
     note = f"{state.prompt_positions} prompt positions, {len(state.tools)} tool(s), state {how}, {state.nbytes} bytes"
-    ref, ref_start, ref_events = _stream(model, audio, chunk_samples, system_prompt=system_prompt, tools=tools,
-                                         seed=seed)
+    ref, ref_start, ref_events = _stream(
+        model, audio, chunk_samples, system_prompt=system_prompt, tools=tools, seed=seed
+    )
     got, got_start, got_events = _stream(model, audio, chunk_samples, prompt_state=state)
     diff_states = sorted(k for k in set(ref_start) | set(got_start) if ref_start.get(k) != got_start.get(k))
     ek_ref, ek_got = [_event_key(e) for e in ref_events], [_event_key(e) for e in got_events]
     first = _first_diff(ek_ref, ek_got)
     rows = [
-        compare_value(E2E, COMPARISON, "cache families after session start (streamed)",
-                      ", ".join(diff_states) or "all equal", "all equal", note=note),
-        compare_value(E2E, COMPARISON, "events (streamed; every field, arrays by their bytes)",
-                      f"{len(ek_got)} events" + ("" if first is None else f", first difference at event {first}"),
-                      f"{len(ek_ref)} events", first_failing_frame=first, frame_unit="event"),
+        compare_value(
+            E2E,
+            COMPARISON,
+            "cache families after session start (streamed)",
+            ", ".join(diff_states) or "all equal",
+            "all equal",
+            note=note,
+        ),
+        compare_value(
+            E2E,
+            COMPARISON,
+            "events (streamed; every field, arrays by their bytes)",
+            f"{len(ek_got)} events" + ("" if first is None else f", first difference at event {first}"),
+            f"{len(ek_ref)} events",
+            first_failing_frame=first,
+            frame_unit="event",
+        ),
         compare_ids(E2E, COMPARISON, "text ids fed per frame (streamed)", got.text_ids, ref.text_ids),
         compare_ids(E2E, COMPARISON, "function ids fed per frame (streamed)", got.function_ids, ref.function_ids),
-        compare_codes(E2E, COMPARISON, "generated codes per frame (streamed)", np.stack(got.raw_audio_codes),
-                      np.stack(ref.raw_audio_codes)),
+        compare_codes(
+            E2E,
+            COMPARISON,
+            "generated codes per frame (streamed)",
+            np.stack(got.raw_audio_codes),
+            np.stack(ref.raw_audio_codes),
+        ),
     ]
     if offline:
         a = model.generate(audio, system_prompt=system_prompt, tools=tools, seed=seed)
@@ -89,10 +117,14 @@ def prompt_state_rows(model, audio: np.ndarray, *, system_prompt=None, tools=Non
         rows += [
             compare_ids(E2E, COMPARISON, "text ids per frame (offline)", b.text_tokens, a.text_tokens),
             compare_ids(E2E, COMPARISON, "function ids per frame (offline)", b.function_tokens, a.function_tokens),
-            compare_codes(E2E, COMPARISON, "generated codes per frame (offline)", b.raw_audio_codes,
-                          a.raw_audio_codes),
-            compare_value(E2E, COMPARISON, "audio bytes (offline)",
-                          "equal" if a.audio.tobytes() == b.audio.tobytes() else "differ", "equal"),
+            compare_codes(E2E, COMPARISON, "generated codes per frame (offline)", b.raw_audio_codes, a.raw_audio_codes),
+            compare_value(
+                E2E,
+                COMPARISON,
+                "audio bytes (offline)",
+                "equal" if a.audio.tobytes() == b.audio.tobytes() else "differ",
+                "equal",
+            ),
         ]
     return rows
 

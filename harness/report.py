@@ -1,9 +1,9 @@
 """`ParityReport`: the rows of one parity run, as JSON and as a Markdown table for a PR.
 
-    report.ok                    True when no row failed
-    report.to_json() / to_markdown()
-    report.write(out_dir)        -> (json_path, md_path), default reports/parity/
-    ParityReport.from_json(text)
+report.ok                    True when no row failed
+report.to_json() / to_markdown()
+report.write(out_dir)        -> (json_path, md_path), default reports/parity/
+ParityReport.from_json(text)
 """
 
 from __future__ import annotations
@@ -86,8 +86,12 @@ class ParityReport:
     @classmethod
     def from_json(cls, text: str) -> "ParityReport":
         d = json.loads(text)
-        return cls(header=d["header"], rows=[FamilyResult.from_dict(r) for r in d["rows"]],
-                   per_frame=d.get("per_frame_logits") or {}, matrix=d.get("matrix"))
+        return cls(
+            header=d["header"],
+            rows=[FamilyResult.from_dict(r) for r in d["rows"]],
+            per_frame=d.get("per_frame_logits") or {},
+            matrix=d.get("matrix"),
+        )
 
     # -- Markdown
 
@@ -97,27 +101,51 @@ class ParityReport:
         lines = [f"# Parity report: {h.get('title', '')}", ""]
         lines.append("| | |")
         lines.append("|---|---|")
-        for key in ("mode", "checkpoint", "backend", "numerics", "against", "input", "seed", "system_prompt",
-                    "chunk_samples", "versions", "date", "elapsed_s"):
+        for key in (
+            "mode",
+            "checkpoint",
+            "backend",
+            "numerics",
+            "against",
+            "input",
+            "seed",
+            "system_prompt",
+            "chunk_samples",
+            "versions",
+            "date",
+            "elapsed_s",
+        ):
             if key in h and h[key] is not None:
                 lines.append(f"| {key} | {_cell(_fmt_header(h[key]))} |")
         for key in (k for k in h if k.startswith("load ")):
             lines.append(f"| {key} | {_cell(_fmt_header(h[key]))} |")
         verdict = "PASS" if self.ok else "FAIL"
-        lines += ["", f"**Result: {verdict}** ({len(self.rows)} rows: {c[PASS]} pass, {c[FAIL]} fail, "
-                      f"{c[DOCUMENTED]} documented difference, {c[NOT_AVAILABLE]} not available)", ""]
+        lines += [
+            "",
+            f"**Result: {verdict}** ({len(self.rows)} rows: {c[PASS]} pass, {c[FAIL]} fail, "
+            f"{c[DOCUMENTED]} documented difference, {c[NOT_AVAILABLE]} not available)",
+            "",
+        ]
         lines += self._matrix_markdown()
         lines.append("| family | comparison | metric | observed | tolerance | margin | first failing frame | status |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in self.rows:
-            ff = "" if r.first_failing_frame is None else (
-                f"{r.first_failing_frame}" + ("" if r.frame_unit == "frame" else f" ({r.frame_unit})"))
+            ff = (
+                ""
+                if r.first_failing_frame is None
+                else (f"{r.first_failing_frame}" + ("" if r.frame_unit == "frame" else f" ({r.frame_unit})"))
+            )
             margin = "" if r.margin is None else f"{_num(r.margin)} ({r.margin_kind})"
-            tol = "" if r.tolerance is None else (f"{_num(r.tolerance)} ({r.tolerance_name})"
-                                                  if r.tolerance_name else _num(r.tolerance))
+            tol = (
+                ""
+                if r.tolerance is None
+                else (f"{_num(r.tolerance)} ({r.tolerance_name})" if r.tolerance_name else _num(r.tolerance))
+            )
             status = {FAIL: "**FAIL**", DOCUMENTED: f"documented: {r.difference_id}"}.get(r.status, r.status)
-            lines.append(f"| {r.family} | {_cell(r.comparison)} | {_cell(r.metric)} | {_cell(_num(r.observed))} | "
-                         f"{_cell(tol)} | {_cell(margin)} | {ff} | {status} |")
+            lines.append(
+                f"| {r.family} | {_cell(r.comparison)} | {_cell(r.metric)} | {_cell(_num(r.observed))} | "
+                f"{_cell(tol)} | {_cell(margin)} | {ff} | {status} |"
+            )
         notes = [(i, r) for i, r in enumerate(self.rows, 1) if r.note]
         if notes:
             lines += ["", "<details><summary>Row notes</summary>", ""]
@@ -132,12 +160,19 @@ class ParityReport:
                 lines.append(f"| {t.name} | {_num(t.value)} | {_cell(t.justification)} |")
         applied = sorted({r.difference_id for r in self.rows if r.difference_id})
         if applied:
-            lines += ["", "Documented differences applied:", "", "| id | spec | what | verified by | pinned by |",
-                      "|---|---|---|---|---|"]
+            lines += [
+                "",
+                "Documented differences applied:",
+                "",
+                "| id | spec | what | verified by | pinned by |",
+                "|---|---|---|---|---|",
+            ]
             for i in applied:
                 d = DIFFERENCES[i]
-                lines.append(f"| {d.id} | {_cell(d.spec)} | {_cell(d.summary)} | {_cell(d.verified_by)} | "
-                             f"{_cell(', '.join(d.pinned_by))} |")
+                lines.append(
+                    f"| {d.id} | {_cell(d.spec)} | {_cell(d.summary)} | {_cell(d.verified_by)} | "
+                    f"{_cell(', '.join(d.pinned_by))} |"
+                )
         lines += self._per_frame_markdown()
         return "\n".join(lines) + "\n"
 
@@ -152,18 +187,31 @@ class ParityReport:
             tail = f" ({x['difference_id']})" if x.get("difference_id") else ""
             return f"{x['family']} / {x['comparison'].split(':')[0]} / frame {x['frame']} / {x['field']}{tail}"
 
-        lines = ["Matrix: " + ", ".join(m["implementations"]), "",
-                 "| pair | agrees | rows | fail | documented | first failing (family / path / frame / field) | "
-                 "first documented difference |", "|---|---|---|---|---|---|---|"]
+        lines = [
+            "Matrix: " + ", ".join(m["implementations"]),
+            "",
+            "| pair | agrees | rows | fail | documented | first failing (family / path / frame / field) | "
+            "first documented difference |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for tag, p in m["pairs"].items():
-            lines.append(f"| {tag} | {'yes' if p['ok'] else '**no**'} | {p['rows']} | {p['fail']} | {p['documented']} | "
-                         f"{_cell(ref(p['first_failure']))} | {_cell(ref(p['first_documented']))} |")
+            lines.append(
+                f"| {tag} | {'yes' if p['ok'] else '**no**'} | {p['rows']} | {p['fail']} | {p['documented']} | "
+                f"{_cell(ref(p['first_failure']))} | {_cell(ref(p['first_documented']))} |"
+            )
         if m.get("odd_one_out"):
-            lines += ["", "Odd one out (the other implementations agree on the field):", "",
-                      "| path | family | field | odd one out | agreeing | documented |", "|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                "Odd one out (the other implementations agree on the field):",
+                "",
+                "| path | family | field | odd one out | agreeing | documented |",
+                "|---|---|---|---|---|---|",
+            ]
             for o in m["odd_one_out"]:
-                lines.append(f"| {o['path']} | {o['family']} | {_cell(o['field'])} | **{o['odd_one_out']}** | "
-                             f"{', '.join(o['agreeing'])} | {'yes' if o['documented'] else '**no**'} |")
+                lines.append(
+                    f"| {o['path']} | {o['family']} | {_cell(o['field'])} | **{o['odd_one_out']}** | "
+                    f"{', '.join(o['agreeing'])} | {'yes' if o['documented'] else '**no**'} |"
+                )
         return lines + [""]
 
     def _per_frame_markdown(self) -> list[str]:
@@ -172,19 +220,28 @@ class ParityReport:
         for path, frames in self.per_frame.items():
             if not frames:
                 continue
-            worst = {ch: max((f[f"{ch}_abs"] for f in frames if not f["after_divergence"]), default=None)
-                     for ch in ("text", "function")}
-            lines += ["", f"<details><summary>Per-frame logits, {path}: max abs vs {against} "
-                          f"(text {_num(worst['text'])}, function {_num(worst['function'])}) with "
-                          f"{against}'s top-2 gap</summary>", "",
-                      "| frame | text max abs | ref text top-2 gap | text id | function max abs "
-                      "| ref function top-2 gap | function id |", "|---|---|---|---|---|---|---|"]
+            worst = {
+                ch: max((f[f"{ch}_abs"] for f in frames if not f["after_divergence"]), default=None)
+                for ch in ("text", "function")
+            }
+            lines += [
+                "",
+                f"<details><summary>Per-frame logits, {path}: max abs vs {against} "
+                f"(text {_num(worst['text'])}, function {_num(worst['function'])}) with "
+                f"{against}'s top-2 gap</summary>",
+                "",
+                "| frame | text max abs | ref text top-2 gap | text id | function max abs "
+                "| ref function top-2 gap | function id |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for f in frames:
                 mark = lambda ok: "equal" if ok else "**differs**"  # noqa: E731
                 tail = " (after divergence)" if f["after_divergence"] else ""
-                lines.append(f"| {f['frame']}{tail} | {_num(f['text_abs'])} | {_num(f['text_gap_ref'])} | "
-                             f"{mark(f['text_id_equal'])} | {_num(f['function_abs'])} | "
-                             f"{_num(f['function_gap_ref'])} | {mark(f['function_id_equal'])} |")
+                lines.append(
+                    f"| {f['frame']}{tail} | {_num(f['text_abs'])} | {_num(f['text_gap_ref'])} | "
+                    f"{mark(f['text_id_equal'])} | {_num(f['function_abs'])} | "
+                    f"{_num(f['function_gap_ref'])} | {mark(f['function_id_equal'])} |"
+                )
             lines += ["", "</details>"]
         return lines
 
@@ -192,8 +249,11 @@ class ParityReport:
 
     def file_stem(self) -> str:
         h = self.header
-        parts = [Path(str(h.get("checkpoint") or "model")).name, Path(str(h.get("input_name") or "input")).stem,
-                 str(h.get("backend") or "backend")]
+        parts = [
+            Path(str(h.get("checkpoint") or "model")).name,
+            Path(str(h.get("input_name") or "input")).stem,
+            str(h.get("backend") or "backend"),
+        ]
         if h.get("numerics") not in (None, "reference"):  # a non-default run must not overwrite the default's
             parts.append(str(h["numerics"]))
         if h.get("against"):

@@ -67,9 +67,12 @@ def tiny_model_4bit(tiny_ckpt_4bit):
 
 TOOLCALL_TOOL = "get_current_time"
 TOOLCALL_ARGUMENTS = {"timezone": "UTC"}
-TIME_TOOL = {"type": "function", "name": "get_current_time", "description": "Get the current time in a timezone",
-             "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                            "required": ["timezone"]}}
+TIME_TOOL = {
+    "type": "function",
+    "name": "get_current_time",
+    "description": "Get the current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+}
 
 
 @pytest.fixture(scope="session", params=[4, 8])
@@ -78,8 +81,13 @@ def toolcall_model(request, tmp_path_factory):
     import voicechat
     from voicechat.synthetic.checkpoint import write_checkpoint
 
-    path = write_checkpoint(tmp_path_factory.mktemp(f"toolcall_{request.param}bit"), "toolcall", bits=request.param,
-                            tool=TOOLCALL_TOOL, arguments=TOOLCALL_ARGUMENTS)
+    path = write_checkpoint(
+        tmp_path_factory.mktemp(f"toolcall_{request.param}bit"),
+        "toolcall",
+        bits=request.param,
+        tool=TOOLCALL_TOOL,
+        arguments=TOOLCALL_ARGUMENTS,
+    )
     return voicechat.load(path)
 
 

@@ -85,9 +85,11 @@ class Spec:
 # --------------------------------------------------------------------------- tokenizer
 
 
-_WORDS = ("hello world how are you today the weather is fine thank you very much what time is it "
-          "please tell me a story about a small cat and a big dog who lived in a house near the river "
-          "voice chat model speech audio text question answer assistant user good morning evening")
+_WORDS = (
+    "hello world how are you today the weather is fine thank you very much what time is it "
+    "please tell me a story about a small cat and a big dog who lived in a house near the river "
+    "voice chat model speech audio text question answer assistant user good morning evening"
+)
 
 
 def build_tokenizer(vocab_size: int):
@@ -99,13 +101,19 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=1,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     rng = np.random.default_rng(1234)
     words = _WORDS.split()
     corpus = [" ".join(rng.choice(words, size=12)) for _ in range(400)]
-    corpus += ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(2, 9))))
-               for _ in range(3000)]
+    corpus += [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(2, 9)))) for _ in range(3000)
+    ]
     tok.train_from_iterator(corpus, trainer=trainer)
     have = tok.get_vocab_size(with_added_tokens=True)
     if have < vocab_size:  # fill up to the embedding size with plain added words
@@ -137,63 +145,156 @@ def _rnnt_pieces(n: int) -> list[str]:
 def config_dict(spec: Spec) -> dict:
     real = spec.depth == "real"
     text = {
-        "model_type": "nemotron_h", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": len(REAL_PATTERN if real else TINY_PATTERN), "max_position_embeddings": 8192,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attention_bias": False,
-        "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32,
-        "conv_kernel": 4, "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5, "use_bias": False,
-        "use_conv_bias": True, "hybrid_override_pattern": REAL_PATTERN if real else TINY_PATTERN,
+        "model_type": "nemotron_h",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": len(REAL_PATTERN if real else TINY_PATTERN),
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": False,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 32,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": REAL_PATTERN if real else TINY_PATTERN,
         "time_step_limit": [0.0, math.inf],
     }
     rnnt_vocab = 32
     audio = {
-        "preprocessor": {"sample_rate": 16000, "features": 116, "n_fft": 512, "window_size": 0.025,
-                         "window_stride": 0.01, "window": "hann", "normalize": "NA", "pad_to": 0,
-                         "dither": 1e-5, "log": True, "_target_removed": True},
-        "encoder": {"feat_in": 116, "n_layers": 24 if real else 2, "d_model": 64, "n_heads": 4,
-                    "ff_expansion_factor": 4, "subsampling_factor": 8, "subsampling_conv_channels": 8,
-                    "conv_kernel_size": 9, "causal_downsampling": True, "conv_context_size": [8, 0],
-                    "conv_norm_type": "layer_norm", "self_attention_model": "rel_pos",
-                    "att_context_style": "chunked_limited", "att_context_size": [70, 0],
-                    "pos_emb_max_len": 5000, "use_bias": False, "xscaling": False, "subsampling": "dw_striding"},
+        "preprocessor": {
+            "sample_rate": 16000,
+            "features": 116,
+            "n_fft": 512,
+            "window_size": 0.025,
+            "window_stride": 0.01,
+            "window": "hann",
+            "normalize": "NA",
+            "pad_to": 0,
+            "dither": 1e-5,
+            "log": True,
+            "_target_removed": True,
+        },
+        "encoder": {
+            "feat_in": 116,
+            "n_layers": 24 if real else 2,
+            "d_model": 64,
+            "n_heads": 4,
+            "ff_expansion_factor": 4,
+            "subsampling_factor": 8,
+            "subsampling_conv_channels": 8,
+            "conv_kernel_size": 9,
+            "causal_downsampling": True,
+            "conv_context_size": [8, 0],
+            "conv_norm_type": "layer_norm",
+            "self_attention_model": "rel_pos",
+            "att_context_style": "chunked_limited",
+            "att_context_size": [70, 0],
+            "pos_emb_max_len": 5000,
+            "use_bias": False,
+            "xscaling": False,
+            "subsampling": "dw_striding",
+        },
         "decoder": {"pred_hidden": 64, "pred_rnn_layers": 2, "vocab_size": rnnt_vocab, "blank_as_pad": True},
-        "joint": {"joint_hidden": 64, "activation": "relu", "encoder_hidden": 64, "pred_hidden": 64,
-                  "num_classes": rnnt_vocab},
+        "joint": {
+            "joint_hidden": 64,
+            "activation": "relu",
+            "encoder_hidden": 64,
+            "pred_hidden": 64,
+            "num_classes": rnnt_vocab,
+        },
         "output_dim": text["hidden_size"],
         "max_symbols": 10,
     }
     greedy = spec.sampling == "greedy"
     tts = {
         # 128: a width whose square root (the char embedding scale) is not an integer.
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 28 if real else 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "sliding_window": 16,
-        "latent_size": 64, "num_quantizers": spec.num_quantizers, "codebook_size": spec.codebook_size,
-        "num_delay_speech_tokens": 2, "exponent": 3.0, "disable_eos_prediction": True,
-        "use_gated_fusion_for_text_audio": True, "use_subword_flag_emb": True, "use_bos_eos_emb": True,
-        "use_audio_prompt_frozen_projection": True, "guidance_scale": 0.2,
-        "top_p": 1e-6 if greedy else 0.95, "noise_scale": 0.0 if greedy else 0.001,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 28 if real else 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "sliding_window": 16,
+        "latent_size": 64,
+        "num_quantizers": spec.num_quantizers,
+        "codebook_size": spec.codebook_size,
+        "num_delay_speech_tokens": 2,
+        "exponent": 3.0,
+        "disable_eos_prediction": True,
+        "use_gated_fusion_for_text_audio": True,
+        "use_subword_flag_emb": True,
+        "use_bos_eos_emb": True,
+        "use_audio_prompt_frozen_projection": True,
+        "guidance_scale": 0.2,
+        "top_p": 1e-6 if greedy else 0.95,
+        "noise_scale": 0.0 if greedy else 0.001,
         "audio_prompt_duration": 3.0,
-        "character_encoder": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
-                              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-                              "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
-                              "attn_logit_softcapping": 50.0, "rope_base": 10000, "char_vocab_size": 257},
-        "mog_head": {"intermediate_size": 256, "low_rank": 8, "min_log_std": -4.0,
-                     "num_layers": 3 if real else 2, "num_predictions": 64, "eps": 1e-6},
+        "character_encoder": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 256,
+            "attn_logit_softcapping": 50.0,
+            "rope_base": 10000,
+            "char_vocab_size": 257,
+        },
+        "mog_head": {
+            "intermediate_size": 256,
+            "low_rank": 8,
+            "min_log_std": -4.0,
+            "num_layers": 3 if real else 2,
+            "num_predictions": 64,
+            "eps": 1e-6,
+        },
     }
     if not real:
         tts["sliding_window_pattern"] = 2  # layer 0 sliding, layer 1 global
-    codec = {"sample_rate": 22050, "base_channels": 16, "channel_multipliers": [1, 2, 4] if real else [1, 2],
-             "downsample_rates": [7, 7, 9] if real else [2, 3], "blocks_per_stage": 3 if real else 2,
-             "block_kernel_size": 7 if real else 3, "latent_dim": 64, "n_fft": 16, "hop_length": 4,
-             "num_quantizers": spec.num_quantizers, "codebook_size": spec.codebook_size}
+    codec = {
+        "sample_rate": 22050,
+        "base_channels": 16,
+        "channel_multipliers": [1, 2, 4] if real else [1, 2],
+        "downsample_rates": [7, 7, 9] if real else [2, 3],
+        "blocks_per_stage": 3 if real else 2,
+        "block_kernel_size": 7 if real else 3,
+        "latent_dim": 64,
+        "n_fft": 16,
+        "hop_length": 4,
+        "num_quantizers": spec.num_quantizers,
+        "codebook_size": spec.codebook_size,
+    }
     cfg = {
-        "model_type": "nemotron_voicechat", "architectures": ["NemotronVoiceChatForConditionalGeneration"],
-        "text_config": text, "audio_config": audio, "tts_config": tts, "codec_config": codec,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 12, "silence_token_id": 11,
-        "rnnt_blank_id": rnnt_vocab, "input_sample_rate": 16000, "output_sample_rate": 22050,
-        "frame_duration": 0.08, "function_channel_weight": 2.0, "speaker": "Aria",
+        "model_type": "nemotron_voicechat",
+        "architectures": ["NemotronVoiceChatForConditionalGeneration"],
+        "text_config": text,
+        "audio_config": audio,
+        "tts_config": tts,
+        "codec_config": codec,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 12,
+        "silence_token_id": 11,
+        "rnnt_blank_id": rnnt_vocab,
+        "input_sample_rate": 16000,
+        "output_sample_rate": 22050,
+        "frame_duration": 0.08,
+        "function_channel_weight": 2.0,
+        "speaker": "Aria",
         "rnnt_vocabulary": _rnnt_pieces(rnnt_vocab),
-        "source_revision": "independent-writer", "base_tokenizer_revision": "independent-writer",
+        "source_revision": "independent-writer",
+        "base_tokenizer_revision": "independent-writer",
     }
     if spec.bits is not None:
         q = {"group_size": group_size(spec), "bits": spec.bits}
@@ -346,9 +447,12 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
             add(p + n + ".weight", (h,), "norm0")
 
     for i in range(s["num_hidden_layers"]):
-        attention_mlp(tp + f"backbone.layers.{i}.", s, ("input_layernorm", "post_attention_layernorm",
-                                                         "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-                      qk_norm=True)
+        attention_mlp(
+            tp + f"backbone.layers.{i}.",
+            s,
+            ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+            qk_norm=True,
+        )
     add(tp + "backbone.norm.weight", (Ht,), "norm0")
     add(tp + "bos_emb", (Ht,), "vec")
     add(tp + "null_emb", (Ht,), "vec")
@@ -368,9 +472,17 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
     add(w + "embed_tokens.weight", (ce["char_vocab_size"], ce["hidden_size"]), "embed")
     add(w + "proj_embedding.weight", (Ht, ce["hidden_size"]), "linear")
     for i in range(ce["num_hidden_layers"]):
-        attention_mlp(w + f"backbone.encoder.layers.{i}.", ce,
-                      ("pre_self_attn_layernorm", "post_self_attn_layernorm", "pre_feedforward_layernorm",
-                       "post_feedforward_layernorm"), qk_norm=False)
+        attention_mlp(
+            w + f"backbone.encoder.layers.{i}.",
+            ce,
+            (
+                "pre_self_attn_layernorm",
+                "post_self_attn_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ),
+            qk_norm=False,
+        )
     add(w + "backbone.encoder.norm.weight", (ce["hidden_size"],), "norm0")
     add(w + "subword_flag_emb.is_continuation", (FLAG_TABLE + 1,), "int")
     add(w + "subword_flag_emb.pad_tensor", (), "int")
@@ -454,7 +566,7 @@ RVQ_SCALE0, RVQ_DECAY = 0.5, 0.93
 def _rvq_codebook(seed: int, q: int, shape: tuple) -> np.ndarray:
     """Codebook q of the greedy RVQ; EAR-TTS's `rvq_embs[q]` holds the same values (the TTS
     quantizes in the codec's latent space; whether the published files share them is open)."""
-    return _rng(seed, f"rvq.codebook.{q}").standard_normal(shape) * (RVQ_SCALE0 * RVQ_DECAY ** q)
+    return _rng(seed, f"rvq.codebook.{q}").standard_normal(shape) * (RVQ_SCALE0 * RVQ_DECAY**q)
 
 
 def _value(name: str, shape: tuple, kind: str, spec: Spec, cfg: dict, tok_vocab: dict) -> np.ndarray:
@@ -525,8 +637,11 @@ def _value(name: str, shape: tuple, kind: str, spec: Spec, cfg: dict, tok_vocab:
 
 def quantized_names(entries, predicate: str) -> set[str]:
     """Module paths to quantize (names of the modules whose `.weight` is stored packed)."""
-    linear_like = [n[: -len(".weight")] for n, shape, kind in entries
-                   if n.endswith(".weight") and len(shape) == 2 and kind in ("linear", "head", "out", "embed")]
+    linear_like = [
+        n[: -len(".weight")]
+        for n, shape, kind in entries
+        if n.endswith(".weight") and len(shape) == 2 and kind in ("linear", "head", "out", "embed")
+    ]
     if predicate == "published":
         lang = ("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
         return {p for p in linear_like if p.startswith(lang)}
@@ -593,18 +708,32 @@ def write(folder, spec: Spec, n_shards: int = 3) -> Path:
         mx.save_safetensors(str(folder / fname), {n: tensors[n] for n in group}, metadata={"format": "mlx"})
         weight_map.update({n: fname for n in group})
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
     if per_module:  # the converter copies per-module settings as top-level keys (§3.3)
         for key in ("quantization", "quantization_config"):
             cfg[key].update(per_module)
     (folder / "config.json").write_text(_dump_config(cfg))
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast", "fix_mistral_regex": True,
-        "model_max_length": 131072}, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>"}, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<SPECIAL_12>",
+                "unk_token": "<unk>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "fix_mistral_regex": True,
+                "model_max_length": 131072,
+            },
+            indent=2,
+        )
+    )
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>"}, indent=2
+        )
+    )
     (folder / "README.md").write_text(f"Independent-writer test checkpoint {spec.name()} (random weights).\n")
     return folder
 
@@ -630,8 +759,16 @@ def main(argv=None) -> int:
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    spec = Spec(depth=a.depth, dtype=a.dtype, bits=a.bits, predicate=a.predicate, sampling=a.sampling,
-                control_inside=not a.control_outside, codebook_size=a.codebook_size, seed=a.seed)
+    spec = Spec(
+        depth=a.depth,
+        dtype=a.dtype,
+        bits=a.bits,
+        predicate=a.predicate,
+        sampling=a.sampling,
+        control_inside=not a.control_outside,
+        codebook_size=a.codebook_size,
+        seed=a.seed,
+    )
     print(write(a.out, spec), spec.name())
     return 0
 

@@ -14,8 +14,11 @@ def start_server(checkpoint, **limits):
     from voicechat.server.app import ServerLimits, ServerSecurity
     from voicechat.server.runner import ServerThread, make_state
 
-    security = ServerSecurity(api_key=limits.pop("api_key", None), allowed_origins=tuple(limits.pop("origins", ())),
-                              allowed_hosts=tuple(limits.pop("hosts", ())))
+    security = ServerSecurity(
+        api_key=limits.pop("api_key", None),
+        allowed_origins=tuple(limits.pop("origins", ())),
+        allowed_hosts=tuple(limits.pop("hosts", ())),
+    )
     state = make_state(str(checkpoint), limits=ServerLimits(**limits), security=security, warmup_seconds=0.0)
     return ServerThread(state).start()
 
@@ -103,8 +106,9 @@ def wait_released(srv, timeout=10.0) -> bool:
 # -- raw sockets: forged headers, crafted frames, a client that does not read (127.0.0.1 only)
 
 
-def http_raw(port: int, path: str = "/healthz", headers: dict | None = None, *, upgrade: bool = False,
-             timeout: float = 10.0) -> tuple[int, bytes]:
+def http_raw(
+    port: int, path: str = "/healthz", headers: dict | None = None, *, upgrade: bool = False, timeout: float = 10.0
+) -> tuple[int, bytes]:
     """One HTTP/1.1 request with exactly these headers (Host included) -> (status, body)."""
     import socket
 
@@ -132,8 +136,9 @@ def http_raw(port: int, path: str = "/healthz", headers: dict | None = None, *, 
         status = int(head.split(b" ", 2)[1])
         if status == 101:
             return status, b""
-        length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")),
-                      None)
+        length = next(
+            (int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")), None
+        )
         while length is not None and len(body) < length:
             chunk = s.recv(65536)
             if not chunk:
@@ -154,8 +159,14 @@ class RawSocketWS:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         s.settimeout(timeout)
         s.connect(("127.0.0.1", port))
-        hdrs = {"Host": f"127.0.0.1:{port}", "Upgrade": "websocket", "Connection": "Upgrade",
-                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13", **(headers or {})}
+        hdrs = {
+            "Host": f"127.0.0.1:{port}",
+            "Upgrade": "websocket",
+            "Connection": "Upgrade",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Version": "13",
+            **(headers or {}),
+        }
         req = "GET /v1/realtime HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n"
         s.sendall(req.encode("latin-1"))
         data = b""
@@ -178,8 +189,11 @@ class RawSocketWS:
         else:
             head += bytes([0x80 | 127]) + struct.pack(">Q", n)
         mask = os.urandom(4)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload)) if n < 4096 else \
-            (np.frombuffer(payload, np.uint8) ^ np.resize(np.frombuffer(mask, np.uint8), n)).tobytes()
+        masked = (
+            bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+            if n < 4096
+            else (np.frombuffer(payload, np.uint8) ^ np.resize(np.frombuffer(mask, np.uint8), n)).tobytes()
+        )
         self.sock.sendall(head + mask + masked)
 
     def send_json(self, obj) -> None:
@@ -320,8 +334,9 @@ class WrappedServer:
         self.metrics = ServerMetrics()
         self.worker = ModelWorker(lambda: Model(voicechat.load(self.checkpoint)), metrics=self.metrics).start()
         self.worker.wait_ready(60)
-        self.srv = ServerThread(ServerState(worker=self.worker, metrics=self.metrics,
-                                            limits=self.limits or ServerLimits())).start()
+        self.srv = ServerThread(
+            ServerState(worker=self.worker, metrics=self.metrics, limits=self.limits or ServerLimits())
+        ).start()
         return self
 
     def __exit__(self, *exc):

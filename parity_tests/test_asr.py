@@ -13,7 +13,7 @@ def offline_text(model, audio):
 
 def stream_text(model, audio, push):
     s = model.create_asr_session()
-    deltas = [s.step(audio[i:i + push]) for i in range(0, len(audio), push)]
+    deltas = [s.step(audio[i : i + push]) for i in range(0, len(audio), push)]
     deltas.append(s.finish())
     assert "".join(deltas) == s.text  # deltas add up to the transcript
     return s

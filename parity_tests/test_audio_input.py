@@ -20,19 +20,22 @@ def test_float64_and_lists_converted():
     assert as_mono_float32([0.0, 0.5]).tolist() == [0.0, 0.5]
 
 
-@pytest.mark.parametrize("bad,exc,msg", [
-    (np.zeros((10, 2), np.float32), ValueError, "mono"),
-    (np.zeros((2, 10), np.float32), ValueError, "mono"),
-    (np.zeros((10, 1), np.float32), ValueError, "1-D"),
-    (np.array([0.0, np.nan], np.float32), ValueError, "NaN or infinite samples \\(first at index 1\\)"),
-    (np.array([np.inf], np.float32), ValueError, "NaN or infinite"),
-    (np.zeros(4, np.uint8), TypeError, "unsupported sample dtype uint8"),
-    (np.zeros(4, np.int64), TypeError, "int16/int32"),
-    (np.zeros(4, bool), TypeError, "unsupported"),
-    ("file.wav", TypeError, "file reader"),
-    (["a", "b"], TypeError, "list of numbers"),
-    (3.0, TypeError, "1-D"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,msg",
+    [
+        (np.zeros((10, 2), np.float32), ValueError, "mono"),
+        (np.zeros((2, 10), np.float32), ValueError, "mono"),
+        (np.zeros((10, 1), np.float32), ValueError, "1-D"),
+        (np.array([0.0, np.nan], np.float32), ValueError, "NaN or infinite samples \\(first at index 1\\)"),
+        (np.array([np.inf], np.float32), ValueError, "NaN or infinite"),
+        (np.zeros(4, np.uint8), TypeError, "unsupported sample dtype uint8"),
+        (np.zeros(4, np.int64), TypeError, "int16/int32"),
+        (np.zeros(4, bool), TypeError, "unsupported"),
+        ("file.wav", TypeError, "file reader"),
+        (["a", "b"], TypeError, "list of numbers"),
+        (3.0, TypeError, "1-D"),
+    ],
+)
 def test_rejections(bad, exc, msg):
     with pytest.raises(exc, match=msg):
         as_mono_float32(bad)

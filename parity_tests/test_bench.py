@@ -77,17 +77,36 @@ def bench_run(tmp_path_factory, tiny_ckpt_4bit, wav_path):
 
     out = tmp_path_factory.mktemp("bench_out") / "run"
     log = io.StringIO()
-    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=out,
-                        backends=["voicechat", "flaky"], runs=RUNS, warmup=WARMUP, drop_first=DROP,
-                        extra_decoding_seconds=EXTRA_S, bandwidth_mb=4.0, heartbeat_s=0)
+    opts = BenchOptions(
+        checkpoints=[str(tiny_ckpt_4bit)],
+        audio=[str(wav_path)],
+        out=out,
+        backends=["voicechat", "flaky"],
+        runs=RUNS,
+        warmup=WARMUP,
+        drop_first=DROP,
+        extra_decoding_seconds=EXTRA_S,
+        bandwidth_mb=4.0,
+        heartbeat_s=0,
+    )
     result = run_bench(opts, backend_factory=factory, progress=Progress(stream=log))
     return {"out": out, "result": result, "log": log.getvalue(), "ckpt": tiny_ckpt_4bit}
 
 
 def test_every_output_file_is_written(bench_run):
     out = bench_run["out"]
-    for name in ("frames.csv", "runs.csv", "summary.csv", "summary.md", "floor.csv", "env.json",
-                 "frame_times.png", "stage_p50.png", "frame_cdf.png", "floor.png"):
+    for name in (
+        "frames.csv",
+        "runs.csv",
+        "summary.csv",
+        "summary.md",
+        "floor.csv",
+        "env.json",
+        "frame_times.png",
+        "stage_p50.png",
+        "frame_cdf.png",
+        "floor.png",
+    ):
         p = out / name
         assert p.is_file() and p.stat().st_size > 0, name
         if name.endswith(".png"):
@@ -116,8 +135,13 @@ def test_runs_csv_records_every_run_and_the_failure(bench_run):
     assert len(runs) == (WARMUP + RUNS) * 2
     # interleaved: within each run the backends take turns in the given order
     assert list(zip(runs.phase, runs.run, runs.backend)) == [
-        ("warmup", 1, "voicechat"), ("warmup", 1, "flaky"), ("measured", 1, "voicechat"), ("measured", 1, "flaky"),
-        ("measured", 2, "voicechat"), ("measured", 2, "flaky")]
+        ("warmup", 1, "voicechat"),
+        ("warmup", 1, "flaky"),
+        ("measured", 1, "voicechat"),
+        ("measured", 1, "flaky"),
+        ("measured", 2, "voicechat"),
+        ("measured", 2, "flaky"),
+    ]
     failed = runs[runs.status != "ok"]
     assert len(failed) == 1
     row = failed.iloc[0]
@@ -176,14 +200,29 @@ def test_floor_csv_and_env_json(bench_run):
         assert math.isclose(f.loc["total", "weight_mb"], parts.weight_mb.sum(), rel_tol=1e-9)
         np.testing.assert_allclose(f.p50_over_floor, f.measured_p50_ms / f.floor_ms, rtol=1e-9)
     env = json.loads((out / "env.json").read_text())
-    for key in ("date", "machine", "os", "python", "mlx", "packages", "git_revision", "checkpoints", "method",
-                "bandwidth"):
+    for key in (
+        "date",
+        "machine",
+        "os",
+        "python",
+        "mlx",
+        "packages",
+        "git_revision",
+        "checkpoints",
+        "method",
+        "bandwidth",
+    ):
         assert key in env, key
     assert env["machine"]["cpu_count"] >= 1 and env["mlx"]["version"] == mx.__version__
     # the `voicechat` backend's execution policy, as `voicechat.load` chooses it in this process
     assert env["mlx"]["voicechat_policy"] == ExecutionPolicy.for_device().as_dict()
-    assert not {"voicechat_cpu_streams", "voicechat_compile", "voicechat_cpu_qmv", "voicechat_host_gemm",
-                "voicechat_overlap"} & set(env["mlx"])  # the process-wide switches are gone
+    assert not {
+        "voicechat_cpu_streams",
+        "voicechat_compile",
+        "voicechat_cpu_qmv",
+        "voicechat_host_gemm",
+        "voicechat_overlap",
+    } & set(env["mlx"])  # the process-wide switches are gone
     assert env["packages"]["mlx"] and env["packages"]["numpy"] == np.__version__
     ck = env["checkpoints"][0]
     cfg = bench_run["ckpt"] / "config.json"
@@ -240,9 +279,27 @@ def test_cli_exit_status_and_errors(monkeypatch, tiny_ckpt_4bit, wav_path, tmp_p
     counter = {"streams": 0}
     monkeypatch.setattr(bench.runner, "_default_factory", lambda name: FlakyBackend(counter))
     out = tmp_path / "cli_run"
-    argv = ["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--runs", "2", "--warmup", "0",
-            "--drop-first", "0", "--extra-decoding-seconds", "0", "--no-floor", "--no-plots", "--no-offline",
-            "--quiet", "--out", str(out)]
+    argv = [
+        "bench",
+        "-m",
+        str(tiny_ckpt_4bit),
+        "--audio",
+        str(wav_path),
+        "--runs",
+        "2",
+        "--warmup",
+        "0",
+        "--drop-first",
+        "0",
+        "--extra-decoding-seconds",
+        "0",
+        "--no-floor",
+        "--no-plots",
+        "--no-offline",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     counter["streams"] = 1  # the 2nd stream of this run is the flaky backend's 3rd call: it fails
     assert main(argv) == 1
     captured = capsys.readouterr()
@@ -251,8 +308,21 @@ def test_cli_exit_status_and_errors(monkeypatch, tiny_ckpt_4bit, wav_path, tmp_p
     assert main(["bench"]) == 2  # nothing to do
     assert main(["bench", "--update-docs", str(tmp_path / "missing")]) == 2
     assert main(["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--runs", "0"]) == 2
-    assert main(["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(tmp_path / "nope.wav"), "--quiet",
-                 "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "-m",
+                str(tiny_ckpt_4bit),
+                "--audio",
+                str(tmp_path / "nope.wav"),
+                "--quiet",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
 
 
 # -- floor model
@@ -270,8 +340,10 @@ def test_frame_weight_bytes_by_an_independent_count(tiny_model_4bit, tiny_ckpt_8
 
     # language: every LLM tensor, both heads, 3 of the V embedding rows (weights + scales + biases)
     v = tiny_model_4bit.config.text_config.vocab_size
-    expect = total(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head.")) + \
-        total("stt_model.embed_tokens.") * 3 / v
+    expect = (
+        total(("stt_model.llm.", "stt_model.lm_head.", "stt_model.function_head."))
+        + total("stt_model.embed_tokens.") * 3 / v
+    )
     assert math.isclose(b["language"].weight_bytes, expect, rel_tol=1e-12)
     assert b["language"].by_format["q4"] > 0 and b["language"].by_format["q8"] == 0
     assert b["language"].state_bytes > 0
@@ -312,7 +384,7 @@ def warm_session(tiny_model_4bit, question_wav):
 
 
 def test_bench_perception_frame(benchmark, warm_session, question_wav):
-    frame = question_wav[2 * FRAME: 3 * FRAME]
+    frame = question_wav[2 * FRAME : 3 * FRAME]
 
     def run():
         enc, emb = warm_session.perception.push_frame(frame)
@@ -325,14 +397,14 @@ def test_bench_perception_frame(benchmark, warm_session, question_wav):
 
 
 def test_bench_rnnt_step(benchmark, warm_session, question_wav):
-    enc, _ = warm_session.perception.push_frame(question_wav[2 * FRAME: 3 * FRAME])
+    enc, _ = warm_session.perception.push_frame(question_wav[2 * FRAME : 3 * FRAME])
     mx.eval(enc)
     tokens = benchmark(lambda: warm_session.rnnt.step(enc))
     assert isinstance(tokens, list)
 
 
 def test_bench_language_step(benchmark, warm_session, question_wav):
-    _, emb = warm_session.perception.push_frame(question_wav[2 * FRAME: 3 * FRAME])
+    _, emb = warm_session.perception.push_frame(question_wav[2 * FRAME : 3 * FRAME])
     mx.eval(emb)
 
     def run():
@@ -371,7 +443,7 @@ def test_bench_codec_decode_step(benchmark, warm_session):
 
 
 def test_bench_whole_frame(benchmark, warm_session, question_wav):
-    frame = question_wav[2 * FRAME: 3 * FRAME]
+    frame = question_wav[2 * FRAME : 3 * FRAME]
     events = benchmark(lambda: warm_session.push_audio(frame))
     audio = [e for e in events if e.kind == "audio"]
     assert len(audio) == 1 and audio[0].samples.shape == (warm_session.codec.samples_per_frame,)
@@ -381,9 +453,22 @@ def test_isolated_runs_and_frame_limit(tiny_ckpt_4bit, wav_path, tmp_path):
     """--isolate runs each load + stream (and the floor model) in a spawned process; --frames
     streams only the first N frames. The records come back whole."""
     out = tmp_path / "iso"
-    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=out, backends=["voicechat"],
-                        runs=1, warmup=0, drop_first=1, extra_decoding_seconds=EXTRA_S, bandwidth_mb=4.0,
-                        heartbeat_s=0, offline=False, plots=False, frames=4, isolate=True)
+    opts = BenchOptions(
+        checkpoints=[str(tiny_ckpt_4bit)],
+        audio=[str(wav_path)],
+        out=out,
+        backends=["voicechat"],
+        runs=1,
+        warmup=0,
+        drop_first=1,
+        extra_decoding_seconds=EXTRA_S,
+        bandwidth_mb=4.0,
+        heartbeat_s=0,
+        offline=False,
+        plots=False,
+        frames=4,
+        isolate=True,
+    )
     result = run_bench(opts, progress=Progress(stream=io.StringIO()))
     assert result.failed == 0
     frames = pd.read_csv(out / "frames.csv")
@@ -410,10 +495,16 @@ def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
         monkeypatch.setenv("VOICECHAT_FLOAT32_COPIES", copies)
         model = voicechat.load(tiny_ckpt, warmup=False)
         resident[copies] = resident_bytes_by_stage(model)
-        layers[copies] = {path: (m.weight.size, m.weight.dtype, m.bias.size if "bias" in m else 0,
-                                 m.bias.dtype if "bias" in m else None)
-                          for path, m in model.named_modules()
-                          if "weight" in m and isinstance(m.weight, mx.array) and "_weight_view" in m.__dict__}
+        layers[copies] = {
+            path: (
+                m.weight.size,
+                m.weight.dtype,
+                m.bias.size if "bias" in m else 0,
+                m.bias.dtype if "bias" in m else None,
+            )
+            for path, m in model.named_modules()
+            if "weight" in m and isinstance(m.weight, mx.array) and "_weight_view" in m.__dict__
+        }
         del model
     grown = {}
     for path, (n, dtype, nb, bias_dtype) in layers["1"].items():
@@ -514,8 +605,12 @@ def test_resident_by_stage_counts_what_resident_bytes_counts(tiny_ckpt):
     codec = model.tts_model.audio_codec
     with model.executing():
         mx.eval(codec.decode(np.zeros((2, codec.config.num_quantizers), dtype=np.int32)))
-    host = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
-            if isinstance(v, np.ndarray)]
+    host = [
+        v
+        for _, m in codec.named_modules()
+        for _, v in m.__dict__.get("_derived", {}).values()
+        if isinstance(v, np.ndarray)
+    ]
     assert host  # the decode above made numpy's float32 W.T
     params = sum(a.nbytes for _, a in tree_flatten(codec.parameters()))
     # numpy's W.T of a weight `load` replaced by float32 views that parameter's buffer (counted
@@ -541,9 +636,21 @@ def test_checkpoint_files_are_read_before_each_run(tiny_ckpt_4bit, wav_path, tmp
         return calls[-1]
 
     monkeypatch.setattr(runner, "read_through", recording)
-    opts = BenchOptions(checkpoints=[str(tiny_ckpt_4bit)], audio=[str(wav_path)], out=tmp_path / "run",
-                        backends=["voicechat", "voicechat-serial"], runs=1, warmup=1, drop_first=0, frames=2,
-                        offline=False, floor=False, plots=False, heartbeat_s=0, warm_page_cache=warm)
+    opts = BenchOptions(
+        checkpoints=[str(tiny_ckpt_4bit)],
+        audio=[str(wav_path)],
+        out=tmp_path / "run",
+        backends=["voicechat", "voicechat-serial"],
+        runs=1,
+        warmup=1,
+        drop_first=0,
+        frames=2,
+        offline=False,
+        floor=False,
+        plots=False,
+        heartbeat_s=0,
+        warm_page_cache=warm,
+    )
     assert run_bench(opts, progress=Progress(stream=io.StringIO())).ok
     on_disk = sum(p.stat().st_size for p in Path(tiny_ckpt_4bit).iterdir() if p.is_file())
     assert calls == ([on_disk] * 4 if warm else [])  # (1 warm-up + 1 measured) x 2 backends

@@ -61,8 +61,10 @@ def test_published_layout_on_disk(tiny_ckpt, tiny_ckpt_4bit):
     assert raw4["stt_model.lm_head.weight"].dtype == mx.uint32
     assert raw4["stt_model.lm_head.scales"].dtype == mx.float32
     scaled = {k[: -len(".scales")] for k in raw4 if k.endswith(".scales")}
-    assert all(k.startswith(("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head",
-                             "stt_model.function_head")) for k in scaled)
+    assert all(
+        k.startswith(("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head"))
+        for k in scaled
+    )
     assert len(raw4) == len(raw) + 2 * len(scaled)
 
 
@@ -77,14 +79,12 @@ def test_write_load_every_parameter(fixture, request):
     bits = (model.config.quantization or {}).get("bits")
     qmods = set(language_path_modules(fresh))
     if bits:
-        nn.quantize(fresh, group_size=64, bits=bits,
-                    class_predicate=lambda p, m: p in qmods)
+        nn.quantize(fresh, group_size=64, bits=bits, class_predicate=lambda p, m: p in qmods)
     expected = dict(tree_flatten(fresh.parameters()))
     assert set(params) == set(expected)
     for k, v in expected.items():
         assert params[k].shape == v.shape, k
-    quantized = {p for p, m in model.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     assert quantized == (qmods if bits else set())
     # Stored dtypes are kept (no silent casting on load)
     assert params["stt_model.perception.proj.weight"].dtype == mx.bfloat16
@@ -130,16 +130,23 @@ def test_widths_the_group_size_does_not_divide_stay_bf16(tmp_path, question_wav)
     the modules reading the hidden state (Mamba in_proj, MLP up, attention q/k/v, both heads) and
     the MLP down_proj stay bf16; the embedding (last dim 96) too; Mamba out_proj (64) and o_proj
     (4 x 16) are quantized. Such a bf16-heavy checkpoint loads and streams as offline."""
-    folder = write_checkpoint(tmp_path / "heavy", "tiny", bits=4, overrides={
-        "text_config": {"hidden_size": 96, "intermediate_size": 160}, "audio_config": {"output_dim": 96}})
+    folder = write_checkpoint(
+        tmp_path / "heavy",
+        "tiny",
+        bits=4,
+        overrides={"text_config": {"hidden_size": 96, "intermediate_size": 160}, "audio_config": {"output_dim": 96}},
+    )
     model = voicechat.load(folder)
     quantized = {p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
-    assert quantized == {"stt_model.llm.layers.0.mixer.out_proj", "stt_model.llm.layers.3.mixer.out_proj",
-                         "stt_model.llm.layers.1.mixer.o_proj"}, sorted(quantized)
+    assert quantized == {
+        "stt_model.llm.layers.0.mixer.out_proj",
+        "stt_model.llm.layers.3.mixer.out_proj",
+        "stt_model.llm.layers.1.mixer.o_proj",
+    }, sorted(quantized)
     off = model.generate(question_wav[:12800])
     s = model.create_streaming_session()
     s.push_audio(question_wav[:12800])
-    np.testing.assert_array_equal(np.stack(s.raw_audio_codes), off.raw_audio_codes[:len(s.raw_audio_codes)])
+    np.testing.assert_array_equal(np.stack(s.raw_audio_codes), off.raw_audio_codes[: len(s.raw_audio_codes)])
 
 
 def test_full_preset_sizes_match_published():
@@ -162,8 +169,10 @@ def test_save_and_reload_round_trip(tmp_path, tiny_ckpt_4bit, tiny_model_4bit):
     original, written = _raw(tiny_ckpt_4bit), _raw(out)
     # the mel front end's window and filterbank (stored in the published layout) are not
     # written back: sanitize drops them (docs/model.md), the front end computes its own
-    assert set(original) - set(written) <= {"stt_model.perception.preprocessor.featurizer.window",
-                                            "stt_model.perception.preprocessor.featurizer.fb"}
+    assert set(original) - set(written) <= {
+        "stt_model.perception.preprocessor.featurizer.window",
+        "stt_model.perception.preprocessor.featurizer.fb",
+    }
     assert set(written) <= set(original)
     for k, v in ((k, v) for k, v in original.items() if k in written):
         assert written[k].dtype == v.dtype, k

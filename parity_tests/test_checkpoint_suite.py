@@ -41,7 +41,7 @@ def runs(model, five_seconds):
     s = model.create_streaming_session(profile=True)
     events = []
     for i in range(0, len(five_seconds), 1280):
-        events += s.push_audio(five_seconds[i:i + 1280])
+        events += s.push_audio(five_seconds[i : i + 1280])
     events += s.flush()
     return off, s, events
 

@@ -82,8 +82,7 @@ def test_rejects_quantizer_count_mismatch():
 
 
 def test_rejects_unknown_layer_letter():
-    _reject(lambda d: d["text_config"].update(hybrid_override_pattern="M*E-"),
-            "text_config.hybrid_override_pattern")
+    _reject(lambda d: d["text_config"].update(hybrid_override_pattern="M*E-"), "text_config.hybrid_override_pattern")
 
 
 def test_rejects_wrong_text_model_type():

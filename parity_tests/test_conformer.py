@@ -64,7 +64,14 @@ def test_parameter_names():
     expected |= {"encoder.pre_encode.out.weight", "encoder.pre_encode.out.bias", "proj.weight", "proj.bias"}
     for i in range(ENC.n_layers):
         pre = f"encoder.layers.{i}."
-        for n in ("norm_feed_forward1", "norm_self_att", "norm_conv", "norm_feed_forward2", "norm_out", "conv.batch_norm"):
+        for n in (
+            "norm_feed_forward1",
+            "norm_self_att",
+            "norm_conv",
+            "norm_feed_forward2",
+            "norm_out",
+            "conv.batch_norm",
+        ):
             expected |= {pre + n + ".weight", pre + n + ".bias"}
         for ff in ("feed_forward1", "feed_forward2"):
             expected |= {pre + f"{ff}.linear1.weight", pre + f"{ff}.linear2.weight"}
@@ -230,7 +237,7 @@ def test_uncached_projection_mode_matches_offline_and_flush():
     offline = enc(mel)
     for cache_projections in (True, False):
         s = ConformerStream(enc, cache_projections=cache_projections)
-        outs = [s.push(mel[i:i + 5]) for i in range(0, mel.shape[0], 5)]
+        outs = [s.push(mel[i : i + 5]) for i in range(0, mel.shape[0], 5)]
         assert s.state.frames_emitted == offline.shape[0] - 1
         outs.append(s.flush())
         streamed = mx.concatenate(outs)
@@ -270,8 +277,10 @@ def test_transposed_pointwise_weights_replace_the_16_bit_ones(bias, transposed):
         # bf16 W.T is the default only where the extension's product reads it (a CPU device)
         if os.environ.get("VOICECHAT_REQUIRE_CPU_QMV") == "1":
             pytest.fail(f"cpu_qmv cannot be used here: {kernels.unavailable_reason()}")
-        pytest.skip(f"bf16 W.T is not the default here (device {mx.default_device()}, "
-                    f"cpu_qmv: {kernels.unavailable_reason() or 'on'})")
+        pytest.skip(
+            f"bf16 W.T is not the default here (device {mx.default_device()}, "
+            f"cpu_qmv: {kernels.unavailable_reason() or 'on'})"
+        )
     d, kernel = 256, 9
     mx.random.seed(4)
     conv = ConvModule(d, kernel, bias)

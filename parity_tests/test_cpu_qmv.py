@@ -53,8 +53,9 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 def _quantized(rng, n, k, group, bits, dtype):
-    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
-                                    group_size=group, bits=bits)
+    w, scales, biases = mx.quantize(
+        mx.array(rng.standard_normal((n, k)).astype(np.float32)), group_size=group, bits=bits
+    )
     return w, scales.astype(dtype), biases.astype(dtype)
 
 
@@ -109,9 +110,9 @@ def test_strided_and_offset_arrays(module, isa):
     w, scales, biases = _quantized(rng, 150, 256, 64, 4, mx.float32)
     x = mx.array(rng.standard_normal((4, 256)).astype(np.float32))
     cases = [
-        (x, w[37:], scales[37:], biases[37:]),          # the second half of a split layer
+        (x, w[37:], scales[37:], biases[37:]),  # the second half of a split layer
         (x, w[:37], scales[:37], biases[:37]),
-        (x, w[::2], scales[::2], biases[::2]),          # not row-contiguous
+        (x, w[::2], scales[::2], biases[::2]),  # not row-contiguous
         (x[::2], w, scales, biases),
         (mx.array(rng.standard_normal((256, 3)).astype(np.float32)).T, w, scales, biases),
     ]
@@ -129,8 +130,9 @@ def test_non_finite_values_propagate_as_mlx_does(module):
     sn = np.array(scales)
     sn[3, 1], sn[50, 0] = -np.inf, np.nan
     x, s = mx.array(xn), mx.array(sn)
-    assert np.array_equal(_bits(module.quantized_matvec(x, w, s, biases, 64, 8)),
-                          _bits(_reference(x, w, s, biases, 64, 8)))
+    assert np.array_equal(
+        _bits(module.quantized_matvec(x, w, s, biases, 64, 8)), _bits(_reference(x, w, s, biases, 64, 8))
+    )
 
 
 @pytest.mark.parametrize("wdtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
@@ -173,9 +175,11 @@ def test_float32_matmul_views_and_non_finite_values(module):
     cases.append((mx.array(xn), mx.array(wn)))
     # bf16 weights: a transposed view (copied to rows by the kernel), the same inf / NaN, and
     # every bf16 bit pattern once (subnormals, both zeros, inf, NaN payloads) against x of ones
-    cases += [(x, mx.array(rng.standard_normal((100, 32)).astype(np.float32)).astype(mx.bfloat16).T),
-              (mx.array(xn), mx.array(wn).astype(mx.bfloat16)),
-              (mx.ones((2, 64)), mx.array(np.arange(65536, dtype=np.uint16).reshape(64, 1024)).view(mx.bfloat16))]
+    cases += [
+        (x, mx.array(rng.standard_normal((100, 32)).astype(np.float32)).astype(mx.bfloat16).T),
+        (mx.array(xn), mx.array(wn).astype(mx.bfloat16)),
+        (mx.ones((2, 64)), mx.array(np.arange(65536, dtype=np.uint16).reshape(64, 1024)).view(mx.bfloat16)),
+    ]
     for xs, wt in cases:
         assert np.array_equal(_bits(module.float32_matmul(xs, wt)), _bits(mx.matmul(xs, wt)))
 
@@ -190,12 +194,18 @@ def test_float32_matmul_router(module, monkeypatch):
     x = mx.array(rng.standard_normal((2, 24)).astype(np.float32))
     wt = mx.array(rng.standard_normal((24, 40)).astype(np.float32))
     with running(cpu_kernels=True):
-        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt, enabled=bound_policy().cpu_kernels)), _bits(mx.matmul(x, wt)))
+        assert np.array_equal(
+            _bits(cpu_qmv.float32_matmul(x, wt, enabled=bound_policy().cpu_kernels)), _bits(mx.matmul(x, wt))
+        )
         assert calls == [1]
-        assert np.array_equal(_bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels)),
-                              _bits(mx.matmul(x, wt.astype(mx.bfloat16))))  # a bf16 weight: served
+        assert np.array_equal(
+            _bits(cpu_qmv.float32_matmul(x, wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels)),
+            _bits(mx.matmul(x, wt.astype(mx.bfloat16))),
+        )  # a bf16 weight: served
         assert calls == [1, 1]
-        cpu_qmv.float32_matmul(x.astype(mx.bfloat16), wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels)  # not a float32 x
+        cpu_qmv.float32_matmul(
+            x.astype(mx.bfloat16), wt.astype(mx.bfloat16), enabled=bound_policy().cpu_kernels
+        )  # not a float32 x
         cpu_qmv.float32_matmul(x, wt.astype(mx.float16), enabled=bound_policy().cpu_kernels)  # a float16 weight
         cpu_qmv.float32_matmul(x, mx.stack([wt, wt]), enabled=bound_policy().cpu_kernels)  # a batched weight
         assert calls == [1, 1]
@@ -322,7 +332,9 @@ def test_norm_router_and_bad_arguments(module, monkeypatch):
         assert calls == [1, 1]
         cpu_qmv.rms_norm(x, w, 1e-6, served=False, enabled=bound_policy().cpu_kernels)  # the caller's own check says no
         assert calls == [1, 1]
-        cpu_qmv.layer_norm(x, w, None, 1e-5, served=True, enabled=bound_policy().cpu_kernels)  # ... or yes, not checked again
+        cpu_qmv.layer_norm(
+            x, w, None, 1e-5, served=True, enabled=bound_policy().cpu_kernels
+        )  # ... or yes, not checked again
         assert calls == [1, 1, 1]
     with running(cpu_kernels=False):
         cpu_qmv.rms_norm(x, w, 1e-6, enabled=bound_policy().cpu_kernels)
@@ -362,11 +374,12 @@ def test_rvq_pass_is_the_per_codebook_ops_bit_for_bit(module):
         count = int(rng.integers(1, q_all - first + 1))
         per_book = [books_t[q] for q in range(first, first + count)]
         ops = functools.partial(_rvq_core, count)
-        codes, rest = module.rvq_pass(residual, books_t[first:first + count], norms[first:first + count])
+        codes, rest = module.rvq_pass(residual, books_t[first : first + count], norms[first : first + count])
         assert codes.dtype == mx.int32 and codes.shape == (count,) and rest.shape == (1, latent)
         for run in (ops, mx.compile(ops)):
-            want_codes, want_rest = run(residual, per_book, [b.T for b in per_book],
-                                        [norms[q:q + 1] for q in range(first, first + count)])
+            want_codes, want_rest = run(
+                residual, per_book, [b.T for b in per_book], [norms[q : q + 1] for q in range(first, first + count)]
+            )
             assert codes.tolist() == want_codes.tolist(), (trial, q_all, latent, c)
             assert np.array_equal(_bits(rest), _bits(want_rest))
 
@@ -376,7 +389,9 @@ def test_rvq_pass_router_and_bad_arguments(module):
     with running(cpu_kernels=False):
         assert cpu_qmv.rvq_pass(residual, books_t, norms, enabled=bound_policy().cpu_kernels) is None
     with running(cpu_kernels=True):
-        assert cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms, enabled=bound_policy().cpu_kernels) is None
+        assert (
+            cpu_qmv.rvq_pass(residual.astype(mx.bfloat16), books_t, norms, enabled=bound_policy().cpu_kernels) is None
+        )
         assert cpu_qmv.rvq_pass(residual, books_t, norms, enabled=bound_policy().cpu_kernels) is not None
     with pytest.raises(ValueError, match="float32 residual, books_t and norms"):
         module.rvq_pass(residual, books_t.astype(mx.float16), norms)
@@ -415,15 +430,23 @@ def test_router_takes_the_kernel_only_for_the_calls_it_serves(module, monkeypatc
     x = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
     ref = _reference(x, w, scales, biases, 64, 4)
     with running(cpu_kernels=True):
-        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)), _bits(ref))
+        assert np.array_equal(
+            _bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)),
+            _bits(ref),
+        )
         assert calls == [(64, 4)]
         # Not served: bfloat16 activations, no biases (other modes), 3-bit, a GPU stream absent here.
-        quantized_matmul(x.astype(mx.bfloat16), w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)
+        quantized_matmul(
+            x.astype(mx.bfloat16), w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels
+        )
         w3, s3, b3 = mx.quantize(mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
         quantized_matmul(x, w3, s3, b3, group_size=64, bits=3, enabled=bound_policy().cpu_kernels)
         assert calls == [(64, 4)]
     with running(cpu_kernels=False):
-        assert np.array_equal(_bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)), _bits(ref))
+        assert np.array_equal(
+            _bits(quantized_matmul(x, w, scales, biases, group_size=64, bits=4, enabled=bound_policy().cpu_kernels)),
+            _bits(ref),
+        )
         assert calls == [(64, 4)]
 
 
@@ -437,16 +460,21 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bi
 
     calls = {"quantized_matvec": [], "float32_matmul": [], "norms": []}
     real, real_f32 = module.quantized_matvec, module.float32_matmul
-    monkeypatch.setattr(module, "quantized_matvec", lambda *a, **k: calls["quantized_matvec"].append(1)
-                        or real(*a, **k))
-    monkeypatch.setattr(module, "float32_matmul", lambda *a, **k: calls["float32_matmul"].append(1)
-                        or real_f32(*a, **k))
+    monkeypatch.setattr(
+        module, "quantized_matvec", lambda *a, **k: calls["quantized_matvec"].append(1) or real(*a, **k)
+    )
+    monkeypatch.setattr(
+        module, "float32_matmul", lambda *a, **k: calls["float32_matmul"].append(1) or real_f32(*a, **k)
+    )
     for name in ("rms_norm", "layer_norm", "rvq_pass"):
-        monkeypatch.setattr(module, name, lambda *a, _r=getattr(module, name), _n=name, **k:
-                            calls["norms"].append(_n) or _r(*a, **k))
-    policies = {"kernels": default_policy(),
-                "mlx": ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_QMV": "0"}),
-                "mlx, the kernels' layout": default_policy(cpu_kernels=False)}
+        monkeypatch.setattr(
+            module, name, lambda *a, _r=getattr(module, name), _n=name, **k: calls["norms"].append(_n) or _r(*a, **k)
+        )
+    policies = {
+        "kernels": default_policy(),
+        "mlx": ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_QMV": "0"}),
+        "mlx, the kernels' layout": default_policy(cpu_kernels=False),
+    }
     assert policies["kernels"].cpu_kernels and policies["kernels"].bf16_transposed
     assert not policies["mlx"].cpu_kernels and not policies["mlx"].bf16_transposed
     wave = question_wav[: 1280 * 12]
@@ -460,13 +488,17 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bi
         session = model.create_streaming_session(seed=0)
         events = []
         for start in range(0, wave.size, 1280):
-            events += session.push_audio(wave[start:start + 1280])
+            events += session.push_audio(wave[start : start + 1280])
         audio = [e.samples for e in events if e.kind == "audio"]
-        runs[name] = (list(session.text_ids), list(session.function_ids),
-                      np.stack(session.raw_audio_codes), np.concatenate(audio).view(np.uint32))
+        runs[name] = (
+            list(session.text_ids),
+            list(session.function_ids),
+            np.stack(session.raw_audio_codes),
+            np.concatenate(audio).view(np.uint32),
+        )
         if policy.cpu_kernels:
             assert all(len(c) > loaded[k] for k, c in calls.items()), (loaded, {k: len(c) for k, c in calls.items()})
-            assert {"rms_norm", "layer_norm", "rvq_pass"} <= set(calls["norms"][loaded["norms"]:])
+            assert {"rms_norm", "layer_norm", "rvq_pass"} <= set(calls["norms"][loaded["norms"] :])
         else:
             assert all(c == [] for c in calls.values()), name  # none with them off
     want = runs["kernels"]
@@ -515,7 +547,8 @@ def test_a_layer_rechecks_its_weights_when_they_are_replaced(module, monkeypatch
         assert calls == [4]
         layer.bits = 3
         layer.weight, layer.scales, layer.biases = mx.quantize(
-            mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3)
+            mx.array(rng.standard_normal((40, 128)).astype(np.float32)), group_size=64, bits=3
+        )
         assert np.array_equal(_bits(layer(x)), _bits(_reference(x, layer.weight, layer.scales, layer.biases, 64, 3)))
         assert calls == [4]
 
@@ -538,7 +571,10 @@ def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch)
             assert bound_policy().cpu_kernels is False
             x = mx.ones((1, 64))
             w, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
-            assert quantized_matmul(x, w, s, b, group_size=64, bits=4, enabled=bound_policy().cpu_kernels).shape == (1, 8)  # MLX's kernel
+            assert quantized_matmul(x, w, s, b, group_size=64, bits=4, enabled=bound_policy().cpu_kernels).shape == (
+                1,
+                8,
+            )  # MLX's kernel
         assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False  # silent
     with pytest.raises(RuntimeError, match="cannot be used here: no compiler here"):
         ExecutionPolicy(name="forced", cpu_kernels=True)

@@ -130,14 +130,28 @@ def warm(model, prompt) -> EarTtsState:
 
 
 def expected_names(cfg) -> set[str]:
-    names = {"backbone.norm.weight", "bos_emb", "null_emb", "embed_code.weight", "audio_prompt_projection_W", "rvq_embs"}
+    names = {
+        "backbone.norm.weight",
+        "bos_emb",
+        "null_emb",
+        "embed_code.weight",
+        "audio_prompt_projection_W",
+        "rvq_embs",
+    }
     for i in range(cfg.num_hidden_layers):
         p = f"backbone.layers.{i}."
         names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
         names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
-        names |= {p + f"{n}.weight" for n in ("input_layernorm", "post_attention_layernorm",
-                                               "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+        names |= {
+            p + f"{n}.weight"
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        }
     g = "gated_fusion_audio_text."
     names |= {g + f"{m}_proj.{t}" for m in ("audio", "text") for t in ("weight", "bias")}
     names |= {g + "gate", g + "residual_scale", g + "final_norm.weight"}
@@ -147,11 +161,23 @@ def expected_names(cfg) -> set[str]:
         p = s + f"backbone.encoder.layers.{j}."
         names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
         names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
-        names |= {p + f"{n}.weight" for n in ("pre_self_attn_layernorm", "post_self_attn_layernorm",
-                                               "pre_feedforward_layernorm", "post_feedforward_layernorm")}
-    names |= {s + "subword_flag_emb.is_continuation", s + "subword_flag_emb.pad_tensor",
-              s + "subword_flag_emb.cont_emb.weight", s + "bos_eos_emb.special_flags",
-              s + "bos_eos_emb.pad_tensor", s + "bos_eos_emb.special_emb.weight"}
+        names |= {
+            p + f"{n}.weight"
+            for n in (
+                "pre_self_attn_layernorm",
+                "post_self_attn_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        }
+    names |= {
+        s + "subword_flag_emb.is_continuation",
+        s + "subword_flag_emb.pad_tensor",
+        s + "subword_flag_emb.cont_emb.weight",
+        s + "bos_eos_emb.special_flags",
+        s + "bos_eos_emb.pad_tensor",
+        s + "bos_eos_emb.special_emb.weight",
+    }
     n = cfg.mog_head.num_layers
     for i in range(n):
         p = f"mog_head.mlp_stack.{i}."
@@ -178,8 +204,12 @@ def test_parameter_names_and_shapes(model, cfg):
     cont = params["embed_subword.subword_flag_emb.is_continuation"]
     flags = params["embed_subword.bos_eos_emb.special_flags"]
     assert cont.shape == (FLAG_TABLE_VOCAB + 1,) and flags.shape == (FLAG_TABLE_VOCAB,)
-    for name in ("subword_flag_emb.is_continuation", "subword_flag_emb.pad_tensor",
-                 "bos_eos_emb.special_flags", "bos_eos_emb.pad_tensor"):
+    for name in (
+        "subword_flag_emb.is_continuation",
+        "subword_flag_emb.pad_tensor",
+        "bos_eos_emb.special_flags",
+        "bos_eos_emb.pad_tensor",
+    ):
         assert mx.issubdtype(params["embed_subword." + name].dtype, mx.integer), name
     assert params["embed_subword.subword_flag_emb.pad_tensor"].item() == 131072
     assert params["embed_subword.bos_eos_emb.pad_tensor"].item() == 131071
@@ -436,7 +466,7 @@ def test_char_table(cfg, vocab, table):
     for tok in (0, PAD, hello, 511):
         seq = table.sequence(tok)
         assert lengths[tok] == len(seq) and ids[tok, : len(seq)].tolist() == seq
-        assert (ids[tok, len(seq):] == 256).all()
+        assert (ids[tok, len(seq) :] == 256).all()
     with pytest.raises(ValueError, match="outside the char table"):
         table.sequence(512)
 
@@ -461,8 +491,11 @@ def test_char_table_errors(cfg, vocab, model):
     with pytest.raises(ValueError, match="char_vocab_size"):
         model.set_char_table(other)
     with pytest.raises(ValueError, match="no char table"):
-        EarTts(cfg).warmup_inputs(mx.zeros((PROMPT_FRAMES, cfg.num_quantizers), dtype=mx.int32),
-                                  mx.zeros((1, PROMPT_FRAMES, cfg.hidden_size)), PAD)
+        EarTts(cfg).warmup_inputs(
+            mx.zeros((PROMPT_FRAMES, cfg.num_quantizers), dtype=mx.int32),
+            mx.zeros((1, PROMPT_FRAMES, cfg.hidden_size)),
+            PAD,
+        )
 
 
 # ----------------------------------------------------------------- per-model numerics
@@ -472,8 +505,12 @@ def copy_with(model, cfg, numerics: str, dtype=None) -> EarTts:
     """A new EarTts with `numerics` and `model`'s weights (floats cast to `dtype` if given: bf16 is
     the published checkpoints' dtype); integer buffers kept."""
     out = EarTts(cfg, char_table=model.char_table, numerics=numerics)
-    out.load_weights([(n, w.astype(dtype) if dtype is not None and mx.issubdtype(w.dtype, mx.floating) else w)
-                      for n, w in tree_flatten(model.parameters())])
+    out.load_weights(
+        [
+            (n, w.astype(dtype) if dtype is not None and mx.issubdtype(w.dtype, mx.floating) else w)
+            for n, w in tree_flatten(model.parameters())
+        ]
+    )
     mx.eval(out.parameters())
     return out
 
@@ -504,8 +541,11 @@ def test_backbone_norm_flag(model, cfg):
     flagged_model = copy_with(model, cfg, "reference")
     plain_model = copy_with(model, cfg, "float32")
     rounded = copy_with(model, cfg, "float32")
-    weights_bf = [(n, (mx.random.normal(w.shape, key=mx.random.key(i)) * 0.3).astype(mx.bfloat16))
-                  for i, (n, w) in enumerate(tree_flatten(model.backbone.parameters())) if "norm" in n]
+    weights_bf = [
+        (n, (mx.random.normal(w.shape, key=mx.random.key(i)) * 0.3).astype(mx.bfloat16))
+        for i, (n, w) in enumerate(tree_flatten(model.backbone.parameters()))
+        if "norm" in n
+    ]
     flagged_model.backbone.load_weights(weights_bf, strict=False)
     plain_model.backbone.load_weights(weights_bf, strict=False)
     rounded.backbone.load_weights([(n, (1 + w).astype(mx.float32) - 1) for n, w in weights_bf], strict=False)
@@ -593,6 +633,7 @@ def test_top_p_keep_rule_and_ties():
     """Keep a component iff the mass ranked above it is < top_p; ranking by descending probability,
     equal probabilities ranked higher index first (the reference's order). Dyadic probabilities
     make every float32 sum exact, so the expected masks are exact."""
+
     def expected(p, top_p):
         keep, mass = [False] * len(p), 0.0
         for i in sorted(range(len(p)), key=lambda i: (-p[i], -i)):
@@ -634,7 +675,7 @@ def test_sliding_ring_layout_after_warmup(model, cfg, prompt, silence):
         model.step(state, 300, rng, eos_id=EOS, silence_codes=silence)
         newest = state.ordered_kv(0)[0][:, :, -1:]
         index = (n - 1) % w
-        assert mx.array_equal(state.keys[0][:, :, index:index + 1], newest).item(), n
+        assert mx.array_equal(state.keys[0][:, :, index : index + 1], newest).item(), n
     fresh = model.make_state()
     model.backbone(mx.zeros((2, 3, cfg.hidden_size)), fresh)  # shorter than the window: origin stays 0
     assert fresh.ring_origin == [0, 0] and fresh.capacity(0) == 3
@@ -674,8 +715,14 @@ def test_bad_inputs(model, cfg, prompt, silence):
     for value, exc, msg in bad_silence:
         with pytest.raises(exc, match=msg):
             model.step(state, 300, rng, eos_id=EOS, silence_codes=value)
-    for token, exc in [(-1, ValueError), (True, TypeError), (1.0, TypeError), (mx.array(1.0), TypeError),
-                       (mx.array([1, 2]), TypeError), (600, ValueError)]:
+    for token, exc in [
+        (-1, ValueError),
+        (True, TypeError),
+        (1.0, TypeError),
+        (mx.array(1.0), TypeError),
+        (mx.array([1, 2]), TypeError),
+        (600, ValueError),
+    ]:
         with pytest.raises(exc, match="token"):
             model.step(state, token, rng, eos_id=EOS, silence_codes=silence)
     with pytest.raises(TypeError, match="state"):

@@ -39,8 +39,15 @@ def test_max_frames(tiny_model, question_wav):
         tiny_model.generate(question_wav, max_frames=1)
 
 
-@pytest.mark.parametrize("bad,exc", [(np.zeros(0, np.float32), ValueError), (np.zeros((10, 2)), ValueError),
-                                     ([float("nan")] * 400, ValueError), ("/no/such.wav", FileNotFoundError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (np.zeros(0, np.float32), ValueError),
+        (np.zeros((10, 2)), ValueError),
+        ([float("nan")] * 400, ValueError),
+        ("/no/such.wav", FileNotFoundError),
+    ],
+)
 def test_generate_bad_audio(tiny_model, bad, exc):
     with pytest.raises(exc):
         tiny_model.generate(bad)
@@ -66,8 +73,9 @@ def test_generate_stream_chunks_equal_generate(tiny_model_4bit, question_wav, pr
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_generate_offline_and_stream(tmp_path, tiny_ckpt, question_wav):
@@ -98,8 +106,19 @@ def test_cli_generate_numerics(tmp_path, tiny_ckpt, question_wav):
     from voicechat.samples import sample_path
 
     out = tmp_path / "f32.wav"
-    r = _cli("generate", "-m", str(tiny_ckpt), "--audio", str(sample_path("question")), "--output-audio", str(out),
-             "--output-format", "float32", "--numerics", "float32")
+    r = _cli(
+        "generate",
+        "-m",
+        str(tiny_ckpt),
+        "--audio",
+        str(sample_path("question")),
+        "--output-audio",
+        str(out),
+        "--output-format",
+        "float32",
+        "--numerics",
+        "float32",
+    )
     assert r.returncode == 0, r.stderr
     data, _ = sf.read(out, dtype="float32")
     f32 = voicechat.load(tiny_ckpt, numerics="float32").generate(question_wav)
@@ -108,5 +127,6 @@ def test_cli_generate_numerics(tmp_path, tiny_ckpt, question_wav):
     assert data.tobytes() == f32.audio.astype(np.float32).tobytes()
     r = _cli("generate", "--numerics", "fp16", "--output-audio", str(out))
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
 
 # Other sample rates and channel counts are converted by the CLI: parity_tests/test_input_files.py.

@@ -28,8 +28,21 @@ from harness.differences import DIFFERENCES
 from harness.dump import DumpBackend, dump_reference
 from harness.engine import audio_digest, run_parity
 from harness.families import (
-    CODEC, CONFORMER, DOCUMENTED, E2E, EAR_TTS, FAIL, FAMILIES, MEL, NEMOTRON, NOT_AVAILABLE, PASS,
-    compare_aligned_audio, compare_codes, compare_ids, logit_gap,
+    CODEC,
+    CONFORMER,
+    DOCUMENTED,
+    E2E,
+    EAR_TTS,
+    FAIL,
+    FAMILIES,
+    MEL,
+    NEMOTRON,
+    NOT_AVAILABLE,
+    PASS,
+    compare_aligned_audio,
+    compare_codes,
+    compare_ids,
+    logit_gap,
 )
 from harness.report import ParityReport
 
@@ -40,8 +53,13 @@ class MemoBackend(VoiceChatBackend):
     """VoiceChatBackend whose offline / streamed runs are computed once per (model, input, arguments)."""
 
     def _memo(self, kind, fn, audio, kw):
-        key = (kind, id(self.model), self.numerics, audio_digest(np.asarray(audio, np.float32)),
-               tuple(sorted(kw.items())))
+        key = (
+            kind,
+            id(self.model),
+            self.numerics,
+            audio_digest(np.asarray(audio, np.float32)),
+            tuple(sorted(kw.items())),
+        )
         if key not in _MEMO:
             _MEMO[key] = fn(audio, **kw)
         return copy.deepcopy(_MEMO[key])
@@ -158,7 +176,7 @@ class ShiftedEncoder(MemoBackend):
 
     def stream(self, audio, **kw):
         run = super().stream(audio, **kw)
-        run.encoder[K_SHIFT:] = run.encoder[K_SHIFT - 1:-1].copy()
+        run.encoder[K_SHIFT:] = run.encoder[K_SHIFT - 1 : -1].copy()
         return run
 
 
@@ -177,8 +195,14 @@ class DroppedTail(MemoBackend):
 
 def test_dropped_codec_tail_fails_codec(model, question_wav):
     report = run_parity(DroppedTail(model), question_wav)
-    assert_only_fails(report, {(CODEC, "tail length"), (CODEC, "streamed length vs decode length"),
-                               (E2E, "streamed audio length (frames x spf + tail)")})
+    assert_only_fails(
+        report,
+        {
+            (CODEC, "tail length"),
+            (CODEC, "streamed length vs decode length"),
+            (E2E, "streamed audio length (frames x spf + tail)"),
+        },
+    )
     last = len(report.runs.stream.text_ids) - 1
     for metric in ("tail length", "streamed length vs decode length"):
         assert report.row(CODEC, metric).first_failing_frame == last
@@ -206,14 +230,15 @@ class CorruptAudioFrame(MemoBackend):
     def stream(self, audio, **kw):
         run = super().stream(audio, **kw)
         spf = self.samples_per_frame
-        run.audio[K_AUDIO * spf:(K_AUDIO + 1) * spf] += 1e-3
+        run.audio[K_AUDIO * spf : (K_AUDIO + 1) * spf] += 1e-3
         return run
 
 
 def test_corrupted_decode_step_fails_codec_at_that_frame(model, question_wav):
     report = run_parity(CorruptAudioFrame(model), question_wav)
-    assert_only_fails(report, {(CODEC, "streamed samples vs decode (aligned)"),
-                               (E2E, "audio samples (streamed delayed by lead-in)")})
+    assert_only_fails(
+        report, {(CODEC, "streamed samples vs decode (aligned)"), (E2E, "audio samples (streamed delayed by lead-in)")}
+    )
     assert report.row(CODEC, "streamed samples vs decode (aligned)").first_failing_frame == K_AUDIO
     assert report.row(E2E, "audio samples (streamed delayed by lead-in)").first_failing_frame == K_AUDIO
 
@@ -263,7 +288,9 @@ def test_primitives_fail_where_expected():
     ref = np.linspace(-1, 1, 100).astype(np.float32)
     delayed = np.concatenate([np.zeros(4, np.float32), ref])
     delayed[4 + 57] += 1.0
-    row = compare_aligned_audio(CODEC, "x", "s", delayed, ref, delay=4, skip=0, samples_per_frame=10, tol_name="codec_abs")
+    row = compare_aligned_audio(
+        CODEC, "x", "s", delayed, ref, delay=4, skip=0, samples_per_frame=10, tol_name="codec_abs"
+    )
     assert row.status == FAIL and row.first_failing_frame == (57 + 4) // 10
     with pytest.raises(ValueError):
         compare_codes("no such family", "x", "codes", a, a)
@@ -337,7 +364,9 @@ def test_default_numerics_pass_codes_against_the_reference(model, question_wav):
     assert {r.difference_id for r in cross if r.status == DOCUMENTED} == {"codec_tail", "frame0_codes_no_prompt"}
     c_off, c_st = "offline: voicechat vs reference-like", "streamed: voicechat vs reference-like"
     assert [r.metric for r in cross if r.difference_id == "frame0_codes_no_prompt"] == [
-        "first audio frame: codes", "audio samples"]
+        "first audio frame: codes",
+        "audio samples",
+    ]
     for c in (c_off, c_st):
         for metric in ("codes per frame", "decoded codes per frame"):
             assert report.row(E2E, metric, c).status == PASS, (c, metric)
@@ -386,8 +415,7 @@ def test_xscaling_difference_needs_xscaling(model, question_wav):
     plain = run_parity(MemoBackend(model), question_wav, against=UnscaledStreamReference(model), components=False)
     row = plain.row(CONFORMER, "encoder frames (max abs)", "streamed: voicechat vs unscaled-stream")
     assert row.status == FAIL  # xscaling false: no excuse
-    claimed = run_parity(XscalingClaim(model), question_wav, against=UnscaledStreamReference(model),
-                         components=False)
+    claimed = run_parity(XscalingClaim(model), question_wav, against=UnscaledStreamReference(model), components=False)
     row = claimed.row(CONFORMER, "encoder frames (max abs)", "streamed: voicechat vs unscaled-stream")
     assert row.status == DOCUMENTED and row.difference_id == "xscaling_streaming"
     assert claimed.ok
@@ -415,8 +443,20 @@ def test_cli_exit_status(tiny_ckpt_4bit, tmp_path, model, question_wav):
 
     sf.write(wav, question_wav, 16000, subtype="FLOAT")
     ref = tmp_path / "ref.npz"
-    rc = main(["parity", "-m", str(tiny_ckpt_4bit), "--audio", wav, "--out", str(tmp_path),
-               "--dump-reference", str(ref), "--no-components"])
+    rc = main(
+        [
+            "parity",
+            "-m",
+            str(tiny_ckpt_4bit),
+            "--audio",
+            wav,
+            "--out",
+            str(tmp_path),
+            "--dump-reference",
+            str(ref),
+            "--no-components",
+        ]
+    )
     assert rc == 0 and ref.is_file()
     assert sorted(p.suffix for p in tmp_path.glob("*_seed0.*")) == [".json", ".md"]
     # A tampered reference (one code changed at frame 7 of the streamed run) must fail the gate.
@@ -425,8 +465,20 @@ def test_cli_exit_status(tiny_ckpt_4bit, tmp_path, model, question_wav):
     arrays["stream.codes"][7, 0] = (arrays["stream.codes"][7, 0] + 1) % model.config.tts_config.codebook_size
     bad = tmp_path / "bad.npz"
     np.savez(bad, **arrays)
-    rc = main(["parity", "-m", str(tiny_ckpt_4bit), "--audio", wav, "--out", str(tmp_path / "bad"),
-               "--against", str(bad), "--no-components"])
+    rc = main(
+        [
+            "parity",
+            "-m",
+            str(tiny_ckpt_4bit),
+            "--audio",
+            wav,
+            "--out",
+            str(tmp_path / "bad"),
+            "--against",
+            str(bad),
+            "--no-components",
+        ]
+    )
     assert rc == 1
     assert main(["parity", "-m", str(tiny_ckpt_4bit), "--audio", wav, "--against", "nope"]) == 2
     mx.clear_cache()
@@ -537,7 +589,7 @@ class PromptDriftedStream(MemoBackend):
 
     def stream(self, audio, **kw):
         run = super().stream(audio, **kw)
-        run.text_logits[self.start:] += 3e-3
+        run.text_logits[self.start :] += 3e-3
         return run
 
 
@@ -549,15 +601,17 @@ def test_reference_stream_logits_needs_the_reference_to_disagree_with_itself(mod
     """Documented only with a prompt, when our stream equals the reference's offline and the
     reference's stream parts from its own offline pass at frame 0; otherwise a failure."""
     c = "streamed: voicechat vs prompt-drift-ref"
-    with_prompt = run_parity(MemoBackend(model), question_wav, against=PromptDriftedStream(model),
-                             system_prompt="hello", components=False)
+    with_prompt = run_parity(
+        MemoBackend(model), question_wav, against=PromptDriftedStream(model), system_prompt="hello", components=False
+    )
     row = with_prompt.row(NEMOTRON, "text logits per frame (max abs)", c)
     assert row.status == DOCUMENTED and row.difference_id == "reference_stream_logits", row
     assert with_prompt.ok, with_prompt.to_markdown()
     no_prompt = run_parity(MemoBackend(model), question_wav, against=PromptDriftedStream(model), components=False)
     assert no_prompt.row(NEMOTRON, "text logits per frame (max abs)", c).status == FAIL
-    late = run_parity(MemoBackend(model), question_wav, against=LateDriftedStream(model), system_prompt="hello",
-                      components=False)
+    late = run_parity(
+        MemoBackend(model), question_wav, against=LateDriftedStream(model), system_prompt="hello", components=False
+    )
     assert late.row(NEMOTRON, "text logits per frame (max abs)", c).status == FAIL
 
 

@@ -53,7 +53,9 @@ def test_a_refused_setting_raises_and_is_retried(monkeypatch):
     monkeypatch.setattr(heap, "served", lambda: True)
     monkeypatch.setattr(heap, "_mallopt", lambda param, value: 0)
     for _ in range(2):  # not marked done: the next call tries again
-        with pytest.raises(RuntimeError, match=r"mallopt\(M_MMAP_THRESHOLD, 33554432\) failed; set VOICECHAT_KEEP_HEAP=0"):
+        with pytest.raises(
+            RuntimeError, match=r"mallopt\(M_MMAP_THRESHOLD, 33554432\) failed; set VOICECHAT_KEEP_HEAP=0"
+        ):
             heap.keep_heap()
         assert heap._done == []
 

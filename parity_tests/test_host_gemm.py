@@ -44,8 +44,7 @@ def _bf16_codec(seed: int) -> Codec:
     """A `small` codec with bf16 weights, as the published checkpoints store them."""
     mx.random.seed(seed)
     codec = Codec(preset_config("small").codec_config)
-    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a,
-                                   codec.parameters()))
+    codec.update(nn.utils.tree_map(lambda a: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a, codec.parameters()))
     mx.eval(codec.parameters())
     return codec
 
@@ -78,8 +77,9 @@ def test_erf_rational_within_8_ulp():
     (the rational fit's own error plus the float32 rounding of its ~14 Horner steps and one
     division; 7.03 ulp is the largest seen on this grid, mx.erf is no closer in absolute
     terms), odd, and exactly +-1 far out."""
-    xs = np.concatenate([np.linspace(-6.0, 6.0, 120001), np.geomspace(1e-30, 1e-2, 2000),
-                         -np.geomspace(1e-30, 1e-2, 2000)]).astype(np.float32)
+    xs = np.concatenate(
+        [np.linspace(-6.0, 6.0, 120001), np.geomspace(1e-30, 1e-2, 2000), -np.geomspace(1e-30, 1e-2, 2000)]
+    ).astype(np.float32)
     exact = np.array([math.erf(float(v)) for v in xs])
     got = np.array(erf_rational(mx.array(xs))).astype(np.float64)
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
@@ -159,7 +159,7 @@ def test_codec_streaming_matches_offline_either_way(small_codec, enabled):
         state = small_codec.make_state()
         parts = [np.array(small_codec.decode_step(codes[t], state)) for t in range(codes.shape[0])]
         parts.append(np.array(small_codec.flush(state)))
-    streamed = np.concatenate(parts)[small_codec.lead_in:]
+    streamed = np.concatenate(parts)[small_codec.lead_in :]
     assert streamed.shape == offline.shape
     w = small_codec.warmup_samples
     assert np.abs(streamed[w:] - offline[w:]).max() <= AUDIO_TOL
@@ -199,10 +199,18 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     def float32_copies(block, kind):
         out = []
         for _, value in block.__dict__.get("_derived", {}).values():
-            leaves = value if isinstance(value, (tuple, list)) else list(value.values()) if isinstance(value, dict) \
+            leaves = (
+                value
+                if isinstance(value, (tuple, list))
+                else list(value.values())
+                if isinstance(value, dict)
                 else [value]
-            out += [a for a in leaves if isinstance(a, kind) and a.dtype in (mx.float32, np.float32)
-                    and a.size == block.pwconv1.weight.size]
+            )
+            out += [
+                a
+                for a in leaves
+                if isinstance(a, kind) and a.dtype in (mx.float32, np.float32) and a.size == block.pwconv1.weight.size
+            ]
         return out
 
     with running(host_products=True):
@@ -213,8 +221,12 @@ def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
         assert float32_copies(b, mx.array) == [], "an MLX float32 copy beside numpy's"
         assert len(float32_copies(b, np.ndarray)) == 2  # w1 and w2
     params = sum(a.nbytes for _, a in nn.utils.tree_flatten(codec.parameters()))
-    numpy_all = sum(v.nbytes for _, m in codec.named_modules()
-                    for _, v in m.__dict__.get("_derived", {}).values() if isinstance(v, np.ndarray))
+    numpy_all = sum(
+        v.nbytes
+        for _, m in codec.named_modules()
+        for _, v in m.__dict__.get("_derived", {}).values()
+        if isinstance(v, np.ndarray)
+    )
     pointwise_f32 = sum(a.nbytes for b in used for a in float32_copies(b, np.ndarray))
     # What MLX keeps beyond the parameters (float32 norms, biases, taps, the upsamplers'
     # reshaped matrices) is well under another float32 copy of the pointwise weights.
@@ -244,8 +256,12 @@ def test_load_makes_the_codec_weights_a_decode_needs(tiny_ckpt, numpy_products):
     assert model.policy.host_products is numpy_products
     codec = model.tts_model.audio_codec
     with model.executing():
-        host_copies = [v for _, m in codec.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
-                       if isinstance(v, np.ndarray)]
+        host_copies = [
+            v
+            for _, m in codec.named_modules()
+            for _, v in m.__dict__.get("_derived", {}).values()
+            if isinstance(v, np.ndarray)
+        ]
         assert bool(host_copies) == numpy_products
         # numpy's W.T are views of the float32 parameters (one copy), so not counted again
         params = [np.asarray(a) for _, a in nn.utils.tree_flatten(codec.parameters()) if a.dtype == mx.float32]
@@ -282,8 +298,9 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
         stored = {k: np.array(v.astype(mx.float32)) for k, v in nn.utils.tree_flatten(decoder.parameters())}
         for _, m in decoder.named_modules():
             m.__dict__.pop("_derived", None)
-        targets = [b.pwconv1 for b in decoder.layers if isinstance(b, ConvNeXtBlock)] + \
-                  [b.pwconv2 for b in decoder.layers if isinstance(b, ConvNeXtBlock)]
+        targets = [b.pwconv1 for b in decoder.layers if isinstance(b, ConvNeXtBlock)] + [
+            b.pwconv2 for b in decoder.layers if isinstance(b, ConvNeXtBlock)
+        ]
         if numpy_products:
             targets += [layer for layer in decoder.layers if not isinstance(layer, ConvNeXtBlock)]
         mx.clear_cache()
@@ -300,8 +317,12 @@ def test_decoder_weights_become_one_float32_copy(numpy_products):
             assert t.weight.dtype == mx.float32
         for k, v in nn.utils.tree_flatten(decoder.parameters()):
             assert np.array_equal(np.array(v.astype(mx.float32)), stored[k]), k
-        host = [v for _, m in decoder.named_modules() for _, v in m.__dict__.get("_derived", {}).values()
-                if isinstance(v, np.ndarray)]
+        host = [
+            v
+            for _, m in decoder.named_modules()
+            for _, v in m.__dict__.get("_derived", {}).values()
+            if isinstance(v, np.ndarray)
+        ]
         assert len(host) == (len(targets) if numpy_products else 0)
         weights = [np.asarray(t.weight) for t in targets]
         for v in host:

@@ -22,15 +22,24 @@ import pytest
 
 import voicechat
 
-from .independent_writer import (Spec, config_dict, inventory, module_settings, quantized_modules_written,
-                                 quantized_names, write)
+from .independent_writer import (
+    Spec,
+    config_dict,
+    inventory,
+    module_settings,
+    quantized_modules_written,
+    quantized_names,
+    write,
+)
 
 CLIP_SAMPLES = 1280 * 6  # six streamed frames (the warm-up frame included)
 
 LAYOUTS = [Spec(dtype=d) for d in ("float32", "bfloat16")] + [
     Spec(dtype=d, bits=b, predicate=p)
-    for d in ("float32", "bfloat16") for b in (4, 8)
-    for p in ("published", "mlx-vlm-runnable", "mlx-vlm-default")]
+    for d in ("float32", "bfloat16")
+    for b in (4, 8)
+    for p in ("published", "mlx-vlm-runnable", "mlx-vlm-default")
+]
 OTHER_AXES = [
     Spec(bits=4, predicate="mlx-vlm-default", control_inside=False),
     Spec(bits=8, predicate="mlx-vlm-default", sampling="shipped"),
@@ -47,7 +56,7 @@ def _stream(model, wav, prompt):
     session = model.create_streaming_session(system_prompt=prompt, seed=3)
     events = []
     for i in range(0, len(wav), 1280):
-        events += session.push_audio(wav[i:i + 1280])
+        events += session.push_audio(wav[i : i + 1280])
     events += session.flush()
     audio = [e for e in events if e.kind == "audio"]
     samples = np.concatenate([e.samples for e in events if e.kind in ("audio", "audio_tail")])
@@ -66,8 +75,8 @@ def check_stream_equals_offline(model, wav, prompt=None):
     ratio = codec.samples_per_frame
     edge = (model.config.codec_config.n_fft - model.config.codec_config.hop_length) // 2
     assert streamed.shape[0] == k * ratio + codec.lead_in  # audio events + the flushed tail
-    a = streamed[codec.lead_in:][codec.warmup_samples:k * ratio - edge]
-    b = off.audio[codec.warmup_samples:k * ratio - edge]
+    a = streamed[codec.lead_in :][codec.warmup_samples : k * ratio - edge]
+    b = off.audio[codec.warmup_samples : k * ratio - edge]
     assert a.size > 0 and np.isfinite(a).all()
     assert np.max(np.abs(a - b)) <= 1e-4
     return off, codes
@@ -105,23 +114,33 @@ def test_mlx_vlm_default_predicate_covers_every_component():
     embedding) layers, so the test above exercises them; the published one only the language path."""
     entries = inventory(config_dict(Spec()))
     everything = quantized_names(entries, "mlx-vlm-default")
-    for part in ("stt_model.perception.encoder.layers.0.feed_forward1.linear2",
-                 "stt_model.perception.encoder.pre_encode.out", "stt_model.perception.proj",
-                 "stt_model.rnnt_decoder.prediction.embed", "stt_model.rnnt_joint.enc",
-                 "stt_model.rnnt_joint.joint_net.2",
-                 "tts_model.tts_model.mog_head.proj_mus", "tts_model.tts_model.embed_subword.embed_tokens",
-                 "tts_model.tts_model.embed_subword.backbone.encoder.layers.0.self_attn.q_proj",
-                 "tts_model.tts_model.backbone.layers.1.mlp.down_proj", "tts_model.tts_model.embed_code",
-                 "tts_model.tts_model.gated_fusion_audio_text.text_proj",
-                 "tts_model.tts_model.mog_head.proj_logs",
-                 "tts_model.tts_model.embed_subword.subword_flag_emb.cont_emb"):
+    for part in (
+        "stt_model.perception.encoder.layers.0.feed_forward1.linear2",
+        "stt_model.perception.encoder.pre_encode.out",
+        "stt_model.perception.proj",
+        "stt_model.rnnt_decoder.prediction.embed",
+        "stt_model.rnnt_joint.enc",
+        "stt_model.rnnt_joint.joint_net.2",
+        "tts_model.tts_model.mog_head.proj_mus",
+        "tts_model.tts_model.embed_subword.embed_tokens",
+        "tts_model.tts_model.embed_subword.backbone.encoder.layers.0.self_attn.q_proj",
+        "tts_model.tts_model.backbone.layers.1.mlp.down_proj",
+        "tts_model.tts_model.embed_code",
+        "tts_model.tts_model.gated_fusion_audio_text.text_proj",
+        "tts_model.tts_model.mog_head.proj_logs",
+        "tts_model.tts_model.embed_subword.subword_flag_emb.cont_emb",
+    ):
         assert part in everything, part
     published = quantized_names(entries, "published")
-    assert published and all(p.startswith(("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head",
-                                           "stt_model.function_head")) for p in published)
+    assert published and all(
+        p.startswith(("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head"))
+        for p in published
+    )
     runnable = quantized_names(entries, "mlx-vlm-runnable")
-    assert everything - runnable == {"tts_model.tts_model.mog_head.proj_mus",
-                                     "tts_model.tts_model.embed_subword.embed_tokens"}
+    assert everything - runnable == {
+        "tts_model.tts_model.mog_head.proj_mus",
+        "tts_model.tts_model.embed_subword.embed_tokens",
+    }
 
 
 def test_quantized_model_computes_what_its_dense_twin_does(tmp_path, clip):
@@ -146,8 +165,9 @@ def test_quantized_model_computes_what_its_dense_twin_does(tmp_path, clip):
     for shard in sorted(set(index["weight_map"].values())):
         t = mx.load(str(qfolder / shard))
         for p in [k[: -len(".scales")] for k in t if k.endswith(".scales")]:
-            t[p + ".weight"] = mx.dequantize(t[p + ".weight"], t.pop(p + ".scales"), t.pop(p + ".biases"),
-                                             group_size=64, bits=spec.bits)
+            t[p + ".weight"] = mx.dequantize(
+                t[p + ".weight"], t.pop(p + ".scales"), t.pop(p + ".biases"), group_size=64, bits=spec.bits
+            )
         mx.save_safetensors(str(dfolder / shard), t)
         weight_map.update({k: shard for k in t})
     (dfolder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -170,9 +190,14 @@ def test_quantized_model_computes_what_its_dense_twin_does(tmp_path, clip):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [Spec(depth="real", bits=4, predicate="mlx-vlm-default"),
-                                  Spec(depth="real", bits=8, predicate="published", sampling="shipped")],
-                         ids=lambda s: s.name())
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(depth="real", bits=4, predicate="mlx-vlm-default"),
+        Spec(depth="real", bits=8, predicate="published", sampling="shipped"),
+    ],
+    ids=lambda s: s.name(),
+)
 def test_real_depth_layout_streams_like_offline(tmp_path, spec, long_question_wav):
     model = voicechat.load(write(tmp_path / "ckpt", spec))
     check_stream_equals_offline(model, long_question_wav[: 1280 * 80], prompt="hello")

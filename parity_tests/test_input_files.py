@@ -32,8 +32,9 @@ def _expected_length(n: int, rate: int, target: int = 16000) -> int:
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True, timeout=300, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,9 @@ def mono48_flac(tmp_path_factory, x16):
     return p, x48
 
 
-@pytest.mark.parametrize("rate,n", [(44100, 95047), (48000, 103452), (22050, 1001), (32000, 7), (8000, 5),
-                                    (96000, 12345), (11025, 29)])
+@pytest.mark.parametrize(
+    "rate,n", [(44100, 95047), (48000, 103452), (22050, 1001), (32000, 7), (8000, 5), (96000, 12345), (11025, 29)]
+)
 def test_resampled_length(tmp_path, rate, n):
     p = tmp_path / "in.wav"
     sf.write(p, np.random.default_rng(0).uniform(-0.5, 0.5, n).astype(np.float32), rate, subtype="FLOAT")
@@ -75,14 +77,16 @@ def test_ogg_and_many_channels(tmp_path, x16):
     y = read_audio_file(p, 16000, report=False)
     assert y.size == _expected_length(x22.size, 22050) == x16.size
     # Vorbis is lossy: the signal is kept up to its coding noise (measured -24 dB here; bound -20 dB).
-    assert np.sqrt(np.mean((y - x16) ** 2)) < 0.1 * np.sqrt(np.mean(x16 ** 2))
+    assert np.sqrt(np.mean((y - x16) ** 2)) < 0.1 * np.sqrt(np.mean(x16**2))
 
 
 def test_stereo_downmix_is_channel_mean(stereo44, x16, capsys):
     p, x44 = stereo44
     y = read_audio_file(p, 16000)
-    assert capsys.readouterr().err.strip() == \
-        "question44.wav: 44100 Hz stereo -> 16000 Hz mono (mean of 2 channels, soxr HQ)"
+    assert (
+        capsys.readouterr().err.strip()
+        == "question44.wav: 44100 Hz stereo -> 16000 Hz mono (mean of 2 channels, soxr HQ)"
+    )
     assert y.size == _expected_length(x44.size, 44100) == x16.size == 34484
     # Mean first, then one resampling: fl(x + 0.5x) / 2 differs from 0.75x by one float32
     # rounding (<= 2^-24 relative); soxr is linear with a filter gain ~1, so 1e-6 is ample.
@@ -127,8 +131,9 @@ def test_generate_path_converts(tiny_model, stereo44, mono48_flac, capsys):
 def test_cli_generate_any_file(request, tmp_path, tiny_ckpt, tiny_model, which):
     p, _ = request.getfixturevalue(which)
     out = tmp_path / "out.wav"
-    r = _cli("generate", "-m", str(tiny_ckpt), "--audio", str(p), "--output-audio", str(out),
-             "--output-format", "float32")
+    r = _cli(
+        "generate", "-m", str(tiny_ckpt), "--audio", str(p), "--output-audio", str(out), "--output-format", "float32"
+    )
     assert r.returncode == 0, r.stderr
     assert f"{p.name}: {44100 if which == 'stereo44' else 48000} Hz" in r.stderr
     assert "-> 16000 Hz mono" in r.stderr
@@ -160,8 +165,9 @@ def test_cli_default_input_and_pcm16_output(tmp_path, tiny_ckpt, tiny_model, que
 
 
 def test_pcm16_rounding_and_clipping():
-    x = np.array([0.0, 0.5 / 32768, 1.5 / 32768, -0.5, 32767 / 32768, 1.0, 1.7, -1.0, -1.2,
-                  -32768.6 / 32768], np.float32)
+    x = np.array(
+        [0.0, 0.5 / 32768, 1.5 / 32768, -0.5, 32767 / 32768, 1.0, 1.7, -1.0, -1.2, -32768.6 / 32768], np.float32
+    )
     q, clipped = to_pcm16(x)
     assert q.tolist() == [0, 0, 2, -16384, 32767, 32767, 32767, -32768, -32768, -32768]
     assert clipped == 4  # 1.0, 1.7, -1.2, -32769/32768: -1.0 itself is representable
@@ -172,8 +178,15 @@ def test_pcm16_rounding_and_clipping():
 def test_cli_bad_output_format_and_missing_input(tmp_path, tiny_ckpt):
     r = _cli("generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"), "--output-format", "mp3")
     assert r.returncode == 2 and "invalid choice: 'mp3'" in r.stderr
-    r = _cli("generate", "-m", str(tiny_ckpt), "--audio", str(tmp_path / "nope.wav"),
-             "--output-audio", str(tmp_path / "o.wav"))
+    r = _cli(
+        "generate",
+        "-m",
+        str(tiny_ckpt),
+        "--audio",
+        str(tmp_path / "nope.wav"),
+        "--output-audio",
+        str(tmp_path / "o.wav"),
+    )
     assert r.returncode == 2 and "nope.wav: no such audio file" in r.stderr
     assert not (tmp_path / "o.wav").exists()
 
@@ -218,8 +231,7 @@ def test_session_stays_strict_at_44k(tiny_model, question_wav):
 def _run_on_pty(args, env=None) -> str:
     """Run with stderr on a pseudo-terminal (stdout piped); return what reached the terminal."""
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "voicechat.cli", *args], stdout=subprocess.PIPE,
-                         stderr=slave, env=env)
+    p = subprocess.Popen([sys.executable, "-m", "voicechat.cli", *args], stdout=subprocess.PIPE, stderr=slave, env=env)
     os.close(slave)
     chunks = []
     while True:
@@ -289,10 +301,16 @@ def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
     monkeypatch.setattr(voicechat.io.progress, "_quiet", False)  # --quiet below must not leak to other tests
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "-m", "ckpt", "--quiet", "--out", str(tmp_path / "a")]) == 2
-    assert main(["bench", "-m", "ckpt", "--audio", "question.wav", "--audio", "long_question",
-                 "--out", str(tmp_path / "b")]) == 2
-    assert seen == [[str(sample_path("long_question"))],
-                    [str(sample_path("question")), str(sample_path("long_question"))]]
+    assert (
+        main(
+            ["bench", "-m", "ckpt", "--audio", "question.wav", "--audio", "long_question", "--out", str(tmp_path / "b")]
+        )
+        == 2
+    )
+    assert seen == [
+        [str(sample_path("long_question"))],
+        [str(sample_path("question")), str(sample_path("long_question"))],
+    ]
 
 
 def test_base_install_without_serve_extra(monkeypatch, tmp_path, tiny_ckpt, capsys):

@@ -47,8 +47,9 @@ def _edges(mods: dict[str, Path]) -> list[tuple[str, str, bool]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 assert node.level == 0, f"{name}: relative import (the package imports absolutely)"
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                           for a in node.names]
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names
+                ]
             for t in targets:
                 if t == "voicechat" or t.startswith("voicechat."):
                     edges.append((name, t, id(node) in top))
@@ -83,7 +84,7 @@ def test_the_import_graph_has_no_circles():
 
     def visit(m):
         if m in on_path:
-            cycles.append(on_path[on_path.index(m):] + [m])
+            cycles.append(on_path[on_path.index(m) :] + [m])
             return
         if m in seen:
             return
@@ -99,12 +100,14 @@ def test_the_import_graph_has_no_circles():
 
 
 def test_import_voicechat_is_light_and_the_public_names_resolve():
-    code = ("import sys, voicechat; assert 'mlx.core' not in sys.modules, 'mlx imported'; "
-            "assert 'pandas' not in sys.modules and 'matplotlib' not in sys.modules; "
-            "from voicechat.runtime import ExecutionPolicy; assert voicechat.ExecutionPolicy is ExecutionPolicy; "
-            "from voicechat.streaming.prompt_state import PromptState; assert voicechat.PromptState is PromptState; "
-            "import voicechat.synthetic, voicechat.tools; "
-            "assert callable(voicechat.synthetic.write_checkpoint) and callable(voicechat.tools.render_system_prompt)")
+    code = (
+        "import sys, voicechat; assert 'mlx.core' not in sys.modules, 'mlx imported'; "
+        "assert 'pandas' not in sys.modules and 'matplotlib' not in sys.modules; "
+        "from voicechat.runtime import ExecutionPolicy; assert voicechat.ExecutionPolicy is ExecutionPolicy; "
+        "from voicechat.streaming.prompt_state import PromptState; assert voicechat.PromptState is PromptState; "
+        "import voicechat.synthetic, voicechat.tools; "
+        "assert callable(voicechat.synthetic.write_checkpoint) and callable(voicechat.tools.render_system_prompt)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -121,12 +124,14 @@ def test_the_top_of_the_package_is_the_api_and_its_folders():
 def test_bench_without_its_extra_says_which_to_install_and_the_rest_runs():
     """pandas and matplotlib are the `bench` extra: without them `voicechat bench` says what to install
     (exit 2), and the speech model's commands build and parse as before."""
-    code = ("import sys; sys.modules['pandas'] = None; sys.modules['matplotlib'] = None\n"
-            "from voicechat.cli.main import build_parser, main\n"
-            "build_parser().parse_args(['synth', 'x'])\n"
-            "rc = main(['bench', '-m', 'tiny'])\n"
-            "assert 'pandas' not in [m for m, v in sys.modules.items() if v is not None]\n"
-            "sys.exit(rc)")
+    code = (
+        "import sys; sys.modules['pandas'] = None; sys.modules['matplotlib'] = None\n"
+        "from voicechat.cli.main import build_parser, main\n"
+        "build_parser().parse_args(['synth', 'x'])\n"
+        "rc = main(['bench', '-m', 'tiny'])\n"
+        "assert 'pandas' not in [m for m, v in sys.modules.items() if v is not None]\n"
+        "sys.exit(rc)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert "needs pandas and matplotlib (the `bench` extra)" in r.stderr and "voicechat-mlx[bench]" in r.stderr

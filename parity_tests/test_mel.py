@@ -81,7 +81,9 @@ def test_offline_matches_numpy_float64_pipeline():
     frames = np.stack([yp[i * TINY.hop_length : i * TINY.hop_length + TINY.n_fft] for i in range(t)])
     win = np.zeros(TINY.n_fft)
     left = (TINY.n_fft - TINY.win_length) // 2
-    win[left : left + TINY.win_length] = 0.5 * (1 - np.cos(2 * np.pi * np.arange(TINY.win_length) / (TINY.win_length - 1)))
+    win[left : left + TINY.win_length] = 0.5 * (
+        1 - np.cos(2 * np.pi * np.arange(TINY.win_length) / (TINY.win_length - 1))
+    )
     ref = np.log((np.abs(np.fft.rfft(frames * win, axis=1)) ** 2) @ fb.T + 2.0**-24)
     ours = np.array(log_mel(x, TINY))
     # float32 FFT error is relative to the whole frame's energy, so low-energy
@@ -207,9 +209,10 @@ def test_reference_edge_changes_only_the_short_reflection(question_wav):
     float-rounding change for a reflection (bound 1e-4 = mel_abs; measured ~1e-6) that is not zero;
     every other frame, and every frame with look-ahead n_fft/2 (where no reflection is short), is
     bit-identical to the plain stream."""
+
     def stream(lookahead, edge):
         s = StreamingLogMel(TINY, lookahead_samples=lookahead, reference_edge=edge)
-        return np.concatenate([np.array(s.push(question_wav[i:i + 1280])) for i in range(0, 6400, 1280)])
+        return np.concatenate([np.array(s.push(question_wav[i : i + 1280])) for i in range(0, 6400, 1280)])
 
     plain, edge = stream(1280, False), stream(1280, True)
     assert plain.shape == edge.shape

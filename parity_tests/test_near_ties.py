@@ -64,13 +64,15 @@ def test_generated_codebooks_have_near_ties_below_bf16_rounding(source):
     """The codebooks both writers put in checkpoints (published shape, bf16) have near-ties that
     bf16 rounding of the norms decides: measured 83 (synthetic) and 60 (writer) of 256 x 31
     searches; at least 20 are required."""
-    books, scale0 = {"synthetic": (_synthetic_books(), synthetic.RVQ_SCALE0),
-                     "independent_writer": (_writer_books(), independent_writer.RVQ_SCALE0)}[source]
+    books, scale0 = {
+        "synthetic": (_synthetic_books(), synthetic.RVQ_SCALE0),
+        "independent_writer": (_writer_books(), independent_writer.RVQ_SCALE0),
+    }[source]
     flips = _greedy_flips(books, scale0)
     assert flips.sum() >= 20, flips
     # The spread shrinks with depth as a trained RVQ's does (0.93 per stage, +-5 %).
     ratio = books[30].std() / books[0].std()
-    assert ratio == pytest.approx(0.93 ** 30, rel=0.05)
+    assert ratio == pytest.approx(0.93**30, rel=0.05)
 
 
 def _tie_quantizer(norms_in_weight_dtype: bool) -> ResidualVectorQuantizer:
@@ -86,7 +88,7 @@ def _tie_quantizer(norms_in_weight_dtype: bool) -> ResidualVectorQuantizer:
             m[0] = 0.0
             m[0, 0] = 1.0
             m[1] = 0.0
-            m[1, 0], m[1, 1], m[1, 2] = 1.0, 2.0 ** -5, 2.0 ** -5
+            m[1, 0], m[1, 1], m[1, 2] = 1.0, 2.0**-5, 2.0**-5
         books.append(mx.array(m).astype(mx.bfloat16))
     rvq.mus_list = books
     return rvq
@@ -99,7 +101,7 @@ def test_codec_search_rounds_the_norms_as_its_setting_says(in_weight_dtype, want
     1 - 2^-10 < 1, so m1."""
     cfg = preset_config("tiny").codec_config
     r = np.zeros((1, cfg.latent_dim), np.float32)
-    r[0, 1] = r[0, 2] = 2.0 ** -7
+    r[0, 1] = r[0, 2] = 2.0**-7
     codes = np.array(_tie_quantizer(in_weight_dtype).quantize(mx.array(r)))
     assert codes[0, 0] == want
 
@@ -112,8 +114,10 @@ def test_speaker_prompt_codes_hinge_on_the_norm_rounding_at_the_real_depth(tmp_p
     import voicechat
 
     folder = independent_writer.write(tmp_path / "real", independent_writer.Spec(depth="real", dtype="bfloat16"))
-    codes = {n: np.array(voicechat.load(folder, numerics=n, warmup=False).speaker_prompt_codes())
-             for n in ("reference", "float32")}
+    codes = {
+        n: np.array(voicechat.load(folder, numerics=n, warmup=False).speaker_prompt_codes())
+        for n in ("reference", "float32")
+    }
     assert codes["reference"].shape == codes["float32"].shape
     assert (codes["reference"] != codes["float32"]).sum() >= 100
 
@@ -133,4 +137,4 @@ def test_writer_checkpoints_have_head_argmax_near_ties(tmp_path, question_wav):
     for logits in (run.text_logits, run.function_logits):
         top = np.sort(np.asarray(logits, np.float32).reshape(-1, np.shape(logits)[-1]), axis=-1)[:, -2:]
         assert np.abs(top).max() < 8.0  # the bound below is at most one bf16 ulp for |logit| < 8
-        assert (top[:, 1] - top[:, 0]).min() < 2.0 ** -7
+        assert (top[:, 1] - top[:, 0]).min() < 2.0**-7

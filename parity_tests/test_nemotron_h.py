@@ -77,10 +77,21 @@ def test_parameter_names_and_init(cfg):
     model = build(cfg)
     params = dict(tree_flatten(model.parameters()))
     expected = {"norm_f.weight"}
-    mamba = ["in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-             "norm.weight", "out_proj.weight"]
-    per_type = {"mamba": mamba, "mlp": ["up_proj.weight", "down_proj.weight"],
-                "attention": ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]}
+    mamba = [
+        "in_proj.weight",
+        "conv1d.weight",
+        "conv1d.bias",
+        "dt_bias",
+        "A_log",
+        "D",
+        "norm.weight",
+        "out_proj.weight",
+    ]
+    per_type = {
+        "mamba": mamba,
+        "mlp": ["up_proj.weight", "down_proj.weight"],
+        "attention": ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"],
+    }
     for i, kind in enumerate(cfg.layer_types):
         expected.add(f"layers.{i}.norm.weight")
         expected.update(f"layers.{i}.mixer.{n}" for n in per_type[kind])
@@ -286,7 +297,7 @@ def numpy_reference(cfg, params: dict, x: np.ndarray) -> np.ndarray:
     eps = cfg.layer_norm_epsilon
     length = x.shape[0]
     for i, kind in enumerate(cfg.layer_types):
-        p = {k[len(f"layers.{i}."):]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
+        p = {k[len(f"layers.{i}.") :]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
         h = _np_rms(x, p["norm.weight"], eps)
         if kind == "mamba":
             H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
@@ -396,8 +407,9 @@ def test_decay_rate_in_float32_without_reference_rounding(cfg):
     model = build(mamba_only, reference_rounding=False)
     model.set_dtype(mx.bfloat16)
     params = {k: np.array(v.astype(mx.float32), dtype=np.float64) for k, v in tree_flatten(model.parameters())}
-    rounded = {k: (np.log(_bf16_round(np.exp(v.astype(np.float32)))) if k.endswith("A_log") else v)
-               for k, v in params.items()}
+    rounded = {
+        k: (np.log(_bf16_round(np.exp(v.astype(np.float32)))) if k.endswith("A_log") else v) for k, v in params.items()
+    }
     x = inputs(mamba_only, 64)
     steps = np.array(run_steps(model, x)[0][0])
     x64 = np.array(x[0], dtype=np.float64)
@@ -488,18 +500,18 @@ def _mamba_step_plain(mixer, x, conv, ssm):
     d_inner, conv_dim, k = mixer.d_inner, mixer.conv_dim, mixer.conv_kernel
     heads, head_dim, groups, n = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.state_size
     rep = heads // groups
-    z = zxbcdt[..., pad:pad + d_inner]
-    xbc = zxbcdt[..., pad + d_inner:pad + d_inner + conv_dim]
-    dt = zxbcdt[..., pad + d_inner + conv_dim:]
+    z = zxbcdt[..., pad : pad + d_inner]
+    xbc = zxbcdt[..., pad + d_inner : pad + d_inner + conv_dim]
+    dt = zxbcdt[..., pad + d_inner + conv_dim :]
     padded = mx.concatenate([conv, xbc], axis=1)
     taps, bias = mixer.conv1d.taps(mx.float32)
     acc = padded[:, 0:1] * taps[0]
     for j in range(1, k):
-        acc = acc + padded[:, j:j + 1] * taps[j]
+        acc = acc + padded[:, j : j + 1] * taps[j]
     xbc = nn.silu(acc + bias if bias is not None else acc)
     x_h = xbc[..., :d_inner].reshape(1, heads, head_dim)
-    b = xbc[..., d_inner:d_inner + groups * n].reshape(1, groups, n)
-    c = xbc[..., d_inner + groups * n:].reshape(1, groups, n)
+    b = xbc[..., d_inner : d_inner + groups * n].reshape(1, groups, n)
+    c = xbc[..., d_inner + groups * n :].reshape(1, groups, n)
     dt_bias, a = mixer._dt_bias_and_a()
     dt = mx.clip(nn.softplus(dt + dt_bias), mixer.dt_min, mixer.dt_max)[:, 0]
     dtx = dt[:, :, None] * x_h
@@ -525,7 +537,7 @@ def test_mamba_step_equals_the_plain_formula(cfg, conv_bias):
     conv, ssm = state.conv, state.ssm
     x = inputs(cfg, 6, seed=5)
     for t in range(6):
-        h = x[:, t:t + 1]
+        h = x[:, t : t + 1]
         want, conv, ssm = _mamba_step_plain(mixer, h, conv, ssm)
         got = mixer.step(h, state)
         mx.eval(want, got, conv, ssm, state.conv, state.ssm)
@@ -555,7 +567,7 @@ def test_step_equals_block_by_block(cfg):
     x = inputs(cfg, 5, seed=7)
     fused_state, plain_state = model.make_state(), model.make_state()
     for t in range(5):
-        h = x[:, t:t + 1]
+        h = x[:, t : t + 1]
         got = model.step(h, fused_state)
         y = h
         for block, layer_state in zip(model.layers, plain_state.layers):

@@ -30,15 +30,20 @@ PROMPT = "hello"
 def _stream(model, audio, prompt=None) -> dict:
     s = model.create_streaming_session(system_prompt=prompt)
     events = s.push_audio(audio) + s.flush()
-    return {"raw": np.stack(s.raw_audio_codes),
-            "decoded": np.stack([e.audio_codes for e in events if e.kind == "audio"]),
-            "ids": (list(s.text_ids), list(s.function_ids))}
+    return {
+        "raw": np.stack(s.raw_audio_codes),
+        "decoded": np.stack([e.audio_codes for e in events if e.kind == "audio"]),
+        "ids": (list(s.text_ids), list(s.function_ids)),
+    }
 
 
 def _offline(model, audio, prompt=None) -> dict:
     r = model.generate(audio, system_prompt=prompt)
-    return {"raw": r.raw_audio_codes, "decoded": r.audio_codes, "ids": (r.text_tokens.tolist(),
-                                                                         r.function_tokens.tolist())}
+    return {
+        "raw": r.raw_audio_codes,
+        "decoded": r.audio_codes,
+        "ids": (r.text_tokens.tolist(), r.function_tokens.tolist()),
+    }
 
 
 def _run(model, audio) -> dict:
@@ -168,8 +173,9 @@ def test_offline_frame0_is_silence_under_both_numerics(models, question_wav):
         np.testing.assert_array_equal(off.audio_codes[0], silence)
         stream = _stream(model, audio)
         np.testing.assert_array_equal(stream["raw"][0], silence)
-        np.testing.assert_array_equal(off.raw_audio_codes[1:len(stream["raw"])], stream["raw"][1:])
+        np.testing.assert_array_equal(off.raw_audio_codes[1 : len(stream["raw"])], stream["raw"][1:])
         # With a prompt, frame 0 is a generated frame in both paths.
         with_prompt = model.generate(audio, system_prompt=PROMPT)
-        np.testing.assert_array_equal(with_prompt.raw_audio_codes[:len(stream["raw"])],
-                                      _stream(model, audio, PROMPT)["raw"])
+        np.testing.assert_array_equal(
+            with_prompt.raw_audio_codes[: len(stream["raw"])], _stream(model, audio, PROMPT)["raw"]
+        )

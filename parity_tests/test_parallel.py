@@ -219,8 +219,14 @@ def test_language_path_and_policy_keep_16_bit_weights():
         t.stt_model = nn.Module()
         t.stt_model.llm = nn.Linear(64, 64, bias=False)
         t.stt_model.perception = nn.Linear(64, 64, bias=False)
-        t.update({"stt_model": {"llm": {"weight": t.stt_model.llm.weight.astype(mx.bfloat16)},
-                                "perception": {"weight": t.stt_model.perception.weight.astype(mx.bfloat16)}}})
+        t.update(
+            {
+                "stt_model": {
+                    "llm": {"weight": t.stt_model.llm.weight.astype(mx.bfloat16)},
+                    "perception": {"weight": t.stt_model.perception.weight.astype(mx.bfloat16)},
+                }
+            }
+        )
         return t
 
     t = tree()
@@ -266,8 +272,9 @@ def test_quantized_split_threshold_counts_the_faster_kernel():
     if unavailable_reason() is not None:
         pytest.skip(f"cpu_qmv not built here: {unavailable_reason()}")
     mx.random.seed(7)
-    tree = nn.Sequential(nn.QuantizedLinear(512, 512, group_size=64, bits=4),
-                         nn.QuantizedLinear(1024, 1024, group_size=64, bits=4))
+    tree = nn.Sequential(
+        nn.QuantizedLinear(512, 512, group_size=64, bits=4), nn.QuantizedLinear(1024, 1024, group_size=64, bits=4)
+    )
     assert prepare_linears(tree, default_policy(cpu_streams=2, cpu_kernels=True))["split"] == ["layers.1"]
     assert QMV_SPEEDUP * MIN_SPLIT_MACS == 1 << 20
 
@@ -297,7 +304,11 @@ def test_cpu_streams_validation(monkeypatch):
     with running(one):
         assert bound_policy().cpu_streams == 1 and parallel.secondary_stream(bound_policy()) is None
     # outside any runtime: one stream
-    assert bound_policy() is UNBOUND and bound_policy().cpu_streams == 1 and parallel.secondary_stream(bound_policy()) is None
+    assert (
+        bound_policy() is UNBOUND
+        and bound_policy().cpu_streams == 1
+        and parallel.secondary_stream(bound_policy()) is None
+    )
     monkeypatch.setenv("VOICECHAT_CPU_STREAMS", "1")  # read by for_device only: the bound policy wins
     with running(one, cpu_streams=2):
         assert bound_policy().cpu_streams == 2 and parallel.secondary_stream(bound_policy()) is not None
@@ -326,8 +337,9 @@ def _streamed_and_offline(model, audio) -> dict:
     """One streamed session (its every cache family read before `flush`) and one offline run."""
     s = model.create_streaming_session()
     events = s.push_audio(audio)
-    states = {k: np.array(v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-              for k, v in s.states().items()}
+    states = {
+        k: np.array(v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in s.states().items()
+    }
     events += s.flush()
     return {
         "ids": (s.text_ids, s.function_ids),
@@ -359,8 +371,9 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
     its products run in MLX (with them in numpy the codec runs unsplit): the streamed session
     (outputs and caches) of a model loaded for two streams equals the one loaded for one stream
     bit for bit, and so does offline. Two models, one process: each runs on its own policy."""
-    base = default_policy(float32_copies=weights == "float32", host_products=host_products,
-                          bf16_transposed=weights != "stored")
+    base = default_policy(
+        float32_copies=weights == "float32", host_products=host_products, bf16_transposed=weights != "stored"
+    )
     if weights == "stored":
         base = base.replace(cpu_kernels=False)
     audio = question_wav[: 1280 * 12]
@@ -385,8 +398,10 @@ def test_whole_model_two_streams_equal_one_stream(tiny_ckpt, question_wav, host_
 # -- the policy's flags (voicechat.runtime.policy)
 
 
-@pytest.mark.parametrize("field, enabled, cpu_only", [("compiled", lambda: bound_policy().compiled, False),
-                                                      ("overlap", lambda: bound_policy().overlap, True)])
+@pytest.mark.parametrize(
+    "field, enabled, cpu_only",
+    [("compiled", lambda: bound_policy().compiled, False), ("overlap", lambda: bound_policy().overlap, True)],
+)
 def test_policy_flag_validation(field, enabled, cpu_only):
     """VOICECHAT_COMPILE / VOICECHAT_OVERLAP (read by `ExecutionPolicy.for_device`): 0 / 1 only
     (the error names the variable), unset means the device's default (compile: on; overlap: on
@@ -425,8 +440,9 @@ def test_policy_is_fixed_and_bound_per_thread(monkeypatch):
     assert policy == default_policy()
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.cpu_streams = 1
-    assert UNBOUND.cpu_streams == 1 and not (UNBOUND.compiled or UNBOUND.cpu_kernels or UNBOUND.host_products
-                                             or UNBOUND.overlap or UNBOUND.keep_heap)
+    assert UNBOUND.cpu_streams == 1 and not (
+        UNBOUND.compiled or UNBOUND.cpu_kernels or UNBOUND.host_products or UNBOUND.overlap or UNBOUND.keep_heap
+    )
     policy = policy.replace(cpu_streams=2, compiled=True)
     with running(policy):
         monkeypatch.setenv("VOICECHAT_COMPILE", "0")
@@ -499,8 +515,9 @@ def test_overlapped_evaluation_equals_waiting(tiny_ckpt, question_wav, streams, 
         model = voicechat.load(tiny_ckpt, policy=default_policy(cpu_streams=streams, overlap=enabled))
         callers.clear()
         runs[enabled] = _streamed_and_offline(model, audio)
-        stacks = {name for name in ("conformer.py", "nemotron_h.py", "ear_tts.py")
-                  if any(c.endswith(name) for c in callers)}
+        stacks = {
+            name for name in ("conformer.py", "nemotron_h.py", "ear_tts.py") if any(c.endswith(name) for c in callers)
+        }
         assert stacks == ({"conformer.py", "nemotron_h.py", "ear_tts.py"} if enabled else set())
     _assert_identical(runs[False], runs[True])
 
@@ -612,8 +629,11 @@ def test_contiguous_transpose_is_a_row_major_copy_bit_for_bit(rows):
     cols = 65536 // rows + 1
     bits = (np.arange(rows * cols, dtype=np.uint32) * 40503 % 65536).astype(np.uint16).reshape(rows, cols)
     assert len(np.unique(bits)) == 65536  # every 16-bit pattern
-    for a in (mx.array(bits).view(mx.bfloat16), mx.array(bits).view(mx.float16),
-              mx.array(np.random.default_rng(rows).standard_normal((rows, cols), dtype=np.float32))):
+    for a in (
+        mx.array(bits).view(mx.bfloat16),
+        mx.array(bits).view(mx.float16),
+        mx.array(np.random.default_rng(rows).standard_normal((rows, cols), dtype=np.float32)),
+    ):
         got = contiguous_transpose(a)
         mx.eval(got)
         uint = mx.uint16 if a.dtype.size == 2 else mx.uint32

@@ -49,8 +49,12 @@ def get_report(checkpoints, inputs, ckpt: str, input_name: str, prompt: str | No
         if ckpt not in _MODELS:
             _MODELS[ckpt] = voicechat.load(checkpoints[ckpt])
         backend = VoiceChatBackend(_MODELS[ckpt])
-        _REPORTS[key] = (run_parity(backend, inputs[input_name], system_prompt=prompt, checkpoint=f"tiny-{ckpt}",
-                                    input_name=input_name), backend)
+        _REPORTS[key] = (
+            run_parity(
+                backend, inputs[input_name], system_prompt=prompt, checkpoint=f"tiny-{ckpt}", input_name=input_name
+            ),
+            backend,
+        )
     return _REPORTS[key]
 
 
@@ -66,9 +70,16 @@ def test_every_family_passes(checkpoints, inputs, ckpt, input_name, prompt):
     documented = {r.difference_id for r in report.rows if r.status == DOCUMENTED}
     assert documented <= {"extra_offline_frame"}
     # The acceptance items of the mission, as rows of the report.
-    for metric in ("first audio frame: text id", "first audio frame: function id", "first audio frame: codes",
-                   "text ids per frame", "codes per frame", "streamed audio length (frames x spf + tail)",
-                   "offline audio length (frames x spf)", "audio samples (streamed delayed by lead-in)"):
+    for metric in (
+        "first audio frame: text id",
+        "first audio frame: function id",
+        "first audio frame: codes",
+        "text ids per frame",
+        "codes per frame",
+        "streamed audio length (frames x spf + tail)",
+        "offline audio length (frames x spf)",
+        "audio samples (streamed delayed by lead-in)",
+    ):
         assert report.row(E2E, metric).status == PASS, metric
     runs = report.runs
     assert len(runs.stream.text_ids) > 10 and len(set(runs.stream.text_ids.tolist())) > 1  # non-degenerate run
@@ -111,5 +122,6 @@ def test_extra_offline_frame_is_documented(checkpoints):
     assert row.status == PASS and row.observed == f"{k + 1}, {k}" and "extra_offline_frame" in row.note
     for metric in ("assistant text", "user transcript"):
         r = report.row(E2E, metric)
-        assert r.status == PASS or (r.status == DOCUMENTED and r.difference_id == "extra_offline_frame"
-                                    and "verified:" in r.note)
+        assert r.status == PASS or (
+            r.status == DOCUMENTED and r.difference_id == "extra_offline_frame" and "verified:" in r.note
+        )

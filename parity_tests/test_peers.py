@@ -50,8 +50,10 @@ def runs(vlm4, clip):
     """Offline and streamed runs with and without a system prompt (shared by several tests)."""
     out = {}
     for key, prompt in (("prompt", PROMPT), ("none", None)):
-        out[key] = (vlm4.offline(clip, system_prompt=prompt, with_logits=True),
-                    vlm4.stream(clip, system_prompt=prompt, with_logits=True, profile=True))
+        out[key] = (
+            vlm4.offline(clip, system_prompt=prompt, with_logits=True),
+            vlm4.stream(clip, system_prompt=prompt, with_logits=True, profile=True),
+        )
     return out
 
 
@@ -69,8 +71,9 @@ def test_synthetic_checkpoints_load_in_mlx_vlm(bits, tiny_ckpt, tiny_ckpt_4bit, 
     b = get_backend("mlx-vlm")
     model = b.load(path)  # mlx-vlm loads strictly: any missing / extra / mis-shaped tensor raises
     try:
-        quantized = {p: m for p, m in model.named_modules()
-                     if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+        quantized = {
+            p: m for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        }
         assert set(quantized) == _expected_quantized(bits)
         assert all(m.bits == bits and m.group_size == 64 for m in quantized.values())
         assert model.config.text_config.time_step_limit == (0.0, float("inf"))  # the `Infinity` token
@@ -142,7 +145,13 @@ def test_stream_run_is_well_formed(runs, vlm4, key):
     # Profiling: one timing per frame, the reference's summary over the same frames.
     assert [f["frame_index"] for f in st.frame_timings] == list(range(k))
     assert st.profile_summary["frames"] == k and set(st.profile_summary["stages"]) == {
-        "perception", "rnnt", "language", "tts", "codec", "total"}
+        "perception",
+        "rnnt",
+        "language",
+        "tts",
+        "codec",
+        "total",
+    }
     assert st.create_s > 0 and st.wall_s > 0
     assert st.first_audio_s is not None and st.first_audio_s <= st.wall_s
 
@@ -175,8 +184,8 @@ def test_streamed_audio_is_offline_decode_of_streamed_codes_after_lead_in(runs, 
     n = st.audio.shape[0]
     assert ref.shape == (n,) and vlm4.warmup_samples == 2 * d
     # Same float32 graph on the same inputs, only split per frame: agreement to rounding.
-    assert np.abs(st.audio[2 * d:] - ref[d: n - d]).max() < 1e-5
-    assert np.abs(st.audio[2 * d:] - ref[d + 4: n - d + 4]).max() > 1e-3  # off by one hop: clearly not equal
+    assert np.abs(st.audio[2 * d :] - ref[d : n - d]).max() < 1e-5
+    assert np.abs(st.audio[2 * d :] - ref[d + 4 : n - d + 4]).max() > 1e-3  # off by one hop: clearly not equal
     control = set(np.array(vlm4.model.tts_model.control_codes).tolist())
     assert control & set(st.codes.ravel().tolist())  # the tiny model does emit control codes
 
@@ -269,10 +278,14 @@ def cross_runs(vlm4, tiny_ckpt_4bit, question_wav):
     vc = vc_backend.VoiceChatBackend()
     vc.load(str(tiny_ckpt_4bit))
     out = {
-        "vc": (vc.offline(question_wav, system_prompt=PROMPT, with_logits=True),
-               vc.stream(question_wav, system_prompt=PROMPT)),
-        "vlm": (vlm4.offline(question_wav, system_prompt=PROMPT, with_logits=True),
-                vlm4.stream(question_wav, system_prompt=PROMPT)),
+        "vc": (
+            vc.offline(question_wav, system_prompt=PROMPT, with_logits=True),
+            vc.stream(question_wav, system_prompt=PROMPT),
+        ),
+        "vlm": (
+            vlm4.offline(question_wav, system_prompt=PROMPT, with_logits=True),
+            vlm4.stream(question_wav, system_prompt=PROMPT),
+        ),
         "vc_none": vc.offline(question_wav),
         "vlm_none": vlm4.offline(question_wav),
         "vc_none_stream": vc.stream(question_wav),
@@ -317,8 +330,10 @@ def test_cross_per_frame_ids(cross_runs, path):
     assert a.text_ids.shape == b.text_ids.shape
     ref = cross_runs["vlm"][0]
     k = len(b.text_ids)
-    for ids_a, ids_b, logits in ((a.text_ids, b.text_ids, ref.text_logits[:k]),
-                                 (a.function_ids, b.function_ids, ref.function_logits[:k])):
+    for ids_a, ids_b, logits in (
+        (a.text_ids, b.text_ids, ref.text_logits[:k]),
+        (a.function_ids, b.function_ids, ref.function_logits[:k]),
+    ):
         top2 = np.sort(logits, axis=1)[:, -2:]
         safe = (top2[:, 1] - top2[:, 0]) > SAFE_MARGIN
         assert safe.mean() > 0.9

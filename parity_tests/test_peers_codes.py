@@ -36,9 +36,11 @@ from harness.backends.voicechat_backend import VoiceChatBackend  # noqa: E402
 PROMPT = "hello"
 LONG_PROMPT = "You are a helpful voice assistant. Please tell me a story about a small cat."
 BITS = {"bf16": None, "4bit": 4, "8bit": 8, "greedy31x64": 4}
-_CORPUS = ("hello world how are you today the weather is fine thank you very much what time is it please "
-           "tell me a story about a small cat and a big dog who lived in a house near the river voice chat "
-           "model speech audio text question answer assistant user good morning evening helpful")
+_CORPUS = (
+    "hello world how are you today the weather is fine thank you very much what time is it please "
+    "tell me a story about a small cat and a big dog who lived in a house near the river voice chat "
+    "model speech audio text question answer assistant user good morning evening helpful"
+)
 
 
 def _trained_bpe(folder, vocab_size: int) -> None:
@@ -50,8 +52,13 @@ def _trained_bpe(folder, vocab_size: int) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=1,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     rng = np.random.default_rng(7)
     words = _CORPUS.split()
     tok.train_from_iterator([" ".join(rng.choice(words, size=10)) for _ in range(300)], trainer=trainer)
@@ -67,9 +74,15 @@ def _trained_bpe(folder, vocab_size: int) -> None:
 def greedy_ckpt(tmp_path_factory):
     from voicechat.synthetic.checkpoint import write_checkpoint
 
-    folder = write_checkpoint(tmp_path_factory.mktemp("greedy31x64"), "tiny", bits=4, overrides={
-        "tts_config": {"num_quantizers": 31, "codebook_size": 64, "top_p": 1e-6, "noise_scale": 0.0},
-        "codec_config": {"num_quantizers": 31, "codebook_size": 64}})
+    folder = write_checkpoint(
+        tmp_path_factory.mktemp("greedy31x64"),
+        "tiny",
+        bits=4,
+        overrides={
+            "tts_config": {"num_quantizers": 31, "codebook_size": 64, "top_p": 1e-6, "noise_scale": 0.0},
+            "codec_config": {"num_quantizers": 31, "codebook_size": 64},
+        },
+    )
     _trained_bpe(folder, 512)
     return folder
 
@@ -78,7 +91,9 @@ def greedy_ckpt(tmp_path_factory):
 def runs(request, tiny_ckpt, tiny_ckpt_4bit, tiny_ckpt_8bit, greedy_ckpt, question_wav, long_question_wav):
     """{prompt key: (ours offline, ours stream, reference offline, reference stream)} per checkpoint,
     plus the models' silence and control codes."""
-    path = {"bf16": tiny_ckpt, "4bit": tiny_ckpt_4bit, "8bit": tiny_ckpt_8bit, "greedy31x64": greedy_ckpt}[request.param]
+    path = {"bf16": tiny_ckpt, "4bit": tiny_ckpt_4bit, "8bit": tiny_ckpt_8bit, "greedy31x64": greedy_ckpt}[
+        request.param
+    ]
     audio = long_question_wav if request.param == "greedy31x64" else question_wav
     prompts = (("prompt", PROMPT), ("none", None))
     if request.param == "greedy31x64":
@@ -91,10 +106,12 @@ def runs(request, tiny_ckpt, tiny_ckpt_4bit, tiny_ckpt_8bit, greedy_ckpt, questi
     out = {"name": request.param, "keys": [k for k, _ in prompts]}
     try:
         for key, prompt in prompts:
-            out[key] = (ours.offline(audio, system_prompt=prompt),
-                        ours.stream(audio, system_prompt=prompt),
-                        vlm.offline(audio, system_prompt=prompt),
-                        vlm.stream(audio, system_prompt=prompt))
+            out[key] = (
+                ours.offline(audio, system_prompt=prompt),
+                ours.stream(audio, system_prompt=prompt),
+                vlm.offline(audio, system_prompt=prompt),
+                vlm.stream(audio, system_prompt=prompt),
+            )
         tts = ours.model.tts_model
         out["silence"] = np.array(tts.codec_silence_tokens).astype(np.int32)
         out["control"] = np.array(tts.control_codes).astype(np.int32)

@@ -25,7 +25,12 @@ pytestmark = pytest.mark.peers
 
 from harness.backends import get_backend  # noqa: E402
 from harness.families import (  # noqa: E402
-    MEL, NEMOTRON, PASS, compare_frames, compare_logits_per_frame, logits_per_frame,
+    MEL,
+    NEMOTRON,
+    PASS,
+    compare_frames,
+    compare_logits_per_frame,
+    logits_per_frame,
 )
 
 LOGITS_ABS = 1e-5
@@ -46,8 +51,10 @@ def runs(small_ckpt_4bit, long_question_wav):
         b = get_backend(name)
         b.load(str(small_ckpt_4bit))
         try:
-            out[name] = {"streamed": b.stream(long_question_wav, with_logits=True),
-                         "offline": b.offline(long_question_wav, with_logits=True)}
+            out[name] = {
+                "streamed": b.stream(long_question_wav, with_logits=True),
+                "offline": b.offline(long_question_wav, with_logits=True),
+            }
         finally:
             b.close()
     return {p: (out["voicechat"][p], out["mlx-vlm"][p]) for p in ("streamed", "offline")}
@@ -73,19 +80,28 @@ def test_checkpoint_is_real_depth_published_layout(small_ckpt_4bit):
 @pytest.mark.parametrize("path", ["streamed", "offline"])
 def test_logits_within_bound_on_every_frame(runs, path):
     ours, ref = runs[path]
-    frames = logits_per_frame(ours.text_logits, ref.text_logits, ours.function_logits, ref.function_logits,
-                              (ours.text_ids, ours.function_ids), (ref.text_ids, ref.function_ids))
+    frames = logits_per_frame(
+        ours.text_logits,
+        ref.text_logits,
+        ours.function_logits,
+        ref.function_logits,
+        (ours.text_ids, ours.function_ids),
+        (ref.text_ids, ref.function_ids),
+    )
     assert len(frames) >= 100
     worst_t = max(f["text_abs"] for f in frames if not f["after_divergence"])
     worst_f = max(f["function_abs"] for f in frames if not f["after_divergence"])
     print(f"{path}: {len(frames)} frames, max abs logits difference text {worst_t:.3g}, function {worst_f:.3g}")
     flips = [f for f in frames if not (f["text_id_equal"] and f["function_id_equal"])]
     for f in flips:
-        print(f"  frame {f['frame']}: text gap {f['text_gap_ref']} diff {f['text_abs']:.3g}; "
-              f"function gap {f['function_gap_ref']} diff {f['function_abs']:.3g}")
+        print(
+            f"  frame {f['frame']}: text gap {f['text_gap_ref']} diff {f['text_abs']:.3g}; "
+            f"function gap {f['function_gap_ref']} diff {f['function_abs']:.3g}"
+        )
     # Every frame up to the first differing id is compared, and within the bound.
-    assert all(f["text_abs"] <= LOGITS_ABS and f["function_abs"] <= LOGITS_ABS
-               for f in frames if not f["after_divergence"])
+    assert all(
+        f["text_abs"] <= LOGITS_ABS and f["function_abs"] <= LOGITS_ABS for f in frames if not f["after_divergence"]
+    )
     if flips:  # only where the reference's own gap is below the measured difference
         first = flips[0]
         for ch in ("text", "function"):
@@ -100,8 +116,10 @@ def test_perception_feeding_the_logits(runs, path):
     """The log-mel and encoder frames the logits are computed from (measured: identical; the harness's
     cross_mel_abs / cross_encoder_abs bounds)."""
     ours, ref = runs[path]
-    for metric, a, b, tol in (("log-mel", ours.mel, ref.mel, "cross_mel_abs"),
-                              ("encoder", ours.encoder, ref.encoder, "cross_encoder_abs")):
+    for metric, a, b, tol in (
+        ("log-mel", ours.mel, ref.mel, "cross_mel_abs"),
+        ("encoder", ours.encoder, ref.encoder, "cross_encoder_abs"),
+    ):
         row = compare_frames(MEL, path, metric, a, b, tol)
         print(f"{path} {metric}: max abs {row.observed} over {row.frames_compared} frames")
         assert row.status == PASS and row.frames_compared >= 100
@@ -146,7 +164,7 @@ def test_streaming_mel_equals_the_references(tiny_ckpt_4bit, question_wav, looka
     try:
         ref = StreamingLogMelSpectrogram(b.model.config.audio_config.preprocessor, lookahead_samples=lookahead)
         ours = StreamingLogMel(cfg, lookahead_samples=lookahead, reference_edge=True)
-        pushes = [question_wav[i:i + 1280] for i in range(0, 8 * 1280, 1280)]
+        pushes = [question_wav[i : i + 1280] for i in range(0, 8 * 1280, 1280)]
         theirs = np.concatenate([np.array(ref.push(mx.array(p))[0]) for p in pushes])
         mine = np.concatenate([np.array(ours.push(p)) for p in pushes])
     finally:

@@ -102,14 +102,18 @@ def row_runs(tmp_path_factory):
             ours.load(str(folder))
             ref.load(str(folder))
             try:
-                out = {mode: (getattr(ours, mode)(wav, system_prompt=row.prompt, seed=5),
-                              getattr(ref, mode)(wav, system_prompt=row.prompt, seed=5))
-                       for mode in ("offline", "stream")}
+                out = {
+                    mode: (
+                        getattr(ours, mode)(wav, system_prompt=row.prompt, seed=5),
+                        getattr(ref, mode)(wav, system_prompt=row.prompt, seed=5),
+                    )
+                    for mode in ("offline", "stream")
+                }
                 out["silence"] = np.array(ours.model.tts_model.codec_silence_tokens).astype(np.int32)
-                out["ref_decode"] = {m: ref.decode_codes(out[m][0].codes, float32_latent=True)
-                                     for m in ("offline", "stream")}
-                out["lead_in"], out["control"] = ref.lead_in, set(
-                    np.array(ref.model.tts_model.control_codes).tolist())
+                out["ref_decode"] = {
+                    m: ref.decode_codes(out[m][0].codes, float32_latent=True) for m in ("offline", "stream")
+                }
+                out["lead_in"], out["control"] = ref.lead_in, set(np.array(ref.model.tts_model.control_codes).tolist())
             finally:
                 ours.close()
                 ref.close()
@@ -125,7 +129,8 @@ def test_ids_and_codes_identical(row_runs, row, mode):
     runs = row_runs(row)
     o, r = runs[mode]
     assert o.text_ids.shape == r.text_ids.shape and o.codes.shape == r.codes.shape, (
-        f"frame counts differ: ours {o.codes.shape}, reference {r.codes.shape}")
+        f"frame counts differ: ours {o.codes.shape}, reference {r.codes.shape}"
+    )
     assert o.codes.shape[0] >= 20
     diff = _first_difference(o.text_ids, r.text_ids)
     assert diff is None, f"text ids differ first at frame {diff[0]} ({o.text_ids.shape[0]} frames)"
@@ -138,14 +143,18 @@ def test_ids_and_codes_identical(row_runs, row, mode):
         np.testing.assert_array_equal(o.codes[0], runs["silence"])
         np.testing.assert_array_equal(o.decoded_codes[0], runs["silence"])
         first = 1
-    for what, ours_codes, ref_codes in (("codes", o.codes[first:], r.codes[first:]),
-                                        ("decoded codes", o.decoded_codes[first:], r.decoded_codes[first:])):
+    for what, ours_codes, ref_codes in (
+        ("codes", o.codes[first:], r.codes[first:]),
+        ("decoded codes", o.decoded_codes[first:], r.decoded_codes[first:]),
+    ):
         diff = _first_difference(ours_codes, ref_codes)
         if diff is not None:
             frame, books = diff
             n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes, ref_codes))
-            pytest.fail(f"{what} differ first at frame {frame + first}, codebooks {books[:8]}"
-                        f"{'...' if len(books) > 8 else ''} ({n_diff} of {ours_codes.shape[0]} frames differ)")
+            pytest.fail(
+                f"{what} differ first at frame {frame + first}, codebooks {books[:8]}"
+                f"{'...' if len(books) > 8 else ''} ({n_diff} of {ours_codes.shape[0]} frames differ)"
+            )
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
@@ -161,7 +170,7 @@ def test_audio_is_the_float32_decode_of_the_codes(row_runs, row):
     ref = runs["ref_decode"]["stream"]
     n = st.audio.shape[0]
     assert ref.shape == (n,)
-    assert np.abs(st.audio[2 * d:] - ref[d: n - d]).max() <= AUDIO_TOL
+    assert np.abs(st.audio[2 * d :] - ref[d : n - d]).max() <= AUDIO_TOL
 
 
 def test_control_codes_inside_the_range_are_emitted(row_runs):

@@ -29,7 +29,10 @@ import mlx.nn as nn  # noqa: E402
 
 from harness.backends import get_backend  # noqa: E402
 from harness.backends.mlx_audio_backend import (  # noqa: E402
-    TOKENIZER_BUFFERS, MlxAudioBackend, UnsupportedCheckpoint, departures_undone,
+    TOKENIZER_BUFFERS,
+    MlxAudioBackend,
+    UnsupportedCheckpoint,
+    departures_undone,
 )
 
 from .independent_writer import Spec, write  # noqa: E402
@@ -49,8 +52,10 @@ def f32_ckpt(tmp_path_factory):
 
 
 def _runs(backend, clip, prompt):
-    return (backend.offline(clip, system_prompt=prompt, with_logits=True),
-            backend.stream(clip, system_prompt=prompt, with_logits=True))
+    return (
+        backend.offline(clip, system_prompt=prompt, with_logits=True),
+        backend.stream(clip, system_prompt=prompt, with_logits=True),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +95,18 @@ def _first_diff(a, b):
     return None if len(bad) == 0 else int(bad[0])
 
 
-FIELDS = ("text_ids", "function_ids", "codes", "decoded_codes", "transcript_tokens", "mel", "encoder",
-          "text_logits", "function_logits")
-LANGUAGE_FIELDS = ("text_ids", "function_ids", "transcript_tokens", "mel", "encoder", "text_logits",
-                   "function_logits")
+FIELDS = (
+    "text_ids",
+    "function_ids",
+    "codes",
+    "decoded_codes",
+    "transcript_tokens",
+    "mel",
+    "encoder",
+    "text_logits",
+    "function_logits",
+)
+LANGUAGE_FIELDS = ("text_ids", "function_ids", "transcript_tokens", "mel", "encoder", "text_logits", "function_logits")
 
 
 def test_loads_offline_and_strictly(audio4, vlm4_runs):
@@ -108,7 +121,9 @@ def test_loads_offline_and_strictly(audio4, vlm4_runs):
     }
     assert audio4.model.config.llm.vocab_size == 512 and len(audio4.model.stt_model.llm.layers) == 4
     # the same modules quantized as in mlx-vlm (the folder's `.scales` decide in both loaders)
-    quantized = {n for n, m in audio4.model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {
+        n for n, m in audio4.model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
     assert quantized == vlm4_runs[1] and quantized
     # rebuilt from the tokenizer: special flags equal the stored ones, continuation flags do not
     buf = audio4.load_report["tokenizer_buffers"]
@@ -128,14 +143,22 @@ def _copy_with_config(src, dst, edit):
     return dst
 
 
-@pytest.mark.parametrize("key,edit", [
-    ("tts_config.character_encoder.num_hidden_layers",
-     lambda c: c["tts_config"]["character_encoder"].__setitem__("num_hidden_layers", 2)),
-    ("tts_config.rope_local_base_freq", lambda c: c["tts_config"].__setitem__("rope_local_base_freq", 5000.0)),
-    ("pad_token_id", lambda c: c.__setitem__("pad_token_id", 13)),
-    ("tts_config.mog_head.eps", lambda c: c["tts_config"]["mog_head"].__setitem__("eps", 1e-5)),
-    ("audio_config.preprocessor.pad_mode", lambda c: c["audio_config"]["preprocessor"].__setitem__("pad_mode", "constant")),
-])
+@pytest.mark.parametrize(
+    "key,edit",
+    [
+        (
+            "tts_config.character_encoder.num_hidden_layers",
+            lambda c: c["tts_config"]["character_encoder"].__setitem__("num_hidden_layers", 2),
+        ),
+        ("tts_config.rope_local_base_freq", lambda c: c["tts_config"].__setitem__("rope_local_base_freq", 5000.0)),
+        ("pad_token_id", lambda c: c.__setitem__("pad_token_id", 13)),
+        ("tts_config.mog_head.eps", lambda c: c["tts_config"]["mog_head"].__setitem__("eps", 1e-5)),
+        (
+            "audio_config.preprocessor.pad_mode",
+            lambda c: c["audio_config"]["preprocessor"].__setitem__("pad_mode", "constant"),
+        ),
+    ],
+)
 def test_refuses_a_value_mlx_audio_hard_codes(tiny_ckpt_4bit, tmp_path, key, edit):
     folder = _copy_with_config(tiny_ckpt_4bit, tmp_path / "edited", edit)
     with pytest.raises(UnsupportedCheckpoint) as e:
@@ -178,7 +201,9 @@ def test_4bit_language_path_equal_codes_differ_until_the_departures_are_undone(a
         assert _first_diff(ours.codes, ref.codes) == (1 if prompt is None else 0)
     with departures_undone(audio4):
         off, st = _runs(audio4, clip, prompt)
-    assert _first_diff(off.codes, ref_off.codes) is None and _first_diff(off.decoded_codes, ref_off.decoded_codes) is None
+    assert (
+        _first_diff(off.codes, ref_off.codes) is None and _first_diff(off.decoded_codes, ref_off.decoded_codes) is None
+    )
     assert _first_diff(st.codes, ref_st.codes) is None and _first_diff(st.decoded_codes, ref_st.decoded_codes) is None
     assert np.array_equal(st.audio, ref_st.audio)
     # and nothing stays patched

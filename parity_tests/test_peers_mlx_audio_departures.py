@@ -80,8 +80,10 @@ def test_continuation_flags_come_from_the_tokenizer(audio4):
     stored = audio4.stored_tokenizer_buffers["tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation"]
     vocab = audio4.session.tokenizer.get_vocab()
     tokens = {i: t for t, i in vocab.items()}
-    rule = [int(bool(tokens.get(i, "")) and not tokens.get(i, "").startswith(("Ġ", "▁", "<")))
-            for i in range(len(rebuilt) - 1)]
+    rule = [
+        int(bool(tokens.get(i, "")) and not tokens.get(i, "").startswith(("Ġ", "▁", "<")))
+        for i in range(len(rebuilt) - 1)
+    ]
     assert rebuilt[:-1].tolist() == rule
     assert not np.array_equal(rebuilt, stored)
     with departures_undone(audio4, ("continuation_flags",)):

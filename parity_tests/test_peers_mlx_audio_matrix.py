@@ -53,16 +53,21 @@ def test_every_pair_agrees_and_mlx_audio_codes_are_the_odd_one_out(report):
     assert list(m["pairs"]) == ["voicechat vs mlx-vlm", "voicechat vs mlx-audio", "mlx-vlm vs mlx-audio"]
     assert report.ok and all(p["ok"] for p in m["pairs"].values())
     first = m["pairs"]["mlx-vlm vs mlx-audio"]["first_documented"]
-    assert (first["field"], first["frame"], first["difference_id"]) == ("codes per frame", 1,
-                                                                          "mlx_audio_tts_departures")
+    assert (first["field"], first["frame"], first["difference_id"]) == (
+        "codes per frame",
+        1,
+        "mlx_audio_tts_departures",
+    )
     odd = {(o["path"], o["field"]): o for o in m["odd_one_out"]}
     for path in ("offline", "streamed"):
         for field in ("codes per frame", "decoded codes per frame"):
             assert odd[(path, field)]["odd_one_out"] == "mlx-audio" and odd[(path, field)]["documented"]
     # the language path is nobody's odd one out: ids and logits agree in every pair
     assert not [o for o in m["odd_one_out"] if o["family"] == NEMOTRON or "ids" in o["field"]]
-    assert all(r.status != DOCUMENTED or r.difference_id != "mlx_audio_tts_departures"
-               or "codes" in r.metric for r in report.rows)
+    assert all(
+        r.status != DOCUMENTED or r.difference_id != "mlx_audio_tts_departures" or "codes" in r.metric
+        for r in report.rows
+    )
     md = report.to_markdown()
     assert "Odd one out" in md and "**mlx-audio**" in md and "mlx-vlm vs mlx-audio" in md
 

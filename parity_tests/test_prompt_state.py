@@ -27,8 +27,9 @@ def real_model(request, tmp_path_factory):
     from voicechat.synthetic.toolcall import SPECIAL_COUNT
     from voicechat.io.tokenizer import write_synthetic_tokenizer
 
-    path = write_checkpoint(tmp_path_factory.mktemp(f"small16_{request.param}bit"), "small16", bits=request.param,
-                            progress=False)
+    path = write_checkpoint(
+        tmp_path_factory.mktemp(f"small16_{request.param}bit"), "small16", bits=request.param, progress=False
+    )
     # With the function channel's markers (<SPECIAL_20..22>), as the toolcall preset's tokenizer has them,
     # so the same checkpoint takes tools (the random weights then only prefill the tools block).
     write_synthetic_tokenizer(path, 8192, SPECIAL_COUNT)
@@ -39,7 +40,7 @@ def real_model(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def audio(question_wav):
-    return question_wav[:1280 * FRAMES + 700]
+    return question_wav[: 1280 * FRAMES + 700]
 
 
 def _events_bytes(events) -> list:
@@ -68,7 +69,7 @@ def _stream(model, audio, push=1280, **kw):
     start = _states_bytes(s)
     events = []
     for i in range(0, audio.size, push):
-        events += s.push_audio(audio[i:i + push])
+        events += s.push_audio(audio[i : i + push])
     events += s.flush()
     return s, start, events
 
@@ -146,8 +147,10 @@ def test_state_through_a_file_equals_prefilled(real_model, audio, prefilled):
 @pytest.mark.slow
 def test_offline_with_tools_from_state_at_real_geometry(real_model, audio):
     state = real_model.prepare_prompt(PROMPT, tools=[TIME_TOOL], seed=7)
-    _assert_same_offline(real_model.generate(audio, system_prompt=PROMPT, tools=[TIME_TOOL], seed=7),
-                         real_model.generate(audio, prompt_state=state))
+    _assert_same_offline(
+        real_model.generate(audio, system_prompt=PROMPT, tools=[TIME_TOOL], seed=7),
+        real_model.generate(audio, prompt_state=state),
+    )
 
 
 def test_one_state_serves_sessions_side_by_side_and_is_never_changed(real_model, audio):
@@ -159,8 +162,8 @@ def test_one_state_serves_sessions_side_by_side_and_is_never_changed(real_model,
     s2 = real_model.create_streaming_session(prompt_state=state)
     e1, e2 = [], []
     for i in range(0, audio.size, 1280):
-        e1 += s1.push_audio(audio[i:i + 1280])
-        e2 += s2.push_audio(audio[i:i + 1280])
+        e1 += s1.push_audio(audio[i : i + 1280])
+        e2 += s2.push_audio(audio[i : i + 1280])
     e1 += s1.flush()
     e2 += s2.flush()
     assert _events_bytes(e1) == _events_bytes(ref[2]) == _events_bytes(e2)
@@ -203,7 +206,7 @@ def test_toolcall_loop_from_state(toolcall_model):
         s = toolcall_model.create_streaming_session(**kw)
         events = []
         for i in range(0, wave.size, 1280):
-            events += s.push_audio(wave[i:i + 1280])
+            events += s.push_audio(wave[i : i + 1280])
             for call_id in s.pending_tool_calls:
                 s.submit_tool_result(call_id, {"datetime": "2026-12-04T09:00:00+00:00"})
         return events + s.flush()
@@ -212,8 +215,10 @@ def test_toolcall_loop_from_state(toolcall_model):
     assert _events_bytes(ref) == _events_bytes(got)
     call = next(e for e in got if e.kind == "tool_call")
     schedule = [(call.frame_index, call.call_id, {"datetime": "2026-12-04T09:00:00+00:00"})]
-    _assert_same_offline(toolcall_model.generate(wave, tools=[TIME_TOOL], tool_results=schedule),
-                         toolcall_model.generate(wave, prompt_state=state, tool_results=schedule))
+    _assert_same_offline(
+        toolcall_model.generate(wave, tools=[TIME_TOOL], tool_results=schedule),
+        toolcall_model.generate(wave, prompt_state=state, tool_results=schedule),
+    )
     kinds = [e.kind for e in got]
     assert "tool_call" in kinds and "tool_result_done" in kinds
     assert next(e for e in got if e.kind == "tool_call").name == TOOLCALL_TOOL
@@ -221,9 +226,13 @@ def test_toolcall_loop_from_state(toolcall_model):
 
 def test_disagreeing_arguments_are_refused(tiny_model):
     state = tiny_model.prepare_prompt("Be brief.", seed=2)
-    for kw, word in [({"system_prompt": "Be long."}, "system_prompt"), ({"system_prompt": None}, "system_prompt"),
-                     ({"seed": 0}, "seed"), ({"tools": [TIME_TOOL]}, "tools"),
-                     ({"use_language_cache": False}, "use_language_cache")]:
+    for kw, word in [
+        ({"system_prompt": "Be long."}, "system_prompt"),
+        ({"system_prompt": None}, "system_prompt"),
+        ({"seed": 0}, "seed"),
+        ({"tools": [TIME_TOOL]}, "tools"),
+        ({"use_language_cache": False}, "use_language_cache"),
+    ]:
         with pytest.raises(ValueError, match=word):
             tiny_model.create_streaming_session(prompt_state=state, **kw)
         if "use_language_cache" not in kw:
@@ -269,14 +278,14 @@ def _rewrite_meta(path, change):
     """Rewrite the state's JSON metadata in place (same length is not needed: the header is rebuilt)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     md = header["__metadata__"]
     meta = json.loads(md["voicechat.prompt_state"])
     change(meta)
     md["voicechat.prompt_state"] = json.dumps(meta, sort_keys=True)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
 def test_file_of_another_format_version_is_refused(saved, tiny_model):
@@ -321,7 +330,7 @@ def test_harness_rows_pass_and_fail(tiny_model, question_wav, monkeypatch):
     from harness.families import FAIL, PASS
     from harness.prompt_state_rows import prompt_state_rows
 
-    wave = question_wav[:1280 * 6]
+    wave = question_wav[: 1280 * 6]
     rows = prompt_state_rows(tiny_model, wave, system_prompt="Be brief.", seed=1)
     assert rows and all(r.status == PASS for r in rows), [(r.metric, r.observed) for r in rows if r.status != PASS]
     # A state whose random stream was not restored: the rows must see it.
@@ -349,19 +358,70 @@ def test_cli_cache_prompt_then_generate(tiny_ckpt, tiny_ckpt_4bit, tmp_path, cap
     assert "prompt positions" in capsys.readouterr().out
     a, b = tmp_path / "a.wav", tmp_path / "b.wav"
     for stream in ([], ["--stream"]):
-        assert main(["generate", "-m", str(tiny_ckpt), "--prompt-state", str(state), "--output-audio", str(a),
-                     "--output-format", "float32", "--quiet", *stream]) == 0
-        assert main(["generate", "-m", str(tiny_ckpt), "-p", "Be brief.", "--seed", "2", "--output-audio", str(b),
-                     "--output-format", "float32", "--quiet", *stream]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "-m",
+                    str(tiny_ckpt),
+                    "--prompt-state",
+                    str(state),
+                    "--output-audio",
+                    str(a),
+                    "--output-format",
+                    "float32",
+                    "--quiet",
+                    *stream,
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "generate",
+                    "-m",
+                    str(tiny_ckpt),
+                    "-p",
+                    "Be brief.",
+                    "--seed",
+                    "2",
+                    "--output-audio",
+                    str(b),
+                    "--output-format",
+                    "float32",
+                    "--quiet",
+                    *stream,
+                ]
+            )
+            == 0
+        )
         wa, wb = sf.read(a, dtype="float32")[0], sf.read(b, dtype="float32")[0]
         assert wa.size > 0 and wa.tobytes() == wb.tobytes()
     capsys.readouterr()
     # A disagreeing seed and another checkpoint: one clear line each, exit status 2.
-    assert main(["generate", "-m", str(tiny_ckpt), "--prompt-state", str(state), "--seed", "3",
-                 "--output-audio", str(a), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                str(tiny_ckpt),
+                "--prompt-state",
+                str(state),
+                "--seed",
+                "3",
+                "--output-audio",
+                str(a),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "disagrees with the prompt_state's seed 2" in capsys.readouterr().err
-    assert main(["generate", "-m", str(tiny_ckpt_4bit), "--prompt-state", str(state), "--output-audio", str(a),
-                 "--quiet"]) == 2
+    assert (
+        main(["generate", "-m", str(tiny_ckpt_4bit), "--prompt-state", str(state), "--output-audio", str(a), "--quiet"])
+        == 2
+    )
     assert "another checkpoint" in capsys.readouterr().err
 
 
@@ -374,8 +434,10 @@ def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
     for n in (5, 19, 95):
         assert m.prepare_prompt(prompt_of_positions(m, n)).prompt_positions == n
     out = tmp_path / "sweep"
-    assert main(["bench", "-m", str(tiny_ckpt), "--prompt-sweep", "5,19", "--runs", "2", "--out", str(out),
-                 "--quiet"]) == 0
+    assert (
+        main(["bench", "-m", str(tiny_ckpt), "--prompt-sweep", "5,19", "--runs", "2", "--out", str(out), "--quiet"])
+        == 0
+    )
     lines = (out / "prompt_sweep.csv").read_text().splitlines()
     assert len(lines) == 1 + 2 * 2 and lines[0].startswith("checkpoint,positions,run,")
     rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
@@ -429,13 +491,23 @@ def _write_v1(state, path):
     for token, row in rows.items():
         arrays[f"text_rows.{token}"] = row
     meta = {
-        "format": "voicechat-prompt-state", "format_version": 1, "voicechat": __version__,
-        "checkpoint": checkpoint_identity(state._model_ref()), "numerics": state.numerics,
-        "system_prompt": state.system_prompt, "tools": list(state.tools), "seed": state.seed,
-        "prompt_positions": state.prompt_positions, "position": ts.position,
-        "llm": {"offset": ts.llm.offset,
-                "layers": [None if s is None else ("mamba" if isinstance(s, MambaLayerState) else ["attention", s.length])
-                           for s in ts.llm.layers]},
+        "format": "voicechat-prompt-state",
+        "format_version": 1,
+        "voicechat": __version__,
+        "checkpoint": checkpoint_identity(state._model_ref()),
+        "numerics": state.numerics,
+        "system_prompt": state.system_prompt,
+        "tools": list(state.tools),
+        "seed": state.seed,
+        "prompt_positions": state.prompt_positions,
+        "position": ts.position,
+        "llm": {
+            "offset": ts.llm.offset,
+            "layers": [
+                None if s is None else ("mamba" if isinstance(s, MambaLayerState) else ["attention", s.length])
+                for s in ts.llm.layers
+            ],
+        },
         "tts": {"offset": ts.tts.offset, "ring_origin": list(ts.tts.ring_origin), "windows": list(ts.tts.windows)},
         "rng": {"seed": ts.rng.seed, "draws": ts.rng.draws},
         "text_rows": [int(t) for t in rows],
@@ -447,20 +519,30 @@ def _write_v1(state, path):
         a = arrays[name]
         h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
         h.update(np.ascontiguousarray(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)).tobytes())
-    mx.save_safetensors(str(path), arrays, metadata={"voicechat.prompt_state": meta_text,
-                                                     "voicechat.prompt_state.sha256": h.hexdigest()})
+    mx.save_safetensors(
+        str(path),
+        arrays,
+        metadata={"voicechat.prompt_state": meta_text, "voicechat.prompt_state.sha256": h.hexdigest()},
+    )
     return path
 
 
 def _timeline_bookkeeping(state) -> tuple:
     ts = state._timeline
-    return (ts.position, ts.llm.offset, [getattr(s, "length", None) for s in ts.llm.layers], ts.tts.offset,
-            list(ts.tts.ring_origin), ts.rng.seed, ts.rng.draws, list(state._text_rows._rows))
+    return (
+        ts.position,
+        ts.llm.offset,
+        [getattr(s, "length", None) for s in ts.llm.layers],
+        ts.tts.offset,
+        list(ts.tts.ring_origin),
+        ts.rng.seed,
+        ts.rng.draws,
+        list(state._text_rows._rows),
+    )
 
 
 @pytest.mark.parametrize("which", ["prompt", "empty", "tools"])
-def test_files_written_before_states_described_themselves_load_bit_for_bit(which, tiny_model, toolcall_model,
-                                                                           tmp_path):
+def test_files_written_before_states_described_themselves_load_bit_for_bit(which, tiny_model, toolcall_model, tmp_path):
     """A format-version-1 file written the old way (`_write_v1`) loads to the same arrays, bookkeeping
     and prompt arguments, and today's writer writes the very same bytes."""
     if which == "tools":
@@ -471,10 +553,15 @@ def test_files_written_before_states_described_themselves_load_bit_for_bit(which
     loaded = voicechat.PromptState.load(old, model)
     assert list(loaded._arrays()) == list(state._arrays())
     assert _state_bytes(loaded) == _state_bytes(state)
-    assert {k: (v.dtype, v.shape) for k, v in loaded._arrays().items()} == \
-        {k: (v.dtype, v.shape) for k, v in state._arrays().items()}
+    assert {k: (v.dtype, v.shape) for k, v in loaded._arrays().items()} == {
+        k: (v.dtype, v.shape) for k, v in state._arrays().items()
+    }
     assert _timeline_bookkeeping(loaded) == _timeline_bookkeeping(state)
-    assert (loaded.system_prompt, loaded.tools, loaded.seed, loaded.prompt_positions) == \
-        (state.system_prompt, state.tools, state.seed, state.prompt_positions)
+    assert (loaded.system_prompt, loaded.tools, loaded.seed, loaded.prompt_positions) == (
+        state.system_prompt,
+        state.tools,
+        state.seed,
+        state.prompt_positions,
+    )
     assert state.save(tmp_path / "new.safetensors").read_bytes() == old.read_bytes()
     assert loaded.save(tmp_path / "again.safetensors").read_bytes() == old.read_bytes()

@@ -15,7 +15,7 @@ def _events(session, audio, sizes):
     out, pos, i = [], 0, 0
     while pos < len(audio):
         n = sizes[i % len(sizes)]
-        out += session.push_audio(audio[pos:pos + n])
+        out += session.push_audio(audio[pos : pos + n])
         pos += n
         i += 1
     return out + session.flush()
@@ -23,7 +23,7 @@ def _events(session, audio, sizes):
 
 @pytest.fixture(scope="module")
 def short_audio(question_wav):
-    return question_wav[:16000 + 777]
+    return question_wav[: 16000 + 777]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,22 @@ def test_cli_rejects_non_wav(tmp_path, tiny_ckpt):
 
     junk = tmp_path / "junk.wav"
     junk.write_bytes(b"RIFF....not really a wave file")
-    r = subprocess.run([sys.executable, "-m", "voicechat.cli", "generate", "-m", str(tiny_ckpt), "--audio",
-                        str(junk), "--output-audio", str(tmp_path / "o.wav")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "voicechat.cli",
+            "generate",
+            "-m",
+            str(tiny_ckpt),
+            "--audio",
+            str(junk),
+            "--output-audio",
+            str(tmp_path / "o.wav"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "not a readable audio file" in r.stderr
 
 
@@ -78,8 +92,12 @@ def test_growing_caches_are_written_in_place(tiny_model):
     tts_cfg = cfg.tts_config
     chunk = (0.05 * np.random.default_rng(0).standard_normal(cfg.frame_samples)).astype(np.float32)
     s = tiny_model.create_streaming_session()
-    growing = [f"tts.layers.{i}.{kv}" for i in range(tts_cfg.num_hidden_layers) if tts_cfg.is_global_layer(i)
-               for kv in ("keys", "values")]
+    growing = [
+        f"tts.layers.{i}.{kv}"
+        for i in range(tts_cfg.num_hidden_layers)
+        if tts_cfg.is_global_layer(i)
+        for kv in ("keys", "values")
+    ]
     growing += [k for k in s.states() if k.startswith("llm.") and k.endswith((".keys", ".values"))]
     assert any(k.startswith("llm.") for k in growing) and any(k.startswith("tts.") for k in growing)
     for _ in range(5):
@@ -134,8 +152,12 @@ def test_ten_minute_session(tiny_model):
     grown = {k for k in sizes if sizes[k] != sizes0[k]}
     # Only the designed-to-grow caches grow: LLM attention K/V and TTS global-layer K/V (+ offsets).
     for k in grown:
-        assert k.startswith("llm.") and (k.endswith(".keys") or k.endswith(".values")) or \
-            k.startswith("tts.layers.") or k in ("tts.offset",), k
+        assert (
+            k.startswith("llm.")
+            and (k.endswith(".keys") or k.endswith(".values"))
+            or k.startswith("tts.layers.")
+            or k in ("tts.offset",)
+        ), k
     sliding = [i for i in range(tts_cfg.num_hidden_layers) if not tts_cfg.is_global_layer(i)]
     for i in sliding:
         assert s.timeline.state.tts.arrays()[f"layers.{i}.keys"].shape[2] == tts_cfg.sliding_window
@@ -175,8 +197,10 @@ def test_ten_minute_session(tiny_model):
         return float(np.mean(ts[: int(len(ts) * 0.95)]))
 
     second, last = trimmed_mean(t_young), trimmed_mean(t_old)
-    print(f"\n10-minute session: frame at minute 2 {second * 1e3:.2f} ms, at minute 10 {last * 1e3:.2f} ms "
-          f"({last / second:.3f}x, side by side); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB")
+    print(
+        f"\n10-minute session: frame at minute 2 {second * 1e3:.2f} ms, at minute 10 {last * 1e3:.2f} ms "
+        f"({last / second:.3f}x, side by side); cache growth {growth} B; RSS growth {rss_growth / 2**20:.1f} MB"
+    )
     assert last <= 1.6 * second, (second, last)
 
 

@@ -60,9 +60,12 @@ def test_parameter_names_and_shapes():
     assert got == expected
     j = AUDIO.joint.joint_hidden
     assert {k: a.shape for k, a in tree_flatten(joint.parameters())} == {
-        "enc.weight": (j, D_ENC), "enc.bias": (j,),
-        "pred.weight": (j, h), "pred.bias": (j,),
-        "joint_net.2.weight": (v + 1, j), "joint_net.2.bias": (v + 1,),
+        "enc.weight": (j, D_ENC),
+        "enc.bias": (j,),
+        "pred.weight": (j, h),
+        "pred.bias": (j,),
+        "joint_net.2.weight": (v + 1, j),
+        "joint_net.2.bias": (v + 1,),
     }
 
 
@@ -89,7 +92,11 @@ def test_prediction_and_joint_match_numpy():
         np.testing.assert_allclose(np.array(out), x, atol=1e-5)
     p = {k: np.array(v, np.float64) for k, v in tree_flatten(joint.parameters())}
     e = np.array(enc[0], np.float64)
-    ref = p["joint_net.2.weight"] @ np.maximum(0, p["enc.weight"] @ e + p["enc.bias"] + p["pred.weight"] @ x + p["pred.bias"]) + p["joint_net.2.bias"]
+    ref = (
+        p["joint_net.2.weight"]
+        @ np.maximum(0, p["enc.weight"] @ e + p["enc.bias"] + p["pred.weight"] @ x + p["pred.bias"])
+        + p["joint_net.2.bias"]
+    )
     np.testing.assert_allclose(np.array(joint(enc[0], out)), ref, atol=1e-4)
 
 
@@ -210,8 +217,9 @@ def test_on_device_loop_makes_the_host_loops_decisions(blank_bias, max_symbols):
         device_frames.append(device.finish_on_device(ids))
         want = {k: np.array(v) for k, v in host.state.arrays().items()} if t == enc.shape[0] - 1 else None
     assert device_frames == host_frames
-    assert device.state.tokens == host.state.tokens == [k for k in greedy_decode(dec, joint, enc, max_symbols)
-                                                        if k != 3]
+    assert (
+        device.state.tokens == host.state.tokens == [k for k in greedy_decode(dec, joint, enc, max_symbols) if k != 3]
+    )
     got = {k: np.array(v) for k, v in device.state.arrays().items()}
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
     with pytest.raises(RuntimeError, match="not finished"):

@@ -54,8 +54,9 @@ def test_component_modules_do_not_import_the_runtime():
     assert len(files) >= 10
     offending = {}
     for path in files:
-        bad = [name for name in _imports(path)
-               if any(part in EXECUTION_MODULES for part in name.lstrip(".").split("."))]
+        bad = [
+            name for name in _imports(path) if any(part in EXECUTION_MODULES for part in name.lstrip(".").split("."))
+        ]
         if bad:
             offending[str(path.relative_to(PACKAGE))] = bad
     assert offending == {}
@@ -81,12 +82,26 @@ def test_execution_variables_are_read_only_by_the_policy():
 
 
 def test_policy_from_the_environment_once():
-    env = {"VOICECHAT_CPU_STREAMS": "1", "VOICECHAT_COMPILE": "0", "VOICECHAT_HOST_GEMM": "0",
-           "VOICECHAT_OVERLAP": "0", "VOICECHAT_KEEP_HEAP": "0", "VOICECHAT_FLOAT32_COPIES": "1",
-           "VOICECHAT_CPU_QMV": "0"}
+    env = {
+        "VOICECHAT_CPU_STREAMS": "1",
+        "VOICECHAT_COMPILE": "0",
+        "VOICECHAT_HOST_GEMM": "0",
+        "VOICECHAT_OVERLAP": "0",
+        "VOICECHAT_KEEP_HEAP": "0",
+        "VOICECHAT_FLOAT32_COPIES": "1",
+        "VOICECHAT_CPU_QMV": "0",
+    }
     p = ExecutionPolicy.for_device(mx.cpu, environ=env)
-    assert (p.cpu_streams, p.compiled, p.host_products, p.overlap, p.keep_heap, p.float32_copies, p.cpu_kernels,
-            p.bf16_transposed) == (1, False, False, False, False, True, False, False)
+    assert (
+        p.cpu_streams,
+        p.compiled,
+        p.host_products,
+        p.overlap,
+        p.keep_heap,
+        p.float32_copies,
+        p.cpu_kernels,
+        p.bf16_transposed,
+    ) == (1, False, False, False, False, True, False, False)
     for name in ENV_VARS.values():
         with pytest.raises(ValueError, match=name):
             ExecutionPolicy.for_device(mx.cpu, environ={name: "maybe"})
@@ -101,9 +116,16 @@ def test_policy_from_the_environment_once():
 def test_gpu_policy_is_what_a_gpu_gets():
     gpu = ExecutionPolicy.gpu()
     assert gpu == ExecutionPolicy.for_device(mx.gpu, environ={})
-    assert (gpu.cpu_streams, gpu.cpu_kernels, gpu.host_products, gpu.overlap, gpu.keep_heap,
-            gpu.float32_copies, gpu.bf16_transposed, gpu.rnnt_on_device) == (1, False, False, False, False, False,
-                                                                             True, True)
+    assert (
+        gpu.cpu_streams,
+        gpu.cpu_kernels,
+        gpu.host_products,
+        gpu.overlap,
+        gpu.keep_heap,
+        gpu.float32_copies,
+        gpu.bf16_transposed,
+        gpu.rnnt_on_device,
+    ) == (1, False, False, False, False, False, True, True)
     assert gpu.compiled  # fewer dispatches on any device
 
 
@@ -140,9 +162,11 @@ def _checkpoints():
     return {
         "tiny-4bit": lambda tmp: voicechat.synthetic.write_checkpoint(tmp / "t4", "tiny", bits=4),
         "writer-real-depth-bf16-4bit": lambda tmp: independent_writer.write(
-            tmp / "w", independent_writer.Spec(depth="real", dtype="bfloat16", bits=4, predicate="published")),
+            tmp / "w", independent_writer.Spec(depth="real", dtype="bfloat16", bits=4, predicate="published")
+        ),
         "writer-tiny-float32": lambda tmp: independent_writer.write(
-            tmp / "f", independent_writer.Spec(dtype="float32", control_inside=False)),
+            tmp / "f", independent_writer.Spec(dtype="float32", control_inside=False)
+        ),
     }
 
 
@@ -217,7 +241,7 @@ def test_two_models_with_different_policies_share_a_process(tiny_ckpt_4bit, ques
     sessions = {name: m.create_streaming_session(seed=0) for name, m in models.items()}
     for start in range(0, wave.shape[0], 1280):
         for name, s in sessions.items():
-            s.push_audio(wave[start:start + 1280])
+            s.push_audio(wave[start : start + 1280])
     for name, s in sessions.items():
         s.flush()
         got = {k: np.array(v) for k, v in s.states().items()}

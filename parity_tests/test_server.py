@@ -27,9 +27,14 @@ def _expected_events(model, pcm: np.ndarray, *, seed=0, prompt=None):
     """The in-process session's events for the same PCM16 audio, as the wire should carry them."""
     s = model.create_streaming_session(system_prompt=prompt, seed=seed)
     events = s.push_audio(pcm) + s.flush()
-    names = {"user_transcript_delta": "conversation.item.input_audio_transcription.delta",
-             "assistant_text_delta": "response.text.delta", "function_delta": "response.function.delta",
-             "audio": "response.audio.delta", "audio_tail": "response.audio.tail", "done": "response.done"}
+    names = {
+        "user_transcript_delta": "conversation.item.input_audio_transcription.delta",
+        "assistant_text_delta": "response.text.delta",
+        "function_delta": "response.function.delta",
+        "audio": "response.audio.delta",
+        "audio_tail": "response.audio.tail",
+        "done": "response.done",
+    }
     out = []
     for e in events:
         d = {"type": names[e.kind], "frame_index": e.frame_index}
@@ -53,8 +58,9 @@ def _wire_events(result):
     for e in result.events:
         if e["type"] in ("session.created", "session.updated", "input_audio_buffer.committed"):
             continue
-        d = {k: e[k] for k in ("type", "frame_index", "token_id", "delta", "text", "transcript", "audio_codes")
-             if k in e}
+        d = {
+            k: e[k] for k in ("type", "frame_index", "token_id", "delta", "text", "transcript", "audio_codes") if k in e
+        }
         if e["type"] == "conversation.item.input_audio_transcription.delta":
             assert e["text"] == e["transcript"]
             d.pop("text")
@@ -87,7 +93,7 @@ def test_streamed_events_equal_in_process_session(server, tiny_model, question_w
     kinds = [(e["type"], e.get("frame_index")) for e in r.events]
     at = kinds.index(("input_audio_buffer.committed", None))
     assert ("response.audio.delta", pcm.size // 1280 - 1) in kinds[:at]
-    assert kinds[at + 1:].count(("response.audio.delta", pcm.size // 1280)) == 1
+    assert kinds[at + 1 :].count(("response.audio.delta", pcm.size // 1280)) == 1
 
 
 def test_session_messages_and_fields(server, tiny_model):
@@ -98,8 +104,9 @@ def test_session_messages_and_fields(server, tiny_model):
             assert created["session"]["input_audio_format"] == {"type": "pcm16", "sample_rate": 16000, "channels": 1}
             await c.send({"type": "session.ping"})
             assert (await c.recv())["type"] == "session.pong"  # ping works before session.update
-            await c.send({"type": "session.update", "session": {"system_prompt": PROMPT, "seed": 5,
-                                                                "model": "anything"}})
+            await c.send(
+                {"type": "session.update", "session": {"system_prompt": PROMPT, "seed": 5, "model": "anything"}}
+            )
             upd = await c.recv()
             assert upd["type"] == "session.updated" and upd["session"]["state"] == "ready"
             s = upd["session"]
@@ -133,7 +140,7 @@ def test_session_messages_and_fields(server, tiny_model):
 
 
 def test_bad_messages_get_errors_and_the_session_goes_on(server, question_wav, tiny_model):
-    pcm = to_pcm16(question_wav[:4 * 1280])
+    pcm = to_pcm16(question_wav[: 4 * 1280])
     bad = [
         ("{not json", "invalid_json"),
         ("[1, 2]", "invalid_json"),
@@ -142,10 +149,20 @@ def test_bad_messages_get_errors_and_the_session_goes_on(server, question_wav, t
         (b"\x00\x01", "invalid_message"),
     ]
     after_update = [
-        (json.dumps({"type": "input_audio_buffer.append", "audio": "@@@notbase64", "sample_rate": 16000}),
-         "invalid_audio"),
-        (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(15)).decode(),
-                     "sample_rate": 16000}), "invalid_audio"),  # 15 bytes: odd
+        (
+            json.dumps({"type": "input_audio_buffer.append", "audio": "@@@notbase64", "sample_rate": 16000}),
+            "invalid_audio",
+        ),
+        (
+            json.dumps(
+                {
+                    "type": "input_audio_buffer.append",
+                    "audio": base64.b64encode(bytes(15)).decode(),
+                    "sample_rate": 16000,
+                }
+            ),
+            "invalid_audio",
+        ),  # 15 bytes: odd
         (append_msg(pcm[:100], sample_rate=48000), "invalid_sample_rate"),
         (json.dumps({"type": "input_audio_buffer.append", "audio": 5}), "invalid_audio"),
         (json.dumps({"type": "session.update", "session": {}}), "session_already_configured"),
@@ -218,7 +235,7 @@ def test_faster_than_real_time_is_slowed_not_refused(make_server, question_wav):
         async with Raw(srv.url) as c:
             await c.configure()
             for i in range(0, pcm.size, chunk):  # as fast as possible: far ahead of the model
-                await c.send(append_msg(pcm[i:i + chunk]))
+                await c.send(append_msg(pcm[i : i + chunk]))
             await c.send({"type": "input_audio_buffer.commit"})
             return await c.closed()
 
@@ -267,12 +284,13 @@ def test_context_limit_of_the_session(server):
 
 def _busy_refusals(server) -> float:
     text = urllib.request.urlopen(server.http + "/metrics").read().decode()
-    return float(next(x.split()[1] for x in text.splitlines()
-                      if x.startswith('voicechat_sessions_refused_total{reason="busy"}')))
+    return float(
+        next(x.split()[1] for x in text.splitlines() if x.startswith('voicechat_sessions_refused_total{reason="busy"}'))
+    )
 
 
 def test_busy_and_release(server, question_wav):
-    pcm = to_pcm16(question_wav[:3 * 1280])
+    pcm = to_pcm16(question_wav[: 3 * 1280])
     refused_before = _busy_refusals(server)
 
     async def go():
@@ -392,8 +410,16 @@ def test_page_assets_and_nothing_else(server):
     assert "default-src 'self'" in headers["Content-Security-Policy"]
     for p in ("/static/app.js", "/static/worklets.js", "/static/style.css"):
         assert get(p)[0] == 200, p
-    for p in ("/static/../app.py", "/static/%2e%2e/app.py", "/static/..%2fapp.py", "/app.py", "/static/",
-              "/static/protocol.py", "/..%2f..%2fetc/passwd", "/static/%2e%2e/%2e%2e/__init__.py"):
+    for p in (
+        "/static/../app.py",
+        "/static/%2e%2e/app.py",
+        "/static/..%2fapp.py",
+        "/app.py",
+        "/static/",
+        "/static/protocol.py",
+        "/..%2f..%2fetc/passwd",
+        "/static/%2e%2e/%2e%2e/__init__.py",
+    ):
         assert get(p)[0] == 404, p
 
 
@@ -403,11 +429,12 @@ def test_healthz_and_metrics(server, question_wav):
 
     def frames():
         text = urllib.request.urlopen(server.http + "/metrics").read().decode()
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        return {
+            line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+        }
 
     before = frames()
-    r = run_stream_audio(server.url, to_pcm16(question_wav[:5 * 1280]), fast=True)
+    r = run_stream_audio(server.url, to_pcm16(question_wav[: 5 * 1280]), fast=True)
     after = frames()
     assert after["voicechat_frames_total"] - before["voicechat_frames_total"] == r.frames == 5
     assert after["voicechat_sessions_opened_total"] - before["voicechat_sessions_opened_total"] == 1
@@ -425,16 +452,29 @@ def test_file_client_cli(server, tmp_path):
     from voicechat.samples import sample_path
 
     out = tmp_path / "answer.wav"
-    rc = main(["client", "--url", server.url, "--audio", str(sample_path("question")), "--output-audio", str(out),
-               "--fast", "--events", str(tmp_path / "ev.jsonl")])
+    rc = main(
+        [
+            "client",
+            "--url",
+            server.url,
+            "--audio",
+            str(sample_path("question")),
+            "--output-audio",
+            str(out),
+            "--fast",
+            "--events",
+            str(tmp_path / "ev.jsonl"),
+        ]
+    )
     assert rc == 0
     data, sr = sf.read(str(out), dtype="int16")
     events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
     frames = [e for e in events if e["type"] == "response.audio.delta"]
     tail = [e for e in events if e["type"] == "response.audio.tail"]
     assert sr == events[1]["session"]["output_audio_format"]["sample_rate"]
-    assert data.size == sum(e["samples"] for e in frames + tail) == len(frames) * frames[0]["samples"] + \
-        tail[0]["samples"]
+    assert (
+        data.size == sum(e["samples"] for e in frames + tail) == len(frames) * frames[0]["samples"] + tail[0]["samples"]
+    )
 
 
 def test_talk_jitter_buffer_plays_every_sample_in_order():
@@ -444,7 +484,7 @@ def test_talk_jitter_buffer_plays_every_sample_in_order():
     assert not jb.pull(10).any()  # silence until the prefill is queued
     src = np.arange(1, 121, dtype=np.int16)
     for i in range(0, 120, 24):
-        jb.push(src[i:i + 24])
+        jb.push(src[i : i + 24])
     out = np.concatenate([jb.pull(35) for _ in range(4)])
     assert np.array_equal(out[:120], src) and not out[120:].any() and jb.underruns == 1
 
@@ -464,10 +504,11 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
 def test_slow_model_shows_growing_lag_not_a_stall(tiny_ckpt, question_wav):
     """Frames computed at ~2.5x real time: every frame's delta still arrives as it is done, with its lag."""
     with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.2)) as w:
-        pcm = to_pcm16(question_wav[:24 * 1280])  # 1.92 s of input; ~4.8 s of compute
+        pcm = to_pcm16(question_wav[: 24 * 1280])  # 1.92 s of input; ~4.8 s of compute
         arrivals = []
-        r = run_stream_audio(w.srv.url, pcm, fast=False, chunk_samples=1280,
-                             on_event=lambda e: arrivals.append(e["type"]))
+        r = run_stream_audio(
+            w.srv.url, pcm, fast=False, chunk_samples=1280, on_event=lambda e: arrivals.append(e["type"])
+        )
     assert r.end == "response.done" and not r.errors
     lags = [e["lag_ms"] for e in r.of_type("response.audio.delta")]
     # Input at 80 ms per frame, compute >= 200 ms per frame: while the client streams (the first ~9 frames),
@@ -481,12 +522,15 @@ def test_slow_model_shows_growing_lag_not_a_stall(tiny_ckpt, question_wav):
 def test_one_structured_log_line_per_session(server, question_wav, caplog):
     import logging
 
-    pcm = to_pcm16(question_wav[:7 * 1280 + 300])
+    pcm = to_pcm16(question_wav[: 7 * 1280 + 300])
     with caplog.at_level(logging.INFO, logger="voicechat.server"):
         r = run_stream_audio(server.url, pcm, fast=True)
         assert wait_released(server)
-    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "voicechat.server"
-             and rec.getMessage().startswith("{")]
+    lines = [
+        json.loads(rec.getMessage())
+        for rec in caplog.records
+        if rec.name == "voicechat.server" and rec.getMessage().startswith("{")
+    ]
     assert len(lines) == 1
     line = lines[0]
     assert line["event"] == "session_end" and line["end"] == "done" and line["frames"] == r.frames == 8
@@ -504,10 +548,25 @@ def test_voicechat_serve_process(tiny_ckpt, question_wav, tmp_path):
 
     port = free_port()
     log = tmp_path / "serve.log"
-    p = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", str(tiny_ckpt), "--port", str(port),
-                       "--warmup-seconds", "0.2"], f"http://127.0.0.1:{port}/healthz", log, timeout=120)
+    p = start_process(
+        [
+            sys.executable,
+            "-m",
+            "voicechat.cli",
+            "serve",
+            "-m",
+            str(tiny_ckpt),
+            "--port",
+            str(port),
+            "--warmup-seconds",
+            "0.2",
+        ],
+        f"http://127.0.0.1:{port}/healthz",
+        log,
+        timeout=120,
+    )
     try:
-        r = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", to_pcm16(question_wav[:4 * 1280]), fast=True)
+        r = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", to_pcm16(question_wav[: 4 * 1280]), fast=True)
         assert r.end == "response.done" and r.frames == 4
     finally:
         p.send_signal(signal.SIGINT)

@@ -65,9 +65,26 @@ def serve(ckpt, tmp_path, *extra):
     from voicechat.server.compare import free_port, start_process
 
     port = free_port()
-    p = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", str(ckpt), "--port", str(port),
-                       "--warmup-seconds", "0", "--log-level", "warning", *extra],
-                      f"http://127.0.0.1:{port}/healthz", tmp_path / f"serve_{port}.log", timeout=180)
+    p = start_process(
+        [
+            sys.executable,
+            "-m",
+            "voicechat.cli",
+            "serve",
+            "-m",
+            str(ckpt),
+            "--port",
+            str(port),
+            "--warmup-seconds",
+            "0",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        f"http://127.0.0.1:{port}/healthz",
+        tmp_path / f"serve_{port}.log",
+        timeout=180,
+    )
     return p, port
 
 
@@ -141,8 +158,12 @@ def test_ga_sdk_session_audio_and_events_equal_in_process(small_server, small_mo
     from voicechat.server.dialects.common import DialectOptions
     from voicechat.server.dialects.ga import GaMapper
 
-    m = GaMapper(model_rate=22050, client_rate=24000, silence_codes=np.asarray(model.tts_model.codec_silence_tokens),
-                 options=DialectOptions())
+    m = GaMapper(
+        model_rate=22050,
+        client_rate=24000,
+        silence_codes=np.asarray(model.tts_model.codec_silence_tokens),
+        options=DialectOptions(),
+    )
     # The response opens at the model's first non-silent frame (frame 0 carries the codec's silence codes).
     k0 = next(i for i, e in enumerate(frames) if not m._silent(e))
     assert k0 < 3 and all(not m._silent(e) for e in frames[k0:]), "precondition: the small model speaks on"
@@ -151,24 +172,32 @@ def test_ga_sdk_session_audio_and_events_equal_in_process(small_server, small_mo
     out = StreamResampler(22050, 24000)
     sizes = [out.push(e.samples).size for e in frames]  # what the stream emits at each frame
     offset, expected_n = sum(sizes[:k0]), sum(sizes[k0:])
-    expected = pcm16(soxr.resample(frames_audio(frames), 22050, 24000))[offset:offset + expected_n]
+    expected = pcm16(soxr.resample(frames_audio(frames), 22050, 24000))[offset : offset + expected_n]
     user_text = "".join(e.delta for e in events if e.kind == "user_transcript_delta")
     text = "".join(e.delta for e in events if e.kind == "assistant_text_delta")  # pending text joins the response
     # 24 kHz read as 16 kHz would be another input: the reference is sensitive to it.
-    wrong = model.create_streaming_session().push_audio(pcm24[:x16.size].astype(np.float32) / 32768.0)
-    assert [e.delta for e in wrong if e.kind == "assistant_text_delta"] != \
-        [e.delta for e in events if e.kind == "assistant_text_delta"]
+    wrong = model.create_streaming_session().push_audio(pcm24[: x16.size].astype(np.float32) / 32768.0)
+    assert [e.delta for e in wrong if e.kind == "assistant_text_delta"] != [
+        e.delta for e in events if e.kind == "assistant_text_delta"
+    ]
 
     async def go():
         seen = []
         async with sdk(small_server).realtime.connect(model="gpt-realtime") as conn:
             seen.append(await recv_raw(conn))
-            await conn.session.update(session={"type": "realtime", "instructions": None or "",
-                                               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
-                                                         "output": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "instructions": None or "",
+                    "audio": {
+                        "input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                        "output": {"format": {"type": "audio/pcm", "rate": 24000}},
+                    },
+                }
+            )
             seen.append(await recv_raw(conn))
             for i in range(0, pcm24.size, 960):  # 40 ms appends
-                await conn.input_audio_buffer.append(audio=b64(pcm24[i:i + 960]))
+                await conn.input_audio_buffer.append(audio=b64(pcm24[i : i + 960]))
             got = 0
             while got < expected_n:  # the last frame's audio comes after its transcript deltas
                 e = await recv_raw(conn, 120)
@@ -189,16 +218,23 @@ def test_ga_sdk_session_audio_and_events_equal_in_process(small_server, small_mo
     assert "error" not in types, [e for e in seen if e["type"] == "error"]
     assert "response.created" in types, json.dumps([{k: v for k, v in e.items() if k != "delta"} for e in seen])[:3000]
     # One response, in GA's framing order.
-    order = ["response.created", "response.output_item.added", "conversation.item.added",
-             "response.content_part.added", "response.output_audio.delta"]
+    order = [
+        "response.created",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
+        "response.output_audio.delta",
+    ]
     first = [types.index(t, types.index("response.created")) for t in order]
     assert first == sorted(first), first
     rid = seen[types.index("response.created")]["response"]["id"]
     item = seen[types.index("response.output_item.added")]["item"]
     assert item["type"] == "message" and item["role"] == "assistant"
     deltas = [e for e in seen if e["type"] == "response.output_audio.delta"]
-    assert all(d["response_id"] == rid and d["item_id"] == item["id"] and d["output_index"] == 0
-               and d["content_index"] == 0 for d in deltas)
+    assert all(
+        d["response_id"] == rid and d["item_id"] == item["id"] and d["output_index"] == 0 and d["content_index"] == 0
+        for d in deltas
+    )
     audio = np.concatenate([unb64(d["delta"]) for d in deltas])
     # Duration at the negotiated rate: the frames' 80 ms each, less soxr's held-back samples (< 1 frame).
     assert audio.size == expected_n and 0 <= (len(frames) - k0) * 1920 - audio.size < 1920
@@ -222,11 +258,16 @@ def test_live_sdk_session_audio_and_transcripts_equal_in_process(small_server, s
     async def go():
         seen = []
         async with sdk(small_server).live.connect() as conn:
-            await conn.send({"type": "session.start", "event_id": "start-1", "session": {
-                "model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+            await conn.send(
+                {
+                    "type": "session.start",
+                    "event_id": "start-1",
+                    "session": {"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 24000}}},
+                }
+            )
             seen.append(await recv_raw(conn))
             for i in range(0, pcm24.size, 960):
-                await conn.send({"type": "session.input_audio.append", "audio": b64(pcm24[i:i + 960])})
+                await conn.send({"type": "session.input_audio.append", "audio": b64(pcm24[i : i + 960])})
             await conn.send({"type": "session.close"})
             while seen[-1]["type"] != "session.closed":
                 seen.append(await recv_raw(conn, 120))
@@ -244,8 +285,10 @@ def test_live_sdk_session_audio_and_transcripts_equal_in_process(small_server, s
     # Continuous: every frame plus the codec tail, at 24 kHz.
     assert audio.size == expected.size and abs(audio.size - n_frames * 1920) < 1920
     assert np.array_equal(audio, expected), np.abs(audio.astype(int) - expected).max()
-    for kind, t in (("user_transcript_delta", "session.input_transcript.delta"),
-                    ("assistant_text_delta", "session.output_transcript.delta")):
+    for kind, t in (
+        ("user_transcript_delta", "session.input_transcript.delta"),
+        ("assistant_text_delta", "session.output_transcript.delta"),
+    ):
         want = [(e.delta, e.frame_index * 80, e.frame_index * 80 + 80) for e in events if e.kind == kind and e.delta]
         got = [(e["delta"], e["start_ms"], e["end_ms"]) for e in seen if e["type"] == t]
         assert got == want
@@ -256,23 +299,31 @@ def test_live_sdk_session_audio_and_transcripts_equal_in_process(small_server, s
 
 
 def test_every_ga_client_event_is_acknowledged_without_error(server, question_wav):
-    pcm = pcm16(soxr.resample(question_wav[:8 * FRAME], 16000, 24000))
+    pcm = pcm16(soxr.resample(question_wav[: 8 * FRAME], 16000, 24000))
 
     async def go():
         seen = []
         async with sdk(server.port).realtime.connect(model="anything-at-all") as conn:
+
             async def until(t):
                 while True:
                     e = await recv_raw(conn)
                     seen.append(e)
                     if e["type"] == t:
                         return e
+
             await until("session.created")
-            await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
-                                               "output_modalities": ["audio"], "tool_choice": "auto"})
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "instructions": "Be brief.",
+                    "output_modalities": ["audio"],
+                    "tool_choice": "auto",
+                }
+            )
             await until("session.updated")
             for i in range(0, pcm.size, 1920):
-                await conn.input_audio_buffer.append(audio=b64(pcm[i:i + 1920]))
+                await conn.input_audio_buffer.append(audio=b64(pcm[i : i + 1920]))
             await conn.input_audio_buffer.commit()
             await until("input_audio_buffer.committed")
             await conn.input_audio_buffer.clear()
@@ -281,8 +332,9 @@ def test_every_ga_client_event_is_acknowledged_without_error(server, question_wa
             await conn.response.cancel()
             await conn.send({"type": "output_audio_buffer.clear"})
             await until("output_audio_buffer.cleared")
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "hi"}]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+            )
             added = await until("conversation.item.added")
             await until("conversation.item.done")
             item_id = added["item"]["id"]
@@ -310,7 +362,7 @@ def test_every_ga_client_event_is_acknowledged_without_error(server, question_wa
 def test_dialect_choice_mlx_vlm_then_ga_on_one_server(server, question_wav):
     from voicechat.server.client import run_stream_audio, to_pcm16
 
-    r = run_stream_audio(server.url, to_pcm16(question_wav[:4 * FRAME]), fast=True)
+    r = run_stream_audio(server.url, to_pcm16(question_wav[: 4 * FRAME]), fast=True)
     assert r.end == "response.done" and r.frames == 4  # mlx-vlm's dialect, unchanged
     assert wait_released(server)
 
@@ -357,28 +409,40 @@ def test_unsupported_rates_and_formats_are_refused_clearly(server):
         async with sdk(server.port).realtime.connect(model="gpt-realtime") as conn:
             await recv_raw(conn)
             for fmt in ({"type": "audio/pcm", "rate": 16000}, {"type": "audio/pcmu"}):  # GA's pcm is 24 kHz
-                await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {
-                    "input": {"format": fmt}}}})
+                await conn.send(
+                    {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": fmt}}}}
+                )
                 errs.append(await recv_raw(conn))
             await conn.session.update(session={"type": "realtime"})
             errs.append(await recv_raw(conn))  # still usable, still 24 kHz
         wait_released(server)
         async with sdk(server.port).live.connect() as conn:
-            await conn.send({"type": "session.start", "session": {"model": "gpt-live-1", "audio": {
-                "format": {"type": "audio/pcm", "rate": 48000}}}})
+            await conn.send(
+                {
+                    "type": "session.start",
+                    "session": {"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 48000}}},
+                }
+            )
             errs.append(await recv_raw(conn))
         return errs
 
     rate, ulaw, ok, live = run(go())
     for e in (rate, ulaw):
         ga_validate(e)
-    assert rate["error"]["code"] == "invalid_sample_rate" and "16000" in rate["error"]["message"] \
-        and "24000" in rate["error"]["message"] and rate["error"]["type"] == "invalid_request_error"
+    assert (
+        rate["error"]["code"] == "invalid_sample_rate"
+        and "16000" in rate["error"]["message"]
+        and "24000" in rate["error"]["message"]
+        and rate["error"]["type"] == "invalid_request_error"
+    )
     assert ulaw["error"]["code"] == "unsupported_audio_format" and "audio/pcmu" in ulaw["error"]["message"]
     assert ok["type"] == "session.updated" and ok["session"]["audio"]["input"]["format"]["rate"] == 24000
     live_validate(live)
-    assert live["error"]["code"] == "invalid_sample_rate" and "48000" in live["error"]["message"] \
+    assert (
+        live["error"]["code"] == "invalid_sample_rate"
+        and "48000" in live["error"]["message"]
         and "16000" in live["error"]["message"]
+    )
     assert wait_released(server)
 
 
@@ -388,15 +452,21 @@ def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(ser
         async with sdk(server.port).live.connect() as conn:
             await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[:FRAME]))})
             seen.append(await recv_raw(conn))
-            await conn.send({"type": "session.start", "session": {"model": "x", "audio": {
-                "format": {"type": "audio/pcm", "rate": 16000}}}})
+            await conn.send(
+                {
+                    "type": "session.start",
+                    "session": {"model": "x", "audio": {"format": {"type": "audio/pcm", "rate": 16000}}},
+                }
+            )
             # Pipelined right after session.start (before session.started): accepted, in order.
-            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[:2 * FRAME]))})
+            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[: 2 * FRAME]))})
             seen.append(await recv_raw(conn))
             await conn.send({"type": "thinking.append", "event_id": "t1", "text": "hm"})
             while seen[-1]["type"] != "error":
                 seen.append(await recv_raw(conn))
-            await conn.send({"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[2 * FRAME:4 * FRAME]))})
+            await conn.send(
+                {"type": "session.input_audio.append", "audio": b64(pcm16(question_wav[2 * FRAME : 4 * FRAME]))}
+            )
             await conn.send({"type": "session.close"})
             while seen[-1]["type"] != "session.closed":
                 seen.append(await recv_raw(conn))
@@ -408,8 +478,11 @@ def test_live_16k_needs_session_start_and_other_commands_are_refused_by_name(ser
     assert seen[0]["error"]["code"] == "session_not_started" and "session.start" in seen[0]["error"]["message"]
     assert seen[1]["type"] == "session.started" and seen[1]["session"]["audio"]["format"]["rate"] == 16000
     errors = [e for e in seen[1:] if e["type"] == "error"]
-    assert len(errors) == 1 and errors[0]["error"]["code"] == "unsupported_event" \
+    assert (
+        len(errors) == 1
+        and errors[0]["error"]["code"] == "unsupported_event"
         and errors[0]["error"]["client_event_id"] == "t1"
+    )
     # 4 frames were computed (a lost pipelined append would leave 2): the transcripts reach frame 3.
     assert max(e["end_ms"] for e in seen if e["type"].endswith("transcript.delta")) == 4 * 80
     # 16 kHz in -> 16 kHz out: 4 frames of 24 samples at 22.05 kHz plus the tail, resampled.
@@ -438,8 +511,11 @@ def test_auth_applies_to_both_openai_dialects(make_server):
 
     async def origin(path):  # a browser page of another site: refused before any session (the Origin rules)
         try:
-            async with Raw(f"ws://127.0.0.1:{srv.port}{path}", origin="http://evil.example",
-                           additional_headers={"Authorization": "Bearer sekrit"}):
+            async with Raw(
+                f"ws://127.0.0.1:{srv.port}{path}",
+                origin="http://evil.example",
+                additional_headers={"Authorization": "Bearer sekrit"},
+            ):
                 return "connected"
         except Exception as e:
             return str(e)
@@ -457,8 +533,9 @@ def toolcall(tmp_path_factory):
     import voicechat
     from voicechat.synthetic.checkpoint import write_checkpoint
 
-    path = write_checkpoint(tmp_path_factory.mktemp("toolcall_srv"), "toolcall", bits=8, tool=TOOLCALL_TOOL,
-                            arguments=TOOLCALL_ARGUMENTS)
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("toolcall_srv"), "toolcall", bits=8, tool=TOOLCALL_TOOL, arguments=TOOLCALL_ARGUMENTS
+    )
     return path, voicechat.load(path)
 
 
@@ -467,8 +544,12 @@ def reported_transcript(model, events) -> str:
     from voicechat.server.dialects.common import DialectOptions
     from voicechat.server.dialects.ga import GaMapper
 
-    m = GaMapper(model_rate=22050, client_rate=24000, options=DialectOptions(),
-                 silence_codes=np.asarray(model.tts_model.codec_silence_tokens))
+    m = GaMapper(
+        model_rate=22050,
+        client_rate=24000,
+        options=DialectOptions(),
+        silence_codes=np.asarray(model.tts_model.codec_silence_tokens),
+    )
     return "".join(e["delta"] for e in m.events(events) if e["type"] == "response.output_audio_transcript.delta")
 
 
@@ -478,7 +559,7 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
     path, model = toolcall
     result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
     wave = np.zeros(200 * FRAME, np.float32)  # the forced result (~60 tokens, one a frame) and EOTR fit
-    wave[:question_wav.size] = question_wav
+    wave[: question_wav.size] = question_wav
     pcm24 = pcm16(soxr.resample(wave, 16000, 24000))
     chunk = 1920  # 80 ms at 24 kHz
     # The reference: the same 24 kHz appends through the same resampling; the result goes in right after the
@@ -487,7 +568,7 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
     s = model.create_streaming_session(tools=[TIME_TOOL])
     ev, upto = [], None
     for i in range(0, pcm24.size, chunk):
-        ev += s.push_audio(r.push(pcm24[i:i + chunk].astype(np.float32) / 32768.0))
+        ev += s.push_audio(r.push(pcm24[i : i + chunk].astype(np.float32) / 32768.0))
         if s.pending_tool_calls and upto is None:
             upto = i + chunk
             s.submit_tool_result(s.pending_tool_calls[0], result)
@@ -500,22 +581,24 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
     assert no_result != with_result  # the result changes what the model says: the comparison can fail
     p, port = serve(path, tmp_path, "--max-queued-audio-seconds", "30")  # the test sends faster than real time
     try:
+
         async def go():
             seen = []
             async with sdk(port).realtime.connect(model="gpt-realtime") as conn:
                 await conn.session.update(session={"type": "realtime", "tools": [TIME_TOOL]})
                 for i in range(0, upto, chunk):
-                    await conn.input_audio_buffer.append(audio=b64(pcm24[i:i + chunk]))
+                    await conn.input_audio_buffer.append(audio=b64(pcm24[i : i + chunk]))
                 while True:
                     e = await recv_raw(conn)
                     seen.append(e)
                     assert e["type"] != "error", e
                     if e["type"] == "response.function_call_arguments.done":
                         break
-                await conn.conversation.item.create(item={"type": "function_call_output", "call_id": e["call_id"],
-                                                          "output": result})
+                await conn.conversation.item.create(
+                    item={"type": "function_call_output", "call_id": e["call_id"], "output": result}
+                )
                 for i in range(upto, pcm24.size, chunk):
-                    await conn.input_audio_buffer.append(audio=b64(pcm24[i:i + chunk]))
+                    await conn.input_audio_buffer.append(audio=b64(pcm24[i : i + chunk]))
                 said = ""
                 try:
                     while len(said) < len(with_result):
@@ -536,8 +619,11 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
     done = seen[types.index("response.function_call_arguments.done")]
     assert done["name"] == TOOLCALL_TOOL and json.loads(done["arguments"]) == TOOLCALL_ARGUMENTS
     assert done["call_id"] == call.call_id
-    i_added = max(i for i, e in enumerate(seen[:types.index("response.function_call_arguments.done")])
-                  if e["type"] == "response.output_item.added")
+    i_added = max(
+        i
+        for i, e in enumerate(seen[: types.index("response.function_call_arguments.done")])
+        if e["type"] == "response.output_item.added"
+    )
     assert seen[i_added]["item"]["type"] == "function_call" and seen[i_added]["item"]["call_id"] == call.call_id
     delta = seen[types.index("response.function_call_arguments.delta")]
     assert delta["call_id"] == call.call_id and delta["item_id"] == done["item_id"]
@@ -558,8 +644,9 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
 def _Audio(f, loud):
     from voicechat.events import Audio
 
-    return Audio(f, np.full(1764, 0.3 if loud else 0.0, np.float32),
-                 np.ones(4, np.int32) if loud else np.zeros(4, np.int32))
+    return Audio(
+        f, np.full(1764, 0.3 if loud else 0.0, np.float32), np.ones(4, np.int32) if loud else np.zeros(4, np.int32)
+    )
 
 
 def _User(f, d):
@@ -578,8 +665,9 @@ def _mapper(**kw):
     from voicechat.server.dialects.common import DialectOptions
     from voicechat.server.dialects.ga import GaMapper
 
-    return GaMapper(model_rate=22050, client_rate=24000, silence_codes=[0, 0, 0, 0],
-                    options=DialectOptions(silence_frames=3, **kw))
+    return GaMapper(
+        model_rate=22050, client_rate=24000, silence_codes=[0, 0, 0, 0], options=DialectOptions(silence_frames=3, **kw)
+    )
 
 
 def _run(m, script):
@@ -593,10 +681,13 @@ def _run(m, script):
 
 def test_mapping_speech_stretches_barge_in_and_truncate():
     m = _mapper()
-    script = ([(False, "hi", None), (False, " there", None)] + [(False, None, None)] * 3   # user speaks, model silent
-              + [(True, None, "Hel"), (True, None, "lo"), (True, None, None)]              # the model's first stretch
-              + [(False, None, None)] * 3                                                   # 3 silent: it ends
-              + [(True, None, "Again"), (True, "wait", None), (True, None, None)])
+    script = (
+        [(False, "hi", None), (False, " there", None)]
+        + [(False, None, None)] * 3  # user speaks, model silent
+        + [(True, None, "Hel"), (True, None, "lo"), (True, None, None)]  # the model's first stretch
+        + [(False, None, None)] * 3  # 3 silent: it ends
+        + [(True, None, "Again"), (True, "wait", None), (True, None, None)]
+    )
     out = _run(m, script)
     types = [e["type"] for e in out]
     for e in out:
@@ -605,17 +696,23 @@ def test_mapping_speech_stretches_barge_in_and_truncate():
     assert out[1]["audio_start_ms"] == 0
     # The user's turn ends when the model starts: speech_stopped, committed, the item, its transcript.
     i = types.index("input_audio_buffer.speech_stopped")
-    assert types[i:i + 6] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
-                              "conversation.item.added", "conversation.item.input_audio_transcription.completed",
-                              "conversation.item.done", "response.created"]
+    assert types[i : i + 6] == [
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.input_audio_transcription.completed",
+        "conversation.item.done",
+        "response.created",
+    ]
     assert out[i + 3]["transcript"] == "hi there"
     dones = [e for e in out if e["type"] == "response.done"]
     assert len(dones) == 1 and dones[0]["response"]["status"] == "completed"
     assert dones[0]["response"]["output"][0]["content"][0]["transcript"] == "Hello"
     # 3 loud + 3 silent frames of audio in the first response (the silent run's audio is sent).
     first = dones[0]["response"]["id"]
-    n = sum(unb64(e["delta"]).size for e in out if e["type"] == "response.output_audio.delta"
-            and e["response_id"] == first)
+    n = sum(
+        unb64(e["delta"]).size for e in out if e["type"] == "response.output_audio.delta" and e["response_id"] == first
+    )
     assert abs(n - 6 * 1920) < 1920
     # The second stretch is open; the user talks over it ("wait"): no speech_started while the model talks ...
     assert types.count("input_audio_buffer.speech_started") == 1
@@ -659,19 +756,25 @@ def test_serve_mcp_runs_the_tools_for_a_simple_client(toolcall, tmp_path):
     session's, the server answers the call, the model closes the result with its EOTR."""
     path, _ = toolcall
     pcm = np.zeros(400 * FRAME, np.int16)  # mcp-server-time's answer is ~150 tokens, forced one a frame
-    p, port = serve(path, tmp_path, "--mcp", f"{sys.executable} -m mcp_server_time --local-timezone UTC",
-                    "--max-queued-audio-seconds", "30")
+    p, port = serve(
+        path,
+        tmp_path,
+        "--mcp",
+        f"{sys.executable} -m mcp_server_time --local-timezone UTC",
+        "--max-queued-audio-seconds",
+        "30",
+    )
 
     async def go():
         async with Raw(f"ws://127.0.0.1:{port}/v1/realtime") as c:
             await c.configure()
             for i in range(0, 100 * FRAME, FRAME):
-                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + FRAME])})
+                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i : i + FRAME])})
             call, seen = await c.until("response.function_call_arguments.done")
             # The server answers the call itself (a frame after the result is in, the model hears it).
             out, more = await c.until("response.function_call.output")
             for i in range(100 * FRAME, pcm.size, FRAME):
-                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + FRAME])})
+                await c.send({"type": "input_audio_buffer.append", "audio": b64(pcm[i : i + FRAME])})
             await c.send({"type": "input_audio_buffer.commit"})
             code, rest = await c.closed()
             return call, out, seen + more + rest, code
@@ -732,11 +835,14 @@ def test_one_session_slot_is_shared_by_the_dialects(server):
     assert wait_released(server)
 
 
-HOSTILE = ['{"type": "session.update", "x": ' + "[" * 200 + "]" * 200 + "}",   # deep nesting
-           '{"type": "session.update", "n": ' + "9" * 5000 + "}",               # a 5000-digit number
-           '{"type": "session.update", "n": NaN}',                              # non-finite
-           '{"type": "session.update", "s": "\\ud800"}',                        # a lone surrogate
-           "[1, 2]", "not json"]
+HOSTILE = [
+    '{"type": "session.update", "x": ' + "[" * 200 + "]" * 200 + "}",  # deep nesting
+    '{"type": "session.update", "n": ' + "9" * 5000 + "}",  # a 5000-digit number
+    '{"type": "session.update", "n": NaN}',  # non-finite
+    '{"type": "session.update", "s": "\\ud800"}',  # a lone surrogate
+    "[1, 2]",
+    "not json",
+]
 
 
 @pytest.mark.parametrize("path", ["/v1/realtime?model=gpt-realtime", "/v1/live/sessions"])
@@ -757,8 +863,12 @@ def test_openai_dialects_refuse_hostile_json_and_stay_usable(server, path):
             await c.send('{"type": "x", "pad": "' + "a" * (2 * 2**20) + '"}')  # past the message bound
             errors.append(await c.recv())
             if "live" in path:
-                await c.send({"type": "session.start", "session": {"model": "m", "audio": {"format": {
-                    "type": "audio/pcm", "rate": 16000}}}})
+                await c.send(
+                    {
+                        "type": "session.start",
+                        "session": {"model": "m", "audio": {"format": {"type": "audio/pcm", "rate": 16000}}},
+                    }
+                )
                 ok = await c.recv()
             else:
                 await c.send({"type": "session.update", "session": {"type": "realtime"}})
@@ -767,7 +877,7 @@ def test_openai_dialects_refuse_hostile_json_and_stay_usable(server, path):
 
     first, errors, ok = run(go())
     wait_released(server)
-    assert all(e["type"] == "error" and e["error"]["code"] == "invalid_json" for e in errors[:len(HOSTILE)]), errors
+    assert all(e["type"] == "error" and e["error"]["code"] == "invalid_json" for e in errors[: len(HOSTILE)]), errors
     assert errors[-1]["type"] == "error" and errors[-1]["error"]["code"] == "message_too_large", errors[-1]
     assert all(len(e["error"]["message"]) < 400 for e in errors)
     assert ok["type"] in ("session.started", "session.updated"), ok

@@ -19,13 +19,24 @@ import pytest
 
 from voicechat.server.client import to_pcm16
 
-from .server_util import (Raw, RawSocketWS, SessionProxy, SlowSession, WrappedServer, append_msg, http_raw,
-                          run, wait_released)
+from .server_util import (
+    Raw,
+    RawSocketWS,
+    SessionProxy,
+    SlowSession,
+    WrappedServer,
+    append_msg,
+    http_raw,
+    run,
+    wait_released,
+)
 
 
 def _metric(srv, name: str, key: str | None = None) -> float:
-    req = urllib.request.Request(srv.http + "/metrics", headers={"Host": f"127.0.0.1:{srv.port}",
-                                                                 **({"Authorization": f"Bearer {key}"} if key else {})})
+    req = urllib.request.Request(
+        srv.http + "/metrics",
+        headers={"Host": f"127.0.0.1:{srv.port}", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     text = urllib.request.urlopen(req).read().decode()
     for line in text.splitlines():
         if line.split(" ")[0] == name:
@@ -43,8 +54,16 @@ def _assert_short_error(e: dict, code: str) -> None:
 
 def test_foreign_host_refused_on_every_route_and_upgrade(server):
     port = server.port
-    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "", "a/b", "localhost@evil",
-                 "[::2]", "0.0.0.0"):
+    for host in (
+        "evil.example",
+        f"evil.example:{port}",
+        "127.0.0.1.evil.example",
+        "",
+        "a/b",
+        "localhost@evil",
+        "[::2]",
+        "0.0.0.0",
+    ):
         for path in ("/healthz", "/", "/metrics", "/static/app.js", "/nothing"):
             assert http_raw(port, path, {"Host": host})[0] == 421, (host, path)
         # The DNS-rebinding pair: the page's own name as Host and Origin, both foreign.
@@ -96,22 +115,42 @@ def test_origin_normalised_and_null_refused(make_server):
     port = srv.port
     own = {"Host": f"127.0.0.1:{port}"}
     cases = [
-        ("https://app.example", 101), ("HTTPS://APP.EXAMPLE:443", 101), ("https://app.example.", 101),
-        ("https://app.example:8443", 403), ("http://app.example", 403), ("https://app.example/x", 403),
-        ("https://app.example.evil", 403), ("null", 403), ("NULL", 403), ("", 403), ("file://", 403),
-        (f"http://127.0.0.1:{port}", 101), ("http://127.0.0.1", 403), (f"https://127.0.0.1:{port}", 403),
+        ("https://app.example", 101),
+        ("HTTPS://APP.EXAMPLE:443", 101),
+        ("https://app.example.", 101),
+        ("https://app.example:8443", 403),
+        ("http://app.example", 403),
+        ("https://app.example/x", 403),
+        ("https://app.example.evil", 403),
+        ("null", 403),
+        ("NULL", 403),
+        ("", 403),
+        ("file://", 403),
+        (f"http://127.0.0.1:{port}", 101),
+        ("http://127.0.0.1", 403),
+        (f"https://127.0.0.1:{port}", 403),
         (f"http://localhost:{port}", 403),  # another name than the Host the browser connected to
         ("https://user@app.example", 403),
     ]
     for origin, want in cases:
         assert http_raw(port, "/v1/realtime", {**own, "Origin": origin}, upgrade=True)[0] == want, origin
-    assert http_raw(port, "/v1/realtime", {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
-                    upgrade=True)[0] == 101
+    assert (
+        http_raw(
+            port, "/v1/realtime", {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"}, upgrade=True
+        )[0]
+        == 101
+    )
     anyo = make_server(origins=("*",))
-    assert http_raw(anyo.port, "/v1/realtime", {"Host": f"127.0.0.1:{anyo.port}", "Origin": "https://x.example"},
-                    upgrade=True)[0] == 101
-    assert http_raw(anyo.port, "/v1/realtime", {"Host": f"127.0.0.1:{anyo.port}", "Origin": "null"},
-                    upgrade=True)[0] == 403
+    assert (
+        http_raw(
+            anyo.port, "/v1/realtime", {"Host": f"127.0.0.1:{anyo.port}", "Origin": "https://x.example"}, upgrade=True
+        )[0]
+        == 101
+    )
+    assert (
+        http_raw(anyo.port, "/v1/realtime", {"Host": f"127.0.0.1:{anyo.port}", "Origin": "null"}, upgrade=True)[0]
+        == 403
+    )
 
 
 # -- keys
@@ -121,8 +160,14 @@ def test_key_edge_cases_at_start(capsys, tmp_path):
     from voicechat.cli.main import main
     from voicechat.server.security import check_api_key
 
-    for bad, why in (("", "empty"), (" key", "whitespace"), ("ke y", "whitespace"), ("key\n", "cannot send"),
-                     ("kéy", "cannot send"), ("a,b", "cannot send")):
+    for bad, why in (
+        ("", "empty"),
+        (" key", "whitespace"),
+        ("ke y", "whitespace"),
+        ("key\n", "cannot send"),
+        ("kéy", "cannot send"),
+        ("a,b", "cannot send"),
+    ):
         with pytest.raises(ValueError, match=why if why != "whitespace" else "no whitespace"):
             check_api_key(bad)
     assert check_api_key("s3cret-Key_1.~") == "s3cret-Key_1.~"
@@ -134,8 +179,13 @@ def test_key_edge_cases_at_start(capsys, tmp_path):
     assert main(argv + ["--host", "0.0.0.0"]) == 2
     assert main(argv + ["--host", "192.168.1.5"]) == 2
     assert main(argv + ["--tls-cert", str(tmp_path / "c.pem")]) == 2
-    assert main(argv + ["--api-key", "goodkey1", "--tls-cert", str(tmp_path / "c.pem"),
-                        "--tls-key", str(tmp_path / "k.pem")]) == 2
+    assert (
+        main(
+            argv
+            + ["--api-key", "goodkey1", "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+        )
+        == 2
+    )
     assert main(argv + ["--allow-origin", "app.example"]) == 2
     err = capsys.readouterr().err
     assert err.count("voicechat serve: error:") == 7
@@ -198,7 +248,7 @@ JSON_ATTACKS = [
 
 
 def test_malformed_and_extreme_json_every_class(server, question_wav, tiny_model):
-    pcm = to_pcm16(question_wav[:3 * 1280])
+    pcm = to_pcm16(question_wav[: 3 * 1280])
 
     async def go():
         async with Raw(server.url) as c:
@@ -245,10 +295,12 @@ def test_invalid_utf8_text_frame_closes_1007_and_frees_the_slot(server):
     assert code == 1007
     assert wait_released(server, 5)
     assert time.monotonic() - t0 < 5
+
     async def again():
         async with Raw(server.url) as c:
             await c.configure()
             return await c.ping_ok()
+
     assert run(again())
 
 
@@ -331,11 +383,17 @@ def test_out_of_range_session_fields(server):
 
 
 APPEND_ATTACKS = [
-    ({"sample_rate": 0}, "invalid_sample_rate"), ({"sample_rate": -16000}, "invalid_sample_rate"),
-    ({"sample_rate": 16000.5}, "invalid_sample_rate"), ({"sample_rate": 1e308}, "invalid_sample_rate"),
-    ({"sample_rate": "16000"}, "invalid_sample_rate"), ({"sample_rate": None}, "invalid_sample_rate"),
-    ({"sample_rate": True}, "invalid_sample_rate"), ({"audio": None}, "invalid_audio"),
-    ({"audio": ["AAAA"]}, "invalid_audio"), ({"audio": "A"}, "invalid_audio"), ({"audio": "AA=="}, "invalid_audio"),
+    ({"sample_rate": 0}, "invalid_sample_rate"),
+    ({"sample_rate": -16000}, "invalid_sample_rate"),
+    ({"sample_rate": 16000.5}, "invalid_sample_rate"),
+    ({"sample_rate": 1e308}, "invalid_sample_rate"),
+    ({"sample_rate": "16000"}, "invalid_sample_rate"),
+    ({"sample_rate": None}, "invalid_sample_rate"),
+    ({"sample_rate": True}, "invalid_sample_rate"),
+    ({"audio": None}, "invalid_audio"),
+    ({"audio": ["AAAA"]}, "invalid_audio"),
+    ({"audio": "A"}, "invalid_audio"),
+    ({"audio": "AA=="}, "invalid_audio"),
 ]
 
 
@@ -416,6 +474,7 @@ def test_disconnect_mid_prefill_frees_the_slot_in_bounded_time(make_server, tiny
     async def again():
         async with Raw(srv.url) as c:
             await c.configure()
+
     run(again())
 
 
@@ -424,7 +483,7 @@ def test_disconnect_mid_prefill_frees_the_slot_in_bounded_time(make_server, tiny
 
 def test_append_larger_than_the_queue_bound_is_accepted(make_server, long_question_wav):
     srv = make_server(max_queued_audio_seconds=0.25)
-    pcm = to_pcm16(long_question_wav[:3 * 16000])  # 3 s in one append: 12x the bound
+    pcm = to_pcm16(long_question_wav[: 3 * 16000])  # 3 s in one append: 12x the bound
 
     async def go():
         async with Raw(srv.url) as c:
@@ -446,13 +505,27 @@ def test_voicechat_client_with_a_large_chunk_gets_everything(server, long_questi
 
     from voicechat.cli.main import main
 
-    audio = long_question_wav[:8 * 16000]
+    audio = long_question_wav[: 8 * 16000]
     wav = tmp_path / "in.wav"
     sf.write(str(wav), audio, 16000, subtype="PCM_16")
     out = tmp_path / "out.wav"
     # 7 s chunks: larger than the 5 s queue bound.
-    rc = main(["client", "--url", server.url, "--audio", str(wav), "--fast", "--chunk-ms", "7000",
-               "--output-audio", str(out), "--events", str(tmp_path / "ev.jsonl")])
+    rc = main(
+        [
+            "client",
+            "--url",
+            server.url,
+            "--audio",
+            str(wav),
+            "--fast",
+            "--chunk-ms",
+            "7000",
+            "--output-audio",
+            str(out),
+            "--events",
+            str(tmp_path / "ev.jsonl"),
+        ]
+    )
     events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
     assert rc == 0 and not [e for e in events if e["type"] == "error"]
     assert len([e for e in events if e["type"] == "response.audio.delta"]) == -(-audio.size // 1280)
@@ -462,7 +535,7 @@ def test_voicechat_client_splits_a_chunk_larger_than_the_message_limit(make_serv
     from voicechat.server.client import run_stream_audio
 
     srv = make_server(max_message_bytes=20_000)  # ~7 500 samples an append
-    pcm = to_pcm16(long_question_wav[:3 * 16000])
+    pcm = to_pcm16(long_question_wav[: 3 * 16000])
     r = run_stream_audio(srv.url, pcm, fast=True, chunk_samples=pcm.size)  # one 3 s chunk asked
     assert r.end == "response.done" and not r.errors and r.frames == -(-pcm.size // 1280)
 
@@ -472,8 +545,18 @@ def test_voicechat_client_exits_nonzero_on_an_error_event(make_server, question_
     from voicechat.samples import sample_path
 
     srv = make_server(max_session_audio_seconds=1.0)  # question.wav is longer: some appends are refused
-    rc = main(["client", "--url", srv.url, "--audio", str(sample_path("question")), "--fast",
-               "--events", str(tmp_path / "ev.jsonl")])
+    rc = main(
+        [
+            "client",
+            "--url",
+            srv.url,
+            "--audio",
+            str(sample_path("question")),
+            "--fast",
+            "--events",
+            str(tmp_path / "ev.jsonl"),
+        ]
+    )
     events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
     assert events[-1]["type"] == "response.done"  # the session ended normally...
     assert [e["error"]["code"] for e in events if e["type"] == "error"][0] == "session_audio_limit"
@@ -495,7 +578,7 @@ def _stall(srv, seconds_of_audio: float) -> float:
     pcm = np.zeros(int(seconds_of_audio * 16000), np.int16)
     for i in range(0, pcm.size, 16000):
         try:
-            ws.send_frame(append_msg(pcm[i:i + 16000]).encode())
+            ws.send_frame(append_msg(pcm[i : i + 16000]).encode())
         except OSError:  # the server already dropped us
             break
     return ws, time.monotonic()
@@ -520,6 +603,7 @@ def test_client_that_stops_reading_is_disconnected_by_the_send_deadline(make_ser
         async with Raw(srv.url) as c:
             await c.configure()
             return await c.ping_ok()
+
     assert run(again())
 
 
@@ -566,9 +650,10 @@ class _FailingSession(SessionProxy):
 
 def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, question_wav, caplog):
     failing = {"on": True}
-    pcm = to_pcm16(question_wav[:8 * 1280])
+    pcm = to_pcm16(question_wav[: 8 * 1280])
     with WrappedServer(tiny_ckpt, lambda s: _FailingSession(s, 3) if failing["on"] else s) as w:
         srv, metrics = w.srv, w.metrics
+
         async def go():
             async with Raw(srv.url) as c:
                 await c.configure()
@@ -651,16 +736,33 @@ def test_signal_during_a_session_closes_1001_and_exits_0(signame, tiny_ckpt, lon
 
     port = free_port()
     log = tmp_path / "serve.log"
-    p = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", str(tiny_ckpt), "--port", str(port),
-                       "--warmup-seconds", "0", "--shutdown-timeout", "3"],
-                      f"http://127.0.0.1:{port}/healthz", log, timeout=120)
+    p = start_process(
+        [
+            sys.executable,
+            "-m",
+            "voicechat.cli",
+            "serve",
+            "-m",
+            str(tiny_ckpt),
+            "--port",
+            str(port),
+            "--warmup-seconds",
+            "0",
+            "--shutdown-timeout",
+            "3",
+        ],
+        f"http://127.0.0.1:{port}/healthz",
+        log,
+        timeout=120,
+    )
     pcm = to_pcm16(long_question_wav)
     try:
+
         async def go():
             async with Raw(f"ws://127.0.0.1:{port}/v1/realtime") as c:
                 await c.configure()
                 for i in range(0, 6 * 1280, 1280):  # real time
-                    await c.send(append_msg(pcm[i:i + 1280]))
+                    await c.send(append_msg(pcm[i : i + 1280]))
                     await asyncio.sleep(0.08)
                 await c.until("response.audio.delta")
                 t0 = time.monotonic()
@@ -692,6 +794,7 @@ def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
 
     limits = ServerLimits(max_queued_audio_seconds=0.16, backpressure_timeout=0.3)
     with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.3), limits) as w:
+
         async def go():
             async with Raw(w.srv.url) as c:
                 await c.configure()
@@ -724,9 +827,29 @@ def test_tls(tiny_ckpt, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a self-signed certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     state = make_state(str(tiny_ckpt), warmup_seconds=0.0)
     srv = ServerThread(state, tls_cert=str(cert), tls_key=str(key)).start()
     try:
@@ -765,10 +888,11 @@ def test_stoppable_prefill_is_bit_identical_and_stops(numerics, tiny_ckpt, tiny_
     assert sa.keys() == sb.keys()
     for k in sa:
         assert mx.array_equal(sa[k], sb[k]).item(), k
-    pcm = question_wav[:4 * 1280]
+    pcm = question_wav[: 4 * 1280]
     ea, eb = a.push_audio(pcm), b.push_audio(pcm)
-    assert [np.asarray(e.audio_codes).tolist() for e in ea if e.kind == "audio"] == \
-        [np.asarray(e.audio_codes).tolist() for e in eb if e.kind == "audio"]
+    assert [np.asarray(e.audio_codes).tolist() for e in ea if e.kind == "audio"] == [
+        np.asarray(e.audio_codes).tolist() for e in eb if e.kind == "audio"
+    ]
     calls = []
     with pytest.raises(PrefillStoppedError):
         model.create_streaming_session(system_prompt=prompt, should_stop=lambda: calls.append(1) or len(calls) >= 2)

@@ -41,8 +41,13 @@ def test_same_client_same_events_as_mlx_vlm_server(servers, tiny_ckpt, question_
     out = REPO / "reports" / "server"
     out.mkdir(parents=True, exist_ok=True)
     name = "vs_mlx_vlm_server" + ("_prompt" if prompt else "") + ".json"
-    (out / name).write_text(json.dumps({"prompt": prompt, "close_code_ours": ours.close_code,
-                                        "close_code_reference": ref.close_code, **c}, indent=1) + "\n")
+    (out / name).write_text(
+        json.dumps(
+            {"prompt": prompt, "close_code_ours": ours.close_code, "close_code_reference": ref.close_code, **c},
+            indent=1,
+        )
+        + "\n"
+    )
     assert c["ours_only"] == ["response.audio.tail"]
     assert c["kinds_equal"], c  # session.created .. session.updated, per-frame events, committed, done
     assert c["frames_ours"] == c["frames_reference"] == -(-pcm.size // 1280)
@@ -56,9 +61,22 @@ def test_parity_row_against_mlx_vlm_server(tiny_ckpt, tmp_path):
     from voicechat.cli.main import main
     from voicechat.samples import sample_path
 
-    rc = main(["parity", "-m", str(tiny_ckpt), "--audio", str(sample_path("question")), "--against", "mlx-vlm-server",
-               "--out", str(tmp_path)])
+    rc = main(
+        [
+            "parity",
+            "-m",
+            str(tiny_ckpt),
+            "--audio",
+            str(sample_path("question")),
+            "--against",
+            "mlx-vlm-server",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     rows = {r["metric"]: r["status"] for r in report["rows"] if r["family"] == "server"}
-    assert rc == 0 and rows == {m: "pass" for m in ("event kinds and order", "frames", "text ids", "function ids",
-                                                    "transcript deltas", "audio_codes")}, report["rows"]
+    assert rc == 0 and rows == {
+        m: "pass"
+        for m in ("event kinds and order", "frames", "text ids", "function ids", "transcript deltas", "audio_codes")
+    }, report["rows"]

@@ -32,8 +32,13 @@ def _start(ckpt, **kw):
     metrics = ServerMetrics()
     prompts = PromptStates(metrics=metrics, announce=False, **kw)
     # LONG is ~580 tokens of the tiny tokenizer: above the default --max-prompt-tokens (512).
-    state = make_state(str(ckpt), warmup_seconds=0.0, prompt_states=prompts, metrics=metrics,
-                       limits=ServerLimits(max_prompt_tokens=2048))
+    state = make_state(
+        str(ckpt),
+        warmup_seconds=0.0,
+        prompt_states=prompts,
+        metrics=metrics,
+        limits=ServerLimits(max_prompt_tokens=2048),
+    )
     return ServerThread(state).start(), prompts
 
 
@@ -62,7 +67,7 @@ def test_default_prompt_state_and_lru(tiny_ckpt, tiny_model, question_wav):
         m = _metrics(srv)
         assert m["voicechat_prompt_state_bytes"] == pinned.nbytes > 0
         # A client without a prompt gets the default one, from its state: the wire equals a prefilling session.
-        pcm = to_pcm16(question_wav[:1280 * 8])
+        pcm = to_pcm16(question_wav[: 1280 * 8])
         r = run_stream_audio(srv.url, pcm, fast=True, chunk_samples=1280)
         assert r.end == "response.done" and not r.errors
         assert _wire_events(r) == _expected_events(tiny_model, pcm, prompt=LONG)
@@ -87,8 +92,10 @@ def test_default_prompt_state_and_lru(tiny_ckpt, tiny_model, question_wav):
         assert m['voicechat_prompt_cache_lookups_total{result="miss"}'] == 2
         assert m["voicechat_prompt_cache_entries"] == prompts.entries == 1
         assert m["voicechat_prompt_cache_bytes"] == prompts.cached_bytes > 0
-        print(f"session.update -> session.updated: cached default {cached * 1000:.1f} ms, new prompt "
-              f"{first * 1000:.1f} ms (its prefill {prefill * 1000:.0f} ms), cached {second * 1000:.1f} ms")
+        print(
+            f"session.update -> session.updated: cached default {cached * 1000:.1f} ms, new prompt "
+            f"{first * 1000:.1f} ms (its prefill {prefill * 1000:.0f} ms), cached {second * 1000:.1f} ms"
+        )
         # No prefill for a cached prompt (generous bounds: other processes share this CPU).
         assert cached < 0.5 and second < 0.5 and second < first
     finally:
@@ -100,7 +107,7 @@ def test_prompt_state_file_is_the_default(tiny_ckpt, tiny_model, tmp_path, quest
     srv, prompts = _start(tiny_ckpt, state_file=path)
     try:
         assert prompts.default_prompt == "Be brief."
-        pcm = to_pcm16(question_wav[:1280 * 5])
+        pcm = to_pcm16(question_wav[: 1280 * 5])
         r = run_stream_audio(srv.url, pcm, fast=True, chunk_samples=1280)
         assert _wire_events(r) == _expected_events(tiny_model, pcm, prompt="Be brief.")
         assert _metrics(srv)['voicechat_prompt_cache_lookups_total{result="hit"}'] == 1

@@ -58,8 +58,14 @@ def test_soak_50_sequential_sessions(server, question_wav):
         assert wait_released(server)
         if i in (4, 9, 19, 29, 39, 49):
             gc.collect()
-            figures.append({"session": i + 1, "rss_mb": round(_rss_bytes() / 2**20, 1), "open_fds": _open_fds(),
-                            "live_sessions": _live_sessions()})
+            figures.append(
+                {
+                    "session": i + 1,
+                    "rss_mb": round(_rss_bytes() / 2**20, 1),
+                    "open_fds": _open_fds(),
+                    "live_sessions": _live_sessions(),
+                }
+            )
     REPORTS.mkdir(parents=True, exist_ok=True)
     (REPORTS / "soak.json").write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures))
@@ -79,10 +85,17 @@ def _chrome(wav: Path):
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-              "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-              f"--use-file-for-fake-audio-capture={wav}", "--autoplay-policy=no-user-gesture-required",
-              "--window-size=1100,1000"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}",
+        "--autoplay-policy=no-user-gesture-required",
+        "--window-size=1100,1000",
+    ):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
@@ -101,8 +114,10 @@ def _wait(driver, cond, timeout, what):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-                    reason="needs Debian's chromium + chromium-driver (.ci/run installs them)")
+@pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    reason="needs Debian's chromium + chromium-driver (.ci/run installs them)",
+)
 @pytest.mark.parametrize("capture", ["browser", "native", "bargein"])
 def test_browser_page_talks_to_the_server(server, capture):
     """capture=browser: a 16 kHz AudioContext (Chromium resamples the mic); native: the device rate and
@@ -115,22 +130,36 @@ def test_browser_page_talks_to_the_server(server, capture):
 
     driver = _chrome(Path(sample_path("question")))
     try:
-        driver.get(server.http + {"native": "/?capture=native&bargein=off", "browser": "/?bargein=off",
-                                  "bargein": "/"}[capture])
+        driver.get(
+            server.http
+            + {"native": "/?capture=native&bargein=off", "browser": "/?bargein=off", "bargein": "/"}[capture]
+        )
         driver.find_element(By.ID, "prompt").send_keys("You are a helpful assistant.")
         driver.find_element(By.ID, "start").click()
         # The fake microphone loops the sample: stream ~4 s, then Stop (commit).
-        _wait(driver, "window.voicechat.frames >= 50 && window.voicechat.transcript.length > 0", 120,
-              "50 frames and a transcript")
+        _wait(
+            driver,
+            "window.voicechat.frames >= 50 && window.voicechat.transcript.length > 0",
+            120,
+            "50 frames and a transcript",
+        )
         driver.find_element(By.ID, "stop").click()
         _wait(driver, "window.voicechat.done && window.voicechat.closed", 60, "response.done")
-        _wait(driver, "window.voicechat.samplesPlayed + window.voicechat.samplesDropped >= "
-                      "window.voicechat.samplesReceived", 60, "playback of every received sample not dropped")
+        _wait(
+            driver,
+            "window.voicechat.samplesPlayed + window.voicechat.samplesDropped >= window.voicechat.samplesReceived",
+            60,
+            "playback of every received sample not dropped",
+        )
         time.sleep(0.3)
         st = driver.execute_script("return window.voicechat;")
         REPORTS.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(REPORTS / {"browser": "browser.png", "native": "browser_native.png",
-                                              "bargein": "browser_bargein.png"}[capture]))
+        driver.save_screenshot(
+            str(
+                REPORTS
+                / {"browser": "browser.png", "native": "browser_native.png", "bargein": "browser_bargein.png"}[capture]
+            )
+        )
         dom_transcript = driver.find_element(By.ID, "transcript").text
     finally:
         driver.quit()
@@ -152,8 +181,31 @@ def test_browser_page_talks_to_the_server(server, capture):
     assert dom_transcript.strip() == st["transcript"].strip() and dom_transcript.strip()
     if capture == "native":
         assert st["micRate"] != 16000  # the worklet's resampler ran
-    (REPORTS / f"browser_{capture}.json").write_text(json.dumps({k: st[k] for k in (
-        "frames", "samplesSent", "samplesReceived", "samplesPlayed", "tailSamples", "outputFrameSamples",
-        "outputRate", "underruns", "micRate", "transcript", "text", "samplesDropped", "bargeIns")}, indent=1) + "\n")
-    print({k: st[k] for k in ("frames", "samplesPlayed", "underruns", "micRate")},
-          f"compute mean {np.mean(st['compute']):.1f} ms")
+    (REPORTS / f"browser_{capture}.json").write_text(
+        json.dumps(
+            {
+                k: st[k]
+                for k in (
+                    "frames",
+                    "samplesSent",
+                    "samplesReceived",
+                    "samplesPlayed",
+                    "tailSamples",
+                    "outputFrameSamples",
+                    "outputRate",
+                    "underruns",
+                    "micRate",
+                    "transcript",
+                    "text",
+                    "samplesDropped",
+                    "bargeIns",
+                )
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(
+        {k: st[k] for k in ("frames", "samplesPlayed", "underruns", "micRate")},
+        f"compute mean {np.mean(st['compute']):.1f} ms",
+    )

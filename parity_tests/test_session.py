@@ -17,7 +17,7 @@ def run_stream(model, audio, push=1280, **kw):
     s = model.create_streaming_session(**kw)
     events = []
     for i in range(0, len(audio), push):
-        events += s.push_audio(audio[i:i + push])
+        events += s.push_audio(audio[i : i + push])
     events += s.flush()
     return s, events
 
@@ -31,14 +31,17 @@ def test_push_chunking_and_flush(tiny_model, question_wav):
     counts = []
     pos = 0
     for n in (300, 1000, 1280, 2000):
-        ev = s.push_audio(question_wav[pos:pos + n])
+        ev = s.push_audio(question_wav[pos : pos + n])
         pos += n
         counts.append(sum(e.kind == "audio" for e in ev))
     assert counts == [0, 1, 1, 1]
     assert s.pending_samples == 4580 - 3 * 1280
     ev = s.flush(pad_partial=True)
-    assert [e.kind for e in ev if e.kind != "assistant_text_delta" and e.kind != "function_delta"
-            and e.kind != "user_transcript_delta"] == ["audio", "audio_tail", "done"]
+    assert [
+        e.kind
+        for e in ev
+        if e.kind != "assistant_text_delta" and e.kind != "function_delta" and e.kind != "user_transcript_delta"
+    ] == ["audio", "audio_tail", "done"]
     assert ev[-1].frame_index == 4
     # closed: push raises, flush / cancel return []
     with pytest.raises(SessionClosedError):
@@ -67,7 +70,7 @@ def test_cancel(tiny_model, question_wav):
 def test_context_limit_keeps_events(tiny_model, question_wav):
     s = tiny_model.create_streaming_session(max_streaming_seconds=0.24)  # 3 frames
     with pytest.raises(ContextLimitError) as e:
-        s.push_audio(question_wav[:1280 * 5])
+        s.push_audio(question_wav[: 1280 * 5])
     assert [ev.frame_index for ev in e.value.events if ev.kind == "audio"] == [0, 1, 2]
     with pytest.raises(SessionClosedError):
         s.push_audio(question_wav[:1280])
@@ -92,8 +95,9 @@ def test_events_and_audio_shapes(tiny_model, question_wav):
     assert np.isfinite(audio_of(ev)).all()
     text = [e for e in ev if e.kind == "assistant_text_delta"]
     assert text and text[-1].text == s.text.text
-    assert "".join(e.delta for e in text) == text[-1].text or any(not e.text.startswith(p.text)
-                                                                  for p, e in zip(text, text[1:]))
+    assert "".join(e.delta for e in text) == text[-1].text or any(
+        not e.text.startswith(p.text) for p, e in zip(text, text[1:])
+    )
 
 
 def _first_frame_and_common(model, wav, prompt):
@@ -131,8 +135,8 @@ def test_streaming_matches_offline(request, which, prompt, question_wav):
     streamed = audio_of(ev)
     assert streamed.shape[0] == k * ratio + codec.lead_in
     edge = (model.config.codec_config.n_fft - model.config.codec_config.hop_length) // 2
-    a = streamed[codec.lead_in:][codec.warmup_samples:k * ratio - edge]
-    b = off.audio[codec.warmup_samples:k * ratio - edge]
+    a = streamed[codec.lead_in :][codec.warmup_samples : k * ratio - edge]
+    b = off.audio[codec.warmup_samples : k * ratio - edge]
     # float32 decode of identical codes in a different chunking: agreement to rounding (<< 1e-4)
     assert np.max(np.abs(a - b)) <= 1e-4
     assert s.transcript.text == off.user_transcript or off.user_transcript.startswith(s.transcript.text)
@@ -152,8 +156,11 @@ def test_language_cache_off_same_ids(tiny_model, question_wav):
 def wide_window_model(tmp_path_factory):
     # Attention window longer than question.wav (27 frames), so the uncached fallback's
     # recompute window (left + 1 frames of audio) covers the whole history.
-    p = write_checkpoint(tmp_path_factory.mktemp("wide"), "tiny",
-                         overrides={"audio_config": {"encoder": {"att_context_size": [[40, 0]]}}})
+    p = write_checkpoint(
+        tmp_path_factory.mktemp("wide"),
+        "tiny",
+        overrides={"audio_config": {"encoder": {"att_context_size": [[40, 0]]}}},
+    )
     return voicechat.load(p)
 
 
@@ -170,8 +177,8 @@ def test_sessions_isolated_and_rng_untouched(tiny_model, question_wav):
     np.testing.assert_array_equal(np.array(mx.random.state[0]), key_before)
     ea, eb = [], []
     for i in range(0, len(question_wav), 1280):
-        ea += a.push_audio(question_wav[i:i + 1280])
-        eb += b.push_audio(question_wav[i:i + 1280])
+        ea += a.push_audio(question_wav[i : i + 1280])
+        eb += b.push_audio(question_wav[i : i + 1280])
     ea += a.flush()
     eb += b.flush()
     _, alone_a = run_stream(tiny_model, question_wav, seed=1)
@@ -202,11 +209,13 @@ def test_refused_push_changes_nothing(tiny_model, question_wav):
     ref = tiny_model.create_streaming_session()
     ev, ev_ref = [], []
     for i in range(0, 3000, 1000):
-        ev += s.push_audio(question_wav[i:i + 1000])
-        ev_ref += ref.push_audio(question_wav[i:i + 1000])
-        for bad, exc in [(np.stack([question_wav[:100]] * 2, 1), ValueError),
-                         (np.array([np.nan] * 10, np.float32), ValueError),
-                         (np.zeros(10, np.uint8), TypeError)]:
+        ev += s.push_audio(question_wav[i : i + 1000])
+        ev_ref += ref.push_audio(question_wav[i : i + 1000])
+        for bad, exc in [
+            (np.stack([question_wav[:100]] * 2, 1), ValueError),
+            (np.array([np.nan] * 10, np.float32), ValueError),
+            (np.zeros(10, np.uint8), TypeError),
+        ]:
             with pytest.raises(exc):
                 s.push_audio(bad)
         with pytest.raises(ValueError, match="16000 Hz"):
@@ -276,13 +285,13 @@ def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
     assert n >= 8 * (len(records) - 1)
     assert np.abs(mel[:1] - off_mel[:1]).max() <= 1e-4 and np.abs(mel[1:n] - off_mel[1:n]).max() <= 1e-5
     enc = np.stack([r.encoder for r in records])
-    assert np.abs(enc - np.asarray(off.encoder_frames)[:len(enc)]).max() <= 1e-4
-    assert s.text_ids == list(off.text_tokens[:len(s.text_ids)])
+    assert np.abs(enc - np.asarray(off.encoder_frames)[: len(enc)]).max() <= 1e-4
+    assert s.text_ids == list(off.text_tokens[: len(s.text_ids)])
 
 
 def test_frame_records_without_perception_cache_and_bad_observer(wide_window_model, question_wav):
     records = []
-    run_stream(wide_window_model, question_wav[:4 * 1280], on_frame=records.append, use_perception_cache=False)
+    run_stream(wide_window_model, question_wav[: 4 * 1280], on_frame=records.append, use_perception_cache=False)
     assert len(records) == 4 and all(r.mel is None and r.encoder.ndim == 1 for r in records)
     with pytest.raises(TypeError, match="on_frame"):
         wide_window_model.create_streaming_session(on_frame="not callable")
@@ -313,7 +322,7 @@ def test_push_frames_yields_each_frames_events_and_keeps_what_is_not_taken(tiny_
         assert {e.frame_index for e in ev} == {s.frame_index - 1}  # one frame's events
         got += ev
     assert s.frame_index == 2 and s.pending_samples == 1280 * 2 + 100
-    got += s.push_audio(wave[1280 * 4 + 100:])  # computes the two left behind, then the rest
+    got += s.push_audio(wave[1280 * 4 + 100 :])  # computes the two left behind, then the rest
     got += s.flush()
     _same_events(got, expected)
 

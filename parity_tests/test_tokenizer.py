@@ -33,7 +33,7 @@ def _reference_deltas(tok, ids):
             continue
         acc.append(i)
         new = tok.decode(acc)
-        delta = new[len(prev):] if new.startswith(prev) else tok.decode([i])
+        delta = new[len(prev) :] if new.startswith(prev) else tok.decode([i])
         out.append((delta, new))
         prev = new
     return out
@@ -45,8 +45,13 @@ def _byte_token(tok, b):
 
 def test_multibyte_character_split_across_tokens(tok):
     # "é" = C3 A9 and "€" = E2 82 AC, each split into single-byte tokens.
-    ids = tok.encode("caf") + [_byte_token(tok, 0xC3), _byte_token(tok, 0xA9)] + \
-        [12] + [_byte_token(tok, b) for b in (0xE2, 0x82, 0xAC)] + tok.encode(" ok")
+    ids = (
+        tok.encode("caf")
+        + [_byte_token(tok, 0xC3), _byte_token(tok, 0xA9)]
+        + [12]
+        + [_byte_token(tok, b) for b in (0xE2, 0x82, 0xAC)]
+        + tok.encode(" ok")
+    )
     dec = IncrementalDecoder(tok, SKIP)
     got = [r for r in (dec.push(i) for i in ids) if r is not None]
     assert got == _reference_deltas(tok, ids)
@@ -59,8 +64,10 @@ def test_random_sequences_equal_full_decode(tok):
     rng = random.Random(0)
     n = tok.vocab_size
     for trial in range(30):
-        ids = [rng.choice([rng.randrange(n), rng.randrange(20, 276), rng.choice(sorted(SKIP))])
-               for _ in range(rng.randrange(1, 60))]
+        ids = [
+            rng.choice([rng.randrange(n), rng.randrange(20, 276), rng.choice(sorted(SKIP))])
+            for _ in range(rng.randrange(1, 60))
+        ]
         dec = IncrementalDecoder(tok, SKIP)
         got = [r for r in (dec.push(i) for i in ids) if r is not None]
         assert got == _reference_deltas(tok, ids), ids

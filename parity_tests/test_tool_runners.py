@@ -29,8 +29,16 @@ def test_python_runner_schema_and_results():
     r.register(lambda: '{"x": 1}', name="jsontext")
     r.register(lambda: 1 / 0, name="boom")
     tool = r.tools()[0]
-    assert tool == {"type": "function", "name": "add", "description": "Add two integers.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}}
+    assert tool == {
+        "type": "function",
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a"],
+        },
+    }
     assert json.loads(r.call("add", {"a": 1})) == 3
     assert r.call("plain", {}) == '"not json"' and r.call("jsontext", {}) == '{"x": 1}'
     assert json.loads(r.call("boom", {})) == {"error": "ZeroDivisionError: division by zero"}
@@ -74,10 +82,18 @@ def test_mcp_close_reaps_the_server():
 
 def test_tools_from_file(tmp_path):
     p = tmp_path / "tools.json"
-    p.write_text(json.dumps([{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
-                             {"type": "function", "name": "b"}]))
-    assert tools_from_file(p) == [{"type": "function", "name": "a", "parameters": {"type": "object"}},
-                                  {"type": "function", "name": "b"}]
+    p.write_text(
+        json.dumps(
+            [
+                {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+                {"type": "function", "name": "b"},
+            ]
+        )
+    )
+    assert tools_from_file(p) == [
+        {"type": "function", "name": "a", "parameters": {"type": "object"}},
+        {"type": "function", "name": "b"},
+    ]
     p.write_text(json.dumps([{"description": "no name"}]))
     with pytest.raises(ValueError, match="entry 0 has no string 'name'"):
         tools_from_file(p)
@@ -90,7 +106,7 @@ def test_mcp_call_result_injected_into_the_session(toolcall_model, time_server):
     events, results = [], {}
     wave = np.zeros(1280 * 240, np.float32)
     for i in range(0, wave.size, 1280):
-        for e in s.push_audio(wave[i:i + 1280]):
+        for e in s.push_audio(wave[i : i + 1280]):
             events.append(e)
             if e.kind == "tool_call":
                 assert e.name == "get_current_time" and e.arguments == TOOLCALL_ARGUMENTS

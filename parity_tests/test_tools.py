@@ -14,53 +14,73 @@ import pytest
 from parity_tests.conftest import TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
 from voicechat.tools.channel import FunctionChannel, render_system_prompt
 
-FOOTER = ('</AVAILABLE_TOOLS>\n\nIf you decide to call any tool(s), use the following format:\n'
-          '<TOOLCALL>[{"name": "tool_name1", "arguments": "tool_args1"}, {"name": "tool_name2", '
-          '"arguments": "tool_args2"}]</TOOLCALL>\n\nThe user will execute tool-calls and return responses '
-          'from tool(s) in this format:\n<TOOL_RESPONSE>[{"tool_response1"}, {"tool_response2"}]</TOOL_RESPONSE>'
-          '\n\nBased on the tool responses, you can call additional tools if needed, correct tool calls if any '
-          'errors are found, or just respond to the user.')
+FOOTER = (
+    "</AVAILABLE_TOOLS>\n\nIf you decide to call any tool(s), use the following format:\n"
+    '<TOOLCALL>[{"name": "tool_name1", "arguments": "tool_args1"}, {"name": "tool_name2", '
+    '"arguments": "tool_args2"}]</TOOLCALL>\n\nThe user will execute tool-calls and return responses '
+    'from tool(s) in this format:\n<TOOL_RESPONSE>[{"tool_response1"}, {"tool_response2"}]</TOOL_RESPONSE>'
+    "\n\nBased on the tool responses, you can call additional tools if needed, correct tool calls if any "
+    "errors are found, or just respond to the user."
+)
 HEADER = "You can use the following tools to assist the user if required:\n<AVAILABLE_TOOLS>["
 
-WEATHER = {"name": "get_weather", "description": "Get current weather for a city", "ack_messages": None,
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get current weather for a city",
+    "ack_messages": None,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
 
 
 def test_render_one_tool_byte_for_byte():
     tool = dict(WEATHER)
     del tool["ack_messages"]
-    expected = ('Be helpful.\n\n' + HEADER +
-                '{"description": "Get current weather for a city", "name": "get_weather", "parameters": '
-                '{"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}]' + FOOTER)
+    expected = (
+        "Be helpful.\n\n"
+        + HEADER
+        + '{"description": "Get current weather for a city", "name": "get_weather", "parameters": '
+        '{"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}]' + FOOTER
+    )
     assert render_system_prompt("Be helpful.", [tool]) == expected
 
 
 def test_render_three_and_five_tools_byte_for_byte():
     tool = {k: v for k, v in WEATHER.items() if k != "ack_messages"}
     three = [tool, ADD, {"type": "function", "name": "ping"}]
-    expected3 = (HEADER +
-                 '{"description": "Get current weather for a city", "name": "get_weather", "parameters": '
-                 '{"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}, '
-                 '{"description": "Add two integers", "name": "add", "parameters": {"properties": {"a": '
-                 '{"type": "integer"}, "b": {"type": "integer"}}, "type": "object"}}, {"name": "ping"}]' + FOOTER)
+    expected3 = (
+        HEADER + '{"description": "Get current weather for a city", "name": "get_weather", "parameters": '
+        '{"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}, '
+        '{"description": "Add two integers", "name": "add", "parameters": {"properties": {"a": '
+        '{"type": "integer"}, "b": {"type": "integer"}}, "type": "object"}}, {"name": "ping"}]' + FOOTER
+    )
     assert render_system_prompt(None, three) == expected3  # no base prompt: no blank line before the block
     five = [{"name": f"t{i}", "description": f"tool {i}"} for i in range(5)]
-    expected5 = ("Hi\n\n" + HEADER + ", ".join(f'{{"description": "tool {i}", "name": "t{i}"}}' for i in range(5))
-                 + "]" + FOOTER)
+    expected5 = (
+        "Hi\n\n" + HEADER + ", ".join(f'{{"description": "tool {i}", "name": "t{i}"}}' for i in range(5)) + "]" + FOOTER
+    )
     assert render_system_prompt("Hi", five) == expected5
     assert render_system_prompt("Hi", None) == "Hi" and render_system_prompt("Hi", []) == "Hi"
 
 
-@pytest.mark.parametrize("tools, message", [
-    ([{"name": f"t{i}"} for i in range(6)], "at most 5 tools"),
-    ([{"name": "caf\u00e9"}], "letters, digits"),
-    ([{"name": "x", "description": "d\u00e9j\u00e0"}], "non-ASCII"),
-    ([{"name": "x"}, {"type": "function", "function": {"name": "x"}}], "duplicate"),
-    ([{"type": "retrieval", "name": "x"}], "type must be 'function'"),
-    ([{"name": "x", "parameters": {"type": "array"}}], "JSON-schema object"),
-])
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ([{"name": f"t{i}"} for i in range(6)], "at most 5 tools"),
+        ([{"name": "caf\u00e9"}], "letters, digits"),
+        ([{"name": "x", "description": "d\u00e9j\u00e0"}], "non-ASCII"),
+        ([{"name": "x"}, {"type": "function", "function": {"name": "x"}}], "duplicate"),
+        ([{"type": "retrieval", "name": "x"}], "type must be 'function'"),
+        ([{"name": "x", "parameters": {"type": "array"}}], "JSON-schema object"),
+    ],
+)
 def test_bad_tool_lists_are_refused(tools, message):
     with pytest.raises(ValueError, match=message):
         render_system_prompt("p", tools)
@@ -100,8 +120,10 @@ def channel(**kw):
 
 def test_call_list_parsed_with_wrapper_and_string_arguments():
     ch = channel()
-    text = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", ' \
-           '"arguments": "{\\"a\\": 2, \\"b\\": 3}"}]</TOOLCALL>'
+    text = (
+        '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", '
+        '"arguments": "{\\"a\\": 2, \\"b\\": 3}"}]</TOOLCALL>'
+    )
     toks = call_tokens(text)
     ev = feed(ch, toks)
     assert [e.kind for e in ev] == ["tool_call", "tool_call"]
@@ -121,17 +143,20 @@ def test_call_list_parsed_with_wrapper_and_string_arguments():
     assert ch.state == "idle"
 
 
-@pytest.mark.parametrize("tokens, message", [
-    ([EOTC], "EOTC without SOTC"),
-    ([EOTR], "EOTR without a tool call"),
-    ([SOTC, 40, SOTC], "nested SOTC"),
-    ([SOTC, 40, EOTR], "EOTR before EOTC"),
-    (call_tokens("not json"), "not valid JSON"),
-    (call_tokens('[{"name": "invented", "arguments": {}}]'), "unknown tool 'invented'"),
-    (call_tokens('[{"name": "add", "arguments": [1]}]'), "must be a JSON object"),
-    (call_tokens('[{"name": "add", "arguments": NaN}]'), "not valid JSON"),
-    ([SOTC] + [40] * 513, "longer than 512 tokens"),
-])
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        ([EOTC], "EOTC without SOTC"),
+        ([EOTR], "EOTR without a tool call"),
+        ([SOTC, 40, SOTC], "nested SOTC"),
+        ([SOTC, 40, EOTR], "EOTR before EOTC"),
+        (call_tokens("not json"), "not valid JSON"),
+        (call_tokens('[{"name": "invented", "arguments": {}}]'), "unknown tool 'invented'"),
+        (call_tokens('[{"name": "add", "arguments": [1]}]'), "must be a JSON object"),
+        (call_tokens('[{"name": "add", "arguments": NaN}]'), "not valid JSON"),
+        ([SOTC] + [40] * 513, "longer than 512 tokens"),
+    ],
+)
 def test_malformed_sequences_give_an_error_and_reset(tokens, message):
     ch = channel()
     ev = feed(ch, tokens)
@@ -165,11 +190,14 @@ def test_results_for_unknown_or_answered_calls_change_nothing():
     assert CharTokenizer().decode(forced) == "<TOOL_RESPONSE>[[1, 2]]</TOOL_RESPONSE>"  # the str exactly as given
 
 
-@pytest.mark.parametrize("output, text", [
-    ('{"temp":20,  "unit":"C"}', '{"temp":20,  "unit":"C"}'),  # spacing kept: not parsed and re-dumped
-    ("sunny, 20 °C", "sunny, 20 °C"),  # not JSON, not quoted, not escaped
-    ({"b": 1, "a": [1.5, None]}, '{"b": 1, "a": [1.5, null]}'),  # json.dumps, default separators
-])
+@pytest.mark.parametrize(
+    "output, text",
+    [
+        ('{"temp":20,  "unit":"C"}', '{"temp":20,  "unit":"C"}'),  # spacing kept: not parsed and re-dumped
+        ("sunny, 20 °C", "sunny, 20 °C"),  # not JSON, not quoted, not escaped
+        ({"b": 1, "a": [1.5, None]}, '{"b": 1, "a": [1.5, null]}'),  # json.dumps, default separators
+    ],
+)
 def test_a_str_result_goes_in_as_given_and_a_value_as_json_dumps(output, text):
     ch = channel()
     feed(ch, call_tokens('[{"name": "add"}]'))
@@ -200,6 +228,7 @@ def test_tools_are_refused_without_the_markers(tiny_model):
 
 # -- the whole loop on the toolcall preset
 
+
 def _script_len(model):
     from voicechat.synthetic.toolcall import ToolcallScript
 
@@ -211,12 +240,13 @@ def _stream(model, submit_after, wave, chunk=1280, result='{"datetime": "2026-12
     s = model.create_streaming_session(tools=[TIME_TOOL], on_frame=records.append)
     events = []
     for i in range(0, wave.size, chunk):
-        ev = s.push_audio(wave[i:i + chunk])
+        ev = s.push_audio(wave[i : i + chunk])
         events += ev
         if s.frame_index - 1 == submit_after and s.pending_tool_calls:
             s.submit_tool_result(s.pending_tool_calls[0], result)
-        elif s.frame_index > 0 and submit_after is not None and s.frame_index - 1 > submit_after \
-                and s.pending_tool_calls:
+        elif (
+            s.frame_index > 0 and submit_after is not None and s.frame_index - 1 > submit_after and s.pending_tool_calls
+        ):
             raise AssertionError("the schedule's frame passed inside one push; use smaller pushes")
     events += s.flush()
     return s, events, records
@@ -233,8 +263,9 @@ def test_toolcall_preset_streamed_timeline(toolcall_model):
     assert calls[0].call_id == f"call_{n}_0"
     assert records[1].function_fed == 20 and records[n].function_fed == 21  # SOTC at frame 1, EOTC at frame n
     forced = [r.frame_index for r in records if r.forced]
-    response = toolcall_model.tokenizer.encode('<TOOL_RESPONSE>[{"datetime": "2026-12-03T12:00:00+00:00"}]'
-                                               '</TOOL_RESPONSE>')
+    response = toolcall_model.tokenizer.encode(
+        '<TOOL_RESPONSE>[{"datetime": "2026-12-03T12:00:00+00:00"}]</TOOL_RESPONSE>'
+    )
     assert forced == list(range(submit_after + 1, submit_after + 1 + len(response)))
     assert [records[f].function_fed for f in forced] == response
     assert all(records[f].text_fed == 12 for f in forced)  # text forced to PAD
@@ -275,11 +306,11 @@ def test_session_refusals_change_nothing(toolcall_model):
     with pytest.raises(ValueError, match="at most 5"):
         toolcall_model.create_streaming_session(tools=[dict(TIME_TOOL, name=f"t{i}") for i in range(6)])
     with pytest.raises(ValueError, match="come after the last frame"):
-        toolcall_model.generate(np.zeros(1280 * 4, np.float32), tools=[TIME_TOOL],
-                                tool_results=[(50, "call_1_0", "{}")])
+        toolcall_model.generate(
+            np.zeros(1280 * 4, np.float32), tools=[TIME_TOOL], tool_results=[(50, "call_1_0", "{}")]
+        )
     with pytest.raises(ValueError, match="not a pending tool call"):
-        toolcall_model.generate(np.zeros(1280 * 4, np.float32), tools=[TIME_TOOL],
-                                tool_results=[(1, "call_1_0", "{}")])
+        toolcall_model.generate(np.zeros(1280 * 4, np.float32), tools=[TIME_TOOL], tool_results=[(1, "call_1_0", "{}")])
     assert s.frame_index == 0 and not s.closed
 
 

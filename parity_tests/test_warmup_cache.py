@@ -60,8 +60,7 @@ def _copy(src, dst):
     return dst
 
 
-def test_cached_warmup_is_bit_identical_and_skips_the_computation(cache, warmups, tmp_path, tiny_ckpt,
-                                                                    question_wav):
+def test_cached_warmup_is_bit_identical_and_skips_the_computation(cache, warmups, tmp_path, tiny_ckpt, question_wav):
     folder = _copy(tiny_ckpt, tmp_path / "ckpt")
     first = voicechat.load(folder)
     assert len(warmups) == 1
@@ -74,8 +73,13 @@ def test_cached_warmup_is_bit_identical_and_skips_the_computation(cache, warmups
     for m in (first, second):
         s = m.create_streaming_session()
         events = s.push_audio(question_wav[: 8 * 1280])
-        ids.append((list(s.text_ids), [np.asarray(c).tolist() for c in s.raw_audio_codes],
-                    [e for e in events if e.kind == "audio"]))
+        ids.append(
+            (
+                list(s.text_ids),
+                [np.asarray(c).tolist() for c in s.raw_audio_codes],
+                [e for e in events if e.kind == "audio"],
+            )
+        )
     assert len(ids[0][2]) == 8
     assert ids[0] == ids[1]  # Audio events compare samples and decoded codes exactly
 
@@ -115,8 +119,7 @@ def test_touched_shard_tokenizer_or_config_makes_a_new_key(cache, warmups, tmp_p
 
 
 @pytest.mark.parametrize("damage", ["garbage", "other_model"])
-def test_unusable_entry_is_reported_and_recomputed(cache, warmups, tmp_path, tiny_ckpt, tiny_ckpt_4bit, capfd,
-                                                   damage):
+def test_unusable_entry_is_reported_and_recomputed(cache, warmups, tmp_path, tiny_ckpt, tiny_ckpt_4bit, capfd, damage):
     folder = _copy(tiny_ckpt, tmp_path / "ckpt")
     reference = voicechat.load(folder)
     (entry,) = cache.glob("*.safetensors")

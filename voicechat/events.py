@@ -106,5 +106,15 @@ class Cancelled:
     kind: str = field(default="cancelled", init=False)
 
 
-Event = (AssistantTextDelta | FunctionDelta | UserTranscriptDelta | Audio | AudioTail | ToolCall | ToolCallError
-         | ToolResultDone | Done | Cancelled)
+Event = (
+    AssistantTextDelta
+    | FunctionDelta
+    | UserTranscriptDelta
+    | Audio
+    | AudioTail
+    | ToolCall
+    | ToolCallError
+    | ToolResultDone
+    | Done
+    | Cancelled
+)

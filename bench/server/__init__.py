@@ -14,8 +14,12 @@ def frame_stats(xs) -> dict:
     from voicechat.streaming.profiler import percentile
 
     xs = list(xs)
-    return {"mean_ms": round(float(np.mean(xs)), 3), "p95_ms": round(percentile(xs, 0.95), 3),
-            "p50_ms": round(percentile(xs, 0.5), 3), "frames": len(xs)}
+    return {
+        "mean_ms": round(float(np.mean(xs)), 3),
+        "p95_ms": round(percentile(xs, 0.95), 3),
+        "p50_ms": round(percentile(xs, 0.5), 3),
+        "frames": len(xs),
+    }
 
 
 def sample_pcm16(audio: str) -> np.ndarray:
@@ -38,7 +42,7 @@ def push_times_ms(model, pcm: np.ndarray, chunk: int) -> list[float]:
     session, times = model.create_streaming_session(), []
     for i in range(0, pcm.size, chunk):
         t0 = time.perf_counter()
-        session.push_audio(pcm[i:i + chunk])
+        session.push_audio(pcm[i : i + chunk])
         times.append((time.perf_counter() - t0) * 1000.0)
     session.flush()
     return times

@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     p.add_argument("--audio", default="long_question", help="bundled sample name or a WAV path")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--drop-first", type=int, default=5, help="cold frames dropped from each session")
-    p.add_argument("--mlx-vlm", action="store_true",
-                   help="also time mlx_vlm.server (peers extra) with the same lock-step client")
+    p.add_argument(
+        "--mlx-vlm", action="store_true", help="also time mlx_vlm.server (peers extra) with the same lock-step client"
+    )
     p.add_argument("--out", default="reports/server/overhead.json")
     args = p.parse_args(argv)
 
@@ -47,21 +48,41 @@ def main(argv=None) -> int:
     model = voicechat.load(ckpt)
     servers = {}
     try:
-        for name, extra in (("stage_metrics_every_10", []), ("stage_metrics_every_frame", ["--stage-metrics-every", "1"]),
-                            ("stage_metrics_off", ["--stage-metrics-every", "0"])):
+        for name, extra in (
+            ("stage_metrics_every_10", []),
+            ("stage_metrics_every_frame", ["--stage-metrics-every", "1"]),
+            ("stage_metrics_off", ["--stage-metrics-every", "0"]),
+        ):
             with socket.socket() as sk:
                 sk.bind(("127.0.0.1", 0))
                 port = sk.getsockname()[1]
-            proc = subprocess.Popen([sys.executable, "-m", "voicechat.cli", "serve", "-m", ckpt, "--port", str(port),
-                                     "--log-level", "warning", *extra],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "voicechat.cli",
+                    "serve",
+                    "-m",
+                    ckpt,
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             servers[name] = (proc, port)
         if args.mlx_vlm:
             with socket.socket() as sk:
                 sk.bind(("127.0.0.1", 0))
                 port = sk.getsockname()[1]
-            proc = subprocess.Popen([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port", str(port)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             servers["mlx_vlm_server"] = (proc, port)
         for name, (proc, port) in servers.items():
             health = "health" if name == "mlx_vlm_server" else "healthz"
@@ -72,27 +93,34 @@ def main(argv=None) -> int:
                 except Exception:
                     time.sleep(0.2)
         n = model.config.frame_samples
-        whole = pcm[:pcm.size - pcm.size % n]
+        whole = pcm[: pcm.size - pcm.size % n]
         inproc = []
         rt = {k: [] for k in servers}
         comp = {k: [] for k in servers}
         rmc = {k: [] for k in servers}
         warm = model.create_streaming_session()
-        warm.push_audio(pcm[:n * 10])
+        warm.push_audio(pcm[: n * 10])
         for r in range(args.rounds):
-            inproc += push_times_ms(model, whole, n)[args.drop_first:]
+            inproc += push_times_ms(model, whole, n)[args.drop_first :]
             for name, (proc, port) in servers.items():
-                res = run_stream_audio(f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n,
-                                       model=ckpt)
+                res = run_stream_audio(
+                    f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n, model=ckpt
+                )
                 deltas = [e for e in res.events if e["type"] == "response.audio.delta"]
                 rts = res.frame_round_trip_ms
-                rt[name] += rts[args.drop_first:]
+                rt[name] += rts[args.drop_first :]
                 if name != "mlx_vlm_server":  # its events carry no compute time
-                    comp[name] += [e["compute_ms"] for e in deltas[args.drop_first:len(rts)]]
-                    rmc[name] += [a - e["compute_ms"] for a, e in zip(rts[args.drop_first:],
-                                                                        deltas[args.drop_first:])]
-        out = {"model": args.model, "audio": Path(args.audio).name, "rounds": args.rounds, "drop_first": args.drop_first,
-               "in_process_push_ms": frame_stats(inproc)}
+                    comp[name] += [e["compute_ms"] for e in deltas[args.drop_first : len(rts)]]
+                    rmc[name] += [
+                        a - e["compute_ms"] for a, e in zip(rts[args.drop_first :], deltas[args.drop_first :])
+                    ]
+        out = {
+            "model": args.model,
+            "audio": Path(args.audio).name,
+            "rounds": args.rounds,
+            "drop_first": args.drop_first,
+            "in_process_push_ms": frame_stats(inproc),
+        }
         for name in servers:
             out[name] = {
                 "server_round_trip_ms": frame_stats(rt[name]),

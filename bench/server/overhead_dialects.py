@@ -41,7 +41,7 @@ async def _ga(url, pcm24, chunk):
         json.loads(await ws.recv())
         for i in range(0, pcm24.size - chunk + 1, chunk):
             t0 = time.perf_counter()
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _b64(pcm24[i:i + chunk])}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _b64(pcm24[i : i + chunk])}))
             got = None
             deadline = t0 + 1.0
             while True:
@@ -64,13 +64,19 @@ async def _live(url, pcm16, n):
 
     times = []
     async with connect(url, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "session.start", "session": {
-            "model": "overhead", "audio": {"format": {"type": "audio/pcm", "rate": 16000}}}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "session.start",
+                    "session": {"model": "overhead", "audio": {"format": {"type": "audio/pcm", "rate": 16000}}},
+                }
+            )
+        )
         while json.loads(await ws.recv())["type"] != "session.started":
             pass
         for i in range(0, pcm16.size - n + 1, n):
             t0 = time.perf_counter()
-            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": _b64(pcm16[i:i + n])}))
+            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": _b64(pcm16[i : i + n])}))
             while True:
                 try:
                     e = json.loads(await asyncio.wait_for(ws.recv(), 10))
@@ -91,12 +97,15 @@ def resampling_error(y: np.ndarray) -> dict:
     import soxr
 
     def err(x):
-        back = soxr.resample(soxr.resample(x, 22050, 24000), 24000, 22050)[:x.size]
+        back = soxr.resample(soxr.resample(x, 22050, 24000), 24000, 22050)[: x.size]
         e, ref = (back - x)[2000:-2000], x[2000:-2000]  # the ends see the filters' edges
-        return {"max_abs": float(np.abs(e).max()), "rms": float(np.sqrt(np.mean(e ** 2))),
-                "snr_db": round(float(10 * np.log10(np.mean(ref ** 2) / np.mean(e ** 2))), 1)}
+        return {
+            "max_abs": float(np.abs(e).max()),
+            "rms": float(np.sqrt(np.mean(e**2))),
+            "snr_db": round(float(10 * np.log10(np.mean(ref**2) / np.mean(e**2))), 1),
+        }
 
-    band = soxr.resample(soxr.resample(y, 22050, 16000), 16000, 22050)[:y.size]
+    band = soxr.resample(soxr.resample(y, 22050, 16000), 16000, 22050)[: y.size]
     return {"full_band": err(np.asarray(y, np.float32)), "speech_band_8khz": err(band)}
 
 
@@ -122,33 +131,37 @@ def main(argv=None) -> int:
     ckpt = resolve_model_arg(args.model)
     model = voicechat.load(ckpt)
     n = model.config.frame_samples
-    pcm = pcm[:pcm.size - pcm.size % n]
+    pcm = pcm[: pcm.size - pcm.size % n]
     pcm24 = to_pcm16(soxr.resample(pcm.astype(np.float32) / 32768.0, 16000, 24000))
     chunk24 = n * 3 // 2
     port = free_port()
     log = Path(args.out).with_suffix(".serve.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", ckpt, "--port", str(port),
-                          "--log-level", "warning"], f"http://127.0.0.1:{port}/healthz", log, timeout=600)
+    proc = start_process(
+        [sys.executable, "-m", "voicechat.cli", "serve", "-m", ckpt, "--port", str(port), "--log-level", "warning"],
+        f"http://127.0.0.1:{port}/healthz",
+        log,
+        timeout=600,
+    )
     url = f"ws://127.0.0.1:{port}"
     res = {k: [] for k in ("in_process", "in_process_ga_steps", "mlx_vlm", "ga", "live")}
     try:
         warm = model.create_streaming_session()
-        warm.push_audio(pcm[:n * 10])
+        warm.push_audio(pcm[: n * 10])
         for _ in range(args.rounds):
-            res["in_process"] += push_times_ms(model, pcm, n)[args.drop_first:]
+            res["in_process"] += push_times_ms(model, pcm, n)[args.drop_first :]
             # The GA steps: the same 16 kHz pieces the server's resampler makes of each 80 ms append.
             s, r, t = model.create_streaming_session(), StreamResampler(24000, 16000), []
             for i in range(0, pcm24.size - chunk24 + 1, chunk24):
-                x = r.push(pcm24[i:i + chunk24].astype(np.float32) / 32768.0)
+                x = r.push(pcm24[i : i + chunk24].astype(np.float32) / 32768.0)
                 t0 = time.perf_counter()
                 s.push_audio(x)
                 t.append((time.perf_counter() - t0) * 1000.0)
-            res["in_process_ga_steps"] += t[args.drop_first:]
+            res["in_process_ga_steps"] += t[args.drop_first :]
             rs = run_stream_audio(url + "/v1/realtime", pcm, lockstep=True, chunk_samples=n)
-            res["mlx_vlm"] += rs.frame_round_trip_ms[args.drop_first:]
-            res["ga"] += asyncio.run(_ga(url + "/v1/realtime", pcm24, chunk24))[args.drop_first:]
-            res["live"] += asyncio.run(_live(url + "/v1/live/sessions", pcm, n))[args.drop_first:]
+            res["mlx_vlm"] += rs.frame_round_trip_ms[args.drop_first :]
+            res["ga"] += asyncio.run(_ga(url + "/v1/realtime", pcm24, chunk24))[args.drop_first :]
+            res["live"] += asyncio.run(_live(url + "/v1/live/sessions", pcm, n))[args.drop_first :]
     finally:
         proc.terminate()
         proc.wait(15)
@@ -159,8 +172,11 @@ def main(argv=None) -> int:
     out["in_process_push_ga_steps_ms"] = base_ga
     for name, ref in (("mlx_vlm", base), ("ga", base_ga), ("live", base)):
         st = frame_stats(res[name])
-        out[name] = {"round_trip_ms": st, "overhead_mean_ms": round(st["mean_ms"] - ref["mean_ms"], 3),
-                     "overhead_p95_ms": round(st["p95_ms"] - ref["p95_ms"], 3)}
+        out[name] = {
+            "round_trip_ms": st,
+            "overhead_mean_ms": round(st["mean_ms"] - ref["mean_ms"], 3),
+            "overhead_p95_ms": round(st["p95_ms"] - ref["p95_ms"], 3),
+        }
     s = model.create_streaming_session()
     y = np.concatenate([e.samples for e in s.push_audio(pcm) + s.flush() if e.kind in ("audio", "audio_tail")])
     out["resampling_round_trip_22050_24000_22050"] = resampling_error(y)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 
 def _figures(pid: int, session: int) -> dict:
-    rss = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
-               if x.startswith("VmRSS:"))
+    rss = next(
+        int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:")
+    )
     return {"session": session, "rss_mb": round(rss / 1024, 1), "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
@@ -42,8 +43,22 @@ def main(argv=None) -> int:
     pcm, _ = sf.read(str(sample_path("question")), dtype="int16")
     port = free_port()
     with tempfile.TemporaryDirectory() as logs:
-        proc = start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", args.model, "--port", str(port),
-                              "--log-level", "warning"], f"http://127.0.0.1:{port}/healthz", Path(logs) / "serve.log")
+        proc = start_process(
+            [
+                sys.executable,
+                "-m",
+                "voicechat.cli",
+                "serve",
+                "-m",
+                args.model,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            f"http://127.0.0.1:{port}/healthz",
+            Path(logs) / "serve.log",
+        )
         rows = [_figures(proc.pid, 0)]
         try:
             for i in range(1, args.sessions + 1):

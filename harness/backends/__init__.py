@@ -24,8 +24,10 @@ def get_backend(name: str) -> "Backend":
         from .mlx_audio_backend import MlxAudioBackend
 
         return MlxAudioBackend()
-    raise ValueError(f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial', "
-                     "'voicechat-gpu-policy', 'mlx-vlm' or 'mlx-audio'")
+    raise ValueError(
+        f"unknown backend {name!r}; expected 'voicechat', 'voicechat-serial', "
+        "'voicechat-gpu-policy', 'mlx-vlm' or 'mlx-audio'"
+    )
 
 
 __all__ = ["Backend", "OfflineRun", "StreamRun", "get_backend"]

@@ -65,12 +65,27 @@ class Backend:
     def load(self, checkpoint: str) -> Any:
         raise NotImplementedError
 
-    def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-                extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
+    def offline(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        extra_decoding_seconds: float = 0.0,
+        with_logits: bool = False,
+    ) -> OfflineRun:
         raise NotImplementedError
 
-    def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-               chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
+    def stream(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        chunk_samples: int = 1280,
+        profile: bool = False,
+        with_logits: bool = False,
+    ) -> StreamRun:
         raise NotImplementedError
 
     @property

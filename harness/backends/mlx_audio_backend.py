@@ -64,22 +64,33 @@ from .base import Backend, OfflineRun, StreamRun
 from .mlx_vlm_backend import _as_audio, _event_dict, _np, _patched, _recording_calls
 
 # The two buffers `CharAwareSubwordEncoder.set_tokenizer` (mlx-audio tts.py) rebuilds from the tokenizer.
-TOKENIZER_BUFFERS = ("tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation",
-                     "tts_model.tts_model.embed_subword.bos_eos_emb.special_flags")
+TOKENIZER_BUFFERS = (
+    "tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation",
+    "tts_model.tts_model.embed_subword.bos_eos_emb.special_flags",
+)
 
 # What the published layout means where config.json leaves a key out (docs/model.md §2; the defaults of
 # this project's and mlx-vlm's config parsers). Only keys mlx-audio does not read from the folder.
 PUBLISHED_DEFAULTS = {
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 12, "silence_token_id": 11,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 12,
+    "silence_token_id": 11,
     "default_system_prompt": "",
-    "tts_config.rms_norm_eps": 1e-6, "tts_config.query_pre_attn_scalar": 256.0,
-    "tts_config.rope_global_base_freq": 1_000_000.0, "tts_config.rope_local_base_freq": 10_000.0,
-    "tts_config.sliding_window_pattern": 6, "tts_config.num_iterations": 8,
+    "tts_config.rms_norm_eps": 1e-6,
+    "tts_config.query_pre_attn_scalar": 256.0,
+    "tts_config.rope_global_base_freq": 1_000_000.0,
+    "tts_config.rope_local_base_freq": 10_000.0,
+    "tts_config.sliding_window_pattern": 6,
+    "tts_config.num_iterations": 8,
     "tts_config.num_delay_speech_tokens": 2,
-    "tts_config.disable_eos_prediction": True, "tts_config.use_gated_fusion_for_text_audio": True,
-    "tts_config.use_subword_flag_emb": True, "tts_config.use_bos_eos_emb": True,
+    "tts_config.disable_eos_prediction": True,
+    "tts_config.use_gated_fusion_for_text_audio": True,
+    "tts_config.use_subword_flag_emb": True,
+    "tts_config.use_bos_eos_emb": True,
     "tts_config.use_audio_prompt_frozen_projection": True,
-    "tts_config.character_encoder.num_hidden_layers": 1, "tts_config.character_encoder.rms_norm_eps": 1e-6,
+    "tts_config.character_encoder.num_hidden_layers": 1,
+    "tts_config.character_encoder.rms_norm_eps": 1e-6,
     "tts_config.character_encoder.query_pre_attn_scalar": 256.0,
     "tts_config.character_encoder.attn_logit_softcapping": 50.0,
     "tts_config.character_encoder.rope_base": 10_000.0,
@@ -92,8 +103,10 @@ class UnsupportedCheckpoint(ValueError):
 
     def __init__(self, key: str, folder_value, mlx_audio_value, why: str = ""):
         self.key, self.folder_value, self.mlx_audio_value = key, folder_value, mlx_audio_value
-        super().__init__(f"mlx-audio cannot run this checkpoint as written: {key} = {folder_value!r} in config.json, "
-                         f"mlx-audio uses {mlx_audio_value!r}" + (f" ({why})" if why else ""))
+        super().__init__(
+            f"mlx-audio cannot run this checkpoint as written: {key} = {folder_value!r} in config.json, "
+            f"mlx-audio uses {mlx_audio_value!r}" + (f" ({why})" if why else "")
+        )
 
 
 def _offline_env() -> None:
@@ -135,33 +148,51 @@ def translate_config(raw: dict, folder: Path) -> dict:
         llm.pop("time_step_limit")  # mlx-audio's ModelArgs default is (0.0, inf); as its convert.py does
     if isinstance(llm.get("hybrid_override_pattern"), str):
         llm["hybrid_override_pattern"] = list(llm["hybrid_override_pattern"])
-    char_vocab = int(_get(raw, "tts_config.character_encoder.char_vocab_size")
-                     if "character_encoder" in tts else 257)
+    char_vocab = int(_get(raw, "tts_config.character_encoder.char_vocab_size") if "character_encoder" in tts else 257)
     return {
         "model_type": "nemotron_voicechat",
-        "data": {"source_sample_rate": raw.get("input_sample_rate", 16000),
-                 "target_sample_rate": raw.get("output_sample_rate", 22050),
-                 "frame_length": raw.get("frame_duration", 0.08)},
+        "data": {
+            "source_sample_rate": raw.get("input_sample_rate", 16000),
+            "target_sample_rate": raw.get("output_sample_rate", 22050),
+            "frame_length": raw.get("frame_duration", 0.08),
+        },
         "model": {
             "inference_speaker_name": raw.get("speaker", "Aria"),
-            "stt": {"model": {
-                "pretrained_llm": str(folder),
-                "perception": {"preprocessor": dict(audio.get("preprocessor", {})), "encoder": enc,
-                               "output_dim": audio.get("output_dim", text["hidden_size"])},
-                "duplex_function_channel_weight": raw.get("function_channel_weight", 2.0),
-                "max_symbols": audio.get("max_symbols", 10),
-                "use_function_head": True,
-            }},
+            "stt": {
+                "model": {
+                    "pretrained_llm": str(folder),
+                    "perception": {
+                        "preprocessor": dict(audio.get("preprocessor", {})),
+                        "encoder": enc,
+                        "output_dim": audio.get("output_dim", text["hidden_size"]),
+                    },
+                    "duplex_function_channel_weight": raw.get("function_channel_weight", 2.0),
+                    "max_symbols": audio.get("max_symbols", 10),
+                    "use_function_head": True,
+                }
+            },
             "speech_generation": {
                 "model": {
                     "tts_config": {
-                        "backbone_config": {k: tts[k] for k in ("hidden_size", "intermediate_size",
-                                                                "num_hidden_layers", "num_attention_heads",
-                                                                "num_key_value_heads", "head_dim",
-                                                                "sliding_window") if k in tts},
+                        "backbone_config": {
+                            k: tts[k]
+                            for k in (
+                                "hidden_size",
+                                "intermediate_size",
+                                "num_hidden_layers",
+                                "num_attention_heads",
+                                "num_key_value_heads",
+                                "head_dim",
+                                "sliding_window",
+                            )
+                            if k in tts
+                        },
                         "mog_head_config": dict(tts.get("mog_head", {})),
-                        **{k: tts[k] for k in ("latent_size", "codebook_size", "num_quantizers", "exponent")
-                           if k in tts},
+                        **{
+                            k: tts[k]
+                            for k in ("latent_size", "codebook_size", "num_quantizers", "exponent")
+                            if k in tts
+                        },
                     },
                     "codec_config": {
                         **({"base_hidden_size": codec["base_channels"]} if "base_channels" in codec else {}),
@@ -170,26 +201,42 @@ def translate_config(raw: dict, folder: Path) -> dict:
                         **({"num_blocks": codec["blocks_per_stage"]} if "blocks_per_stage" in codec else {}),
                         **({"kernel_size": codec["block_kernel_size"]} if "block_kernel_size" in codec else {}),
                         **({"latent_size": codec["latent_dim"]} if "latent_dim" in codec else {}),
-                        **{k: codec[k] for k in ("sample_rate", "n_fft", "hop_length", "num_quantizers",
-                                                 "codebook_size") if k in codec},
+                        **{
+                            k: codec[k]
+                            for k in ("sample_rate", "n_fft", "hop_length", "num_quantizers", "codebook_size")
+                            if k in codec
+                        },
                     },
-                    **{f"inference_{a}": tts[b] for a, b in (("num_iterations", "num_iterations"),
-                                                            ("guidance_scale", "guidance_scale"),
-                                                            ("top_p_or_k", "top_p"),
-                                                            ("noise_scale", "noise_scale")) if b in tts},
+                    **{
+                        f"inference_{a}": tts[b]
+                        for a, b in (
+                            ("num_iterations", "num_iterations"),
+                            ("guidance_scale", "guidance_scale"),
+                            ("top_p_or_k", "top_p"),
+                            ("noise_scale", "noise_scale"),
+                        )
+                        if b in tts
+                    },
                 },
-                "data": {"audio_prompt_duration": tts.get("audio_prompt_duration", 3.0),
-                         "frame_length": raw.get("frame_duration", 0.08)},
+                "data": {
+                    "audio_prompt_duration": tts.get("audio_prompt_duration", 3.0),
+                    "frame_length": raw.get("frame_duration", 0.08),
+                },
             },
         },
         "_rnnt_merge_info": {
-            "decoder_config": {"prednet": {k: dec[k] for k in ("pred_hidden", "pred_rnn_layers") if k in dec},
-                               **{k: dec[k] for k in ("vocab_size", "blank_as_pad") if k in dec}},
-            "joint_config": {"jointnet": {k: joint[k] for k in ("joint_hidden", "activation", "encoder_hidden",
-                                                                "pred_hidden") if k in joint},
-                             **({"num_classes": joint["num_classes"]} if "num_classes" in joint else {}),
-                             "vocabulary": list(raw.get("rnnt_vocabulary", [])),
-                             **({"blank_id": raw["rnnt_blank_id"]} if "rnnt_blank_id" in raw else {})},
+            "decoder_config": {
+                "prednet": {k: dec[k] for k in ("pred_hidden", "pred_rnn_layers") if k in dec},
+                **{k: dec[k] for k in ("vocab_size", "blank_as_pad") if k in dec},
+            },
+            "joint_config": {
+                "jointnet": {
+                    k: joint[k] for k in ("joint_hidden", "activation", "encoder_hidden", "pred_hidden") if k in joint
+                },
+                **({"num_classes": joint["num_classes"]} if "num_classes" in joint else {}),
+                "vocabulary": list(raw.get("rnnt_vocabulary", [])),
+                **({"blank_id": raw["rnnt_blank_id"]} if "rnnt_blank_id" in raw else {}),
+            },
         },
         "mlx_audio": {"llm_config": llm, "char_vocab_size": char_vocab - 1},
     }
@@ -225,17 +272,25 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
         checked.append((key, ours))
 
     # top level
-    for key, theirs in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id),
-                        ("pad_token_id", cfg.pad_token_id), ("silence_token_id", cfg.silence_token_id),
-                        ("rnnt_blank_id", cfg.rnnt_blank_id), ("input_sample_rate", cfg.source_sample_rate),
-                        ("output_sample_rate", cfg.target_sample_rate), ("frame_duration", cfg.frame_duration),
-                        ("function_channel_weight", cfg.function_channel_weight), ("speaker", cfg.speaker_name),
-                        ("rnnt_vocabulary", cfg.rnnt_vocabulary),
-                        ("default_system_prompt", cfg.default_system_prompt)):
+    for key, theirs in (
+        ("bos_token_id", cfg.bos_token_id),
+        ("eos_token_id", cfg.eos_token_id),
+        ("pad_token_id", cfg.pad_token_id),
+        ("silence_token_id", cfg.silence_token_id),
+        ("rnnt_blank_id", cfg.rnnt_blank_id),
+        ("input_sample_rate", cfg.source_sample_rate),
+        ("output_sample_rate", cfg.target_sample_rate),
+        ("frame_duration", cfg.frame_duration),
+        ("function_channel_weight", cfg.function_channel_weight),
+        ("speaker", cfg.speaker_name),
+        ("rnnt_vocabulary", cfg.rnnt_vocabulary),
+        ("default_system_prompt", cfg.default_system_prompt),
+    ):
         need(key, theirs, "not read from the config" if key in PUBLISHED_DEFAULTS else "")
     if cfg.text_channel_weight != 1.0 or cfg.audio_channel_weight != 1.0:
-        raise UnsupportedCheckpoint("text/audio channel weight", 1.0, (cfg.text_channel_weight,
-                                                                       cfg.audio_channel_weight))
+        raise UnsupportedCheckpoint(
+            "text/audio channel weight", 1.0, (cfg.text_channel_weight, cfg.audio_channel_weight)
+        )
     # language model: every text_config key that is a field of mlx-audio's ModelArgs
     llm = cfg.llm
     for key, value in raw["text_config"].items():
@@ -248,11 +303,17 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
         elif hasattr(llm, key):
             need(f"text_config.{key}", getattr(llm, key))
         else:
-            raise UnsupportedCheckpoint(f"text_config.{key}", value, None, "not a field of mlx-audio's NemotronH ModelArgs")
+            raise UnsupportedCheckpoint(
+                f"text_config.{key}", value, None, "not a field of mlx-audio's NemotronH ModelArgs"
+            )
     # audio side: mlx-audio parses a fixed subset of each section; every folder key must land
     audio = raw.get("audio_config", {})
-    for section, parsed in (("preprocessor", cfg.preprocessor), ("encoder", cfg.encoder),
-                            ("decoder", cfg.decoder), ("joint", cfg.joint)):
+    for section, parsed in (
+        ("preprocessor", cfg.preprocessor),
+        ("encoder", cfg.encoder),
+        ("decoder", cfg.decoder),
+        ("joint", cfg.joint),
+    ):
         for key, value in audio.get(section, {}).items():
             dotted = f"audio_config.{section}.{key}"
             if key.startswith("_"):
@@ -272,9 +333,23 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
     # TTS: parsed values and what the built modules hard-code
     tts, ear = cfg.tts, model.tts_model.tts_model
     bb = ear.backbone.args
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "sliding_window", "latent_size", "codebook_size",
-                "num_quantizers", "exponent", "guidance_scale", "top_p", "noise_scale", "num_iterations"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+        "latent_size",
+        "codebook_size",
+        "num_quantizers",
+        "exponent",
+        "guidance_scale",
+        "top_p",
+        "noise_scale",
+        "num_iterations",
+    ):
         need(f"tts_config.{key}", getattr(tts, key))
     need("tts_config.rms_norm_eps", bb.rms_norm_eps, "hard-coded: gemma3 ModelArgs default")
     need("tts_config.rms_norm_eps", _eps(ear.gated_fusion_audio_text.final_norm), "hard-coded in tts.RMSNorm")
@@ -284,30 +359,46 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
     need("tts_config.sliding_window_pattern", bb.sliding_window_pattern, "mlx-audio uses min(6, num_hidden_layers)")
     # audio_prompt_duration: mlx-audio sizes the speaker latent int(duration / frame_length) frames; the
     # strict load checks that shape against the stored latent.
-    for flag in ("disable_eos_prediction", "use_gated_fusion_for_text_audio", "use_subword_flag_emb",
-                 "use_bos_eos_emb", "use_audio_prompt_frozen_projection"):
+    for flag in (
+        "disable_eos_prediction",
+        "use_gated_fusion_for_text_audio",
+        "use_subword_flag_emb",
+        "use_bos_eos_emb",
+        "use_audio_prompt_frozen_projection",
+    ):
         need(f"tts_config.{flag}", True, "mlx-audio builds only this structure")
     need("tts_config.num_delay_speech_tokens", 2, "not read by mlx-audio")
     mog = ear.mog_head
-    for key, theirs in (("intermediate_size", mog.mlp_stack[0].mlp.gate_proj.weight.shape[0]),
-                        ("low_rank", mog.low_rank), ("min_log_std", mog.min_log_std),
-                        ("num_layers", len(mog.mlp_stack) - 1), ("num_predictions", mog.num_predictions),
-                        ("eps", _eps(mog.mlp_stack[-1]))):
+    for key, theirs in (
+        ("intermediate_size", mog.mlp_stack[0].mlp.gate_proj.weight.shape[0]),
+        ("low_rank", mog.low_rank),
+        ("min_log_std", mog.min_log_std),
+        ("num_layers", len(mog.mlp_stack) - 1),
+        ("num_predictions", mog.num_predictions),
+        ("eps", _eps(mog.mlp_stack[-1])),
+    ):
         need(f"tts_config.mog_head.{key}", theirs)
     sub = ear.embed_subword
     enc_layers = sub.backbone.encoder.layers
     attn = enc_layers[0].self_attn
-    for key, theirs in (("hidden_size", sub.embed_tokens.weight.shape[1]),
-                        ("intermediate_size", enc_layers[0].mlp.gate_proj.weight.shape[0]),
-                        ("num_hidden_layers", len(enc_layers)),
-                        ("num_attention_heads", attn.num_attention_heads),
-                        ("num_key_value_heads", attn.num_key_value_heads), ("head_dim", attn.head_dim),
-                        ("rms_norm_eps", _eps(sub.backbone.encoder.norm)),
-                        ("query_pre_attn_scalar", round(attn.scale ** -2, 6)),
-                        ("attn_logit_softcapping", attn.softcap), ("rope_base", attn.rope.base),
-                        ("char_vocab_size", sub.embed_tokens.weight.shape[0])):
-        need(f"tts_config.character_encoder.{key}", theirs, "mlx-audio builds the character encoder from the "
-                                                            "TTS sizes and t5gemma.py's constants")
+    for key, theirs in (
+        ("hidden_size", sub.embed_tokens.weight.shape[1]),
+        ("intermediate_size", enc_layers[0].mlp.gate_proj.weight.shape[0]),
+        ("num_hidden_layers", len(enc_layers)),
+        ("num_attention_heads", attn.num_attention_heads),
+        ("num_key_value_heads", attn.num_key_value_heads),
+        ("head_dim", attn.head_dim),
+        ("rms_norm_eps", _eps(sub.backbone.encoder.norm)),
+        ("query_pre_attn_scalar", round(attn.scale**-2, 6)),
+        ("attn_logit_softcapping", attn.softcap),
+        ("rope_base", attn.rope.base),
+        ("char_vocab_size", sub.embed_tokens.weight.shape[0]),
+    ):
+        need(
+            f"tts_config.character_encoder.{key}",
+            theirs,
+            "mlx-audio builds the character encoder from the TTS sizes and t5gemma.py's constants",
+        )
     # codec: every folder key is a field of mlx-audio's codec config
     for key, value in raw.get("codec_config", {}).items():
         if not hasattr(cfg.codec, key):
@@ -326,8 +417,14 @@ def _strict_differences(model, weights: dict) -> list[dict]:
         elif k not in params:
             out.append({"tensor": k, "problem": "unexpected", "checkpoint": tuple(weights[k].shape)})
         elif tuple(params[k].shape) != tuple(weights[k].shape):
-            out.append({"tensor": k, "problem": "shape", "expected": tuple(params[k].shape),
-                        "checkpoint": tuple(weights[k].shape)})
+            out.append(
+                {
+                    "tensor": k,
+                    "problem": "shape",
+                    "expected": tuple(params[k].shape),
+                    "checkpoint": tuple(weights[k].shape),
+                }
+            )
     return out
 
 
@@ -358,13 +455,16 @@ class MlxAudioBackend(Backend):
         self.close()
         folder = Path(str(checkpoint)).expanduser()
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{checkpoint}: the mlx-audio backend reads a local checkpoint folder "
-                                    "(config.json + safetensors + tokenizer); no hub access")
+            raise FileNotFoundError(
+                f"{checkpoint}: the mlx-audio backend reads a local checkpoint folder "
+                "(config.json + safetensors + tokenizer); no hub access"
+            )
         t0 = time.perf_counter()
         raw = json.loads((folder / "config.json").read_text())
         if raw.get("model_type") != "nemotron_voicechat":
-            raise ValueError(f"{checkpoint} is not a nemotron_voicechat checkpoint "
-                             f"(model_type {raw.get('model_type')!r})")
+            raise ValueError(
+                f"{checkpoint} is not a nemotron_voicechat checkpoint (model_type {raw.get('model_type')!r})"
+            )
         nested = translate_config(raw, folder.resolve())
         model = Model(ModelConfig.from_dict(nested))
         checked = check_config(raw, model)
@@ -373,10 +473,19 @@ class MlxAudioBackend(Backend):
         let_through = _strict_differences(model, weights)
         unexpected = [d for d in let_through if d["tensor"] not in TOKENIZER_BUFFERS or d["problem"] != "shape"]
         if unexpected:
-            raise ValueError("mlx-audio's non-strict load would let these tensors through; refusing: "
-                             + "; ".join(f"{d['tensor']} ({d['problem']}"
-                                         + (f", expected {d.get('expected')}, checkpoint {d.get('checkpoint')}"
-                                            if d["problem"] == "shape" else "") + ")" for d in unexpected))
+            raise ValueError(
+                "mlx-audio's non-strict load would let these tensors through; refusing: "
+                + "; ".join(
+                    f"{d['tensor']} ({d['problem']}"
+                    + (
+                        f", expected {d.get('expected')}, checkpoint {d.get('checkpoint')}"
+                        if d["problem"] == "shape"
+                        else ""
+                    )
+                    + ")"
+                    for d in unexpected
+                )
+            )
         stored = {k: np.array(weights.pop(k)) for k in TOKENIZER_BUFFERS if k in weights}
         model.load_weights(list(weights.items()), strict=False)  # every key and shape checked above
         # the two buffers left at mlx-audio's own (vocab-sized) shape: strict over everything else
@@ -390,22 +499,32 @@ class MlxAudioBackend(Backend):
         # mlx-audio rebuilt the two buffers from the tokenizer: compare with the checkpoint's stored ones on
         # the ids the language model can emit
         vocab = int(model.config.llm.vocab_size)
-        rebuilt = {TOKENIZER_BUFFERS[0]: np.array(model.tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation),
-                   TOKENIZER_BUFFERS[1]: np.array(model.tts_model.tts_model.embed_subword.bos_eos_emb.special_flags)}
+        rebuilt = {
+            TOKENIZER_BUFFERS[0]: np.array(model.tts_model.tts_model.embed_subword.subword_flag_emb.is_continuation),
+            TOKENIZER_BUFFERS[1]: np.array(model.tts_model.tts_model.embed_subword.bos_eos_emb.special_flags),
+        }
         buffers = {}
         for k in TOKENIZER_BUFFERS:
             if k in stored:
                 s, r = stored[k][:vocab], rebuilt[k][:vocab]
                 diff = np.nonzero(s != r)[0]
-                buffers[k] = {"stored_shape": tuple(stored[k].shape), "mlx_audio_shape": tuple(rebuilt[k].shape),
-                              "differing_ids": [int(i) for i in diff[:20]], "n_differing": int(diff.size)}
+                buffers[k] = {
+                    "stored_shape": tuple(stored[k].shape),
+                    "mlx_audio_shape": tuple(rebuilt[k].shape),
+                    "differing_ids": [int(i) for i in diff[:20]],
+                    "n_differing": int(diff.size),
+                }
         self.load_s = time.perf_counter() - t0
         self.model, self.session, self.checkpoint = model, session, str(checkpoint)
-        self.stored_tokenizer_buffers = {k: v[:vocab + 1] if k == TOKENIZER_BUFFERS[0] else v[:vocab]
-                                         for k, v in stored.items()}
+        self.stored_tokenizer_buffers = {
+            k: v[: vocab + 1] if k == TOKENIZER_BUFFERS[0] else v[:vocab] for k, v in stored.items()
+        }
         self.version = getattr(mlx_audio, "__version__", "?")
-        self.load_report = {"let_through_by_strict_false": let_through, "tokenizer_buffers": buffers,
-                            "config_keys_checked": len(checked)}
+        self.load_report = {
+            "let_through_by_strict_false": let_through,
+            "tokenizer_buffers": buffers,
+            "config_keys_checked": len(checked),
+        }
         return model
 
     def _require(self):
@@ -482,8 +601,15 @@ class MlxAudioBackend(Backend):
 
     # -- offline
 
-    def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-                extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
+    def offline(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        extra_decoding_seconds: float = 0.0,
+        with_logits: bool = False,
+    ) -> OfflineRun:
         from mlx_audio.sts.models.nemotron_voicechat import session as ma_session
 
         sess = self._require()
@@ -521,8 +647,13 @@ class MlxAudioBackend(Backend):
             if with_logits:
                 stack.enter_context(_recording_calls(self.model.stt_model, lm_outputs))
             t0 = time.perf_counter()
-            result = sess.generate(mx.array(wave), system_prompt=system_prompt, seed=seed,
-                                   extra_decoding_seconds=extra_decoding_seconds, use_language_cache=True)
+            result = sess.generate(
+                mx.array(wave),
+                system_prompt=system_prompt,
+                seed=seed,
+                extra_decoding_seconds=extra_decoding_seconds,
+                use_language_cache=True,
+            )
             mx.eval(result.audio)
             wall = time.perf_counter() - t0
 
@@ -557,8 +688,16 @@ class MlxAudioBackend(Backend):
 
     # -- streaming
 
-    def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-               chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
+    def stream(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        chunk_samples: int = 1280,
+        profile: bool = False,
+        with_logits: bool = False,
+    ) -> StreamRun:
         sess = self._require()
         wave = _as_audio(audio)
         if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
@@ -620,8 +759,9 @@ class MlxAudioBackend(Backend):
 
                 stack.enter_context(_patched(s._mel_stream, "push", mel_push))
             start = time.perf_counter()
-            calls = [lambda c=wave[i:i + chunk_samples]: s.push_audio(c)
-                     for i in range(0, wave.shape[0], chunk_samples)]
+            calls = [
+                lambda c=wave[i : i + chunk_samples]: s.push_audio(c) for i in range(0, wave.shape[0], chunk_samples)
+            ]
             calls.append(lambda: s.flush(pad_partial=True))
             for call in calls:
                 new = call()
@@ -638,24 +778,33 @@ class MlxAudioBackend(Backend):
         if len(audio_events) != len(frames):
             raise RuntimeError(f"mlx-audio emitted {len(audio_events)} audio events for {len(frames)} frames")
         q = self.model.config.tts.num_quantizers
-        codes = (np.stack([_np(f["codes"], np.int32) for f in frames]) if frames
-                 else np.zeros((0, q), np.int32))
-        out_audio = (np.concatenate([_np(e.samples, np.float32) for e in audio_events]) if audio_events
-                     else np.zeros((0,), np.float32))
+        codes = np.stack([_np(f["codes"], np.int32) for f in frames]) if frames else np.zeros((0, q), np.int32)
+        out_audio = (
+            np.concatenate([_np(e.samples, np.float32) for e in audio_events])
+            if audio_events
+            else np.zeros((0,), np.float32)
+        )
         mels = [m for m in mel_chunks if m.shape[1]]
         rnnt_on = bool(self.model.config.rnnt_vocabulary)
         timings = [{"frame_ms": f["frame_ms"]} for f in frames] if profile else None
         summary = None
         if profile and frames:
             ms = np.array([f["frame_ms"] for f in frames])
-            summary = {"frames": len(frames), "frame_ms_mean": float(ms.mean()), "frame_ms_p50": float(np.median(ms)),
-                       "frame_ms_max": float(ms.max())}
+            summary = {
+                "frames": len(frames),
+                "frame_ms_mean": float(ms.mean()),
+                "frame_ms_p50": float(np.median(ms)),
+                "frame_ms_max": float(ms.max()),
+            }
         return StreamRun(
             text_ids=np.array([f["text_id"] for f in frames], dtype=np.int32),
             function_ids=np.array([f["function_id"] for f in frames], dtype=np.int32),
             codes=codes,
-            decoded_codes=(np.stack([_np(e.audio_codes, np.int32) for e in audio_events]) if audio_events
-                           else np.zeros((0, q), np.int32)),
+            decoded_codes=(
+                np.stack([_np(e.audio_codes, np.int32) for e in audio_events])
+                if audio_events
+                else np.zeros((0, q), np.int32)
+            ),
             audio=out_audio,
             tail=np.zeros((0,), np.float32),  # mlx-audio's flush clears the codec without emitting its tail
             text=s._text.text,
@@ -665,9 +814,11 @@ class MlxAudioBackend(Backend):
             mel=np.concatenate([_np(m[0], np.float32) for m in mels]) if mels else None,
             encoder=np.stack([_np(f["encoder"], np.float32) for f in frames]) if frames else None,
             text_logits=np.stack([_np(f["text_logits"], np.float32) for f in frames])
-            if with_logits and frames else None,
+            if with_logits and frames
+            else None,
             function_logits=np.stack([_np(f["function_logits"], np.float32) for f in frames])
-            if with_logits and frames else None,
+            if with_logits and frames
+            else None,
             frame_timings=timings,
             profile_summary=summary,
             create_s=create_s,
@@ -686,18 +837,18 @@ class MlxAudioBackend(Backend):
 # parity_tests/test_peers_mlx_audio_departures.py pins each cause.
 DEPARTURES = {
     "mixture_sampling": "tts.py:93-96 (MoGHead.infer): the mixture component is drawn with "
-                        "mx.random.categorical on top-p'd log-probabilities; mlx-vlm draws one uniform "
-                        "tensor and adds its Gumbel transform -log(-log(u + 1e-8) + 1e-8) itself, so the "
-                        "same seed gives other components",
+    "mx.random.categorical on top-p'd log-probabilities; mlx-vlm draws one uniform "
+    "tensor and adds its Gumbel transform -log(-log(u + 1e-8) + 1e-8) itself, so the "
+    "same seed gives other components",
     "norm_dtype": "tts.py:23 (RMSNorm) and t5gemma.py:14 (RMSNorm): the EAR-TTS MLP / MoG / fusion norms "
-                  "and the character encoder's norms compute in the activations' dtype with 1 + w in the "
-                  "weight dtype (bf16 on bf16 weights); mlx-vlm's OffsetRMSNorm computes them in float32",
+    "and the character encoder's norms compute in the activations' dtype with 1 + w in the "
+    "weight dtype (bf16 on bf16 weights); mlx-vlm's OffsetRMSNorm computes them in float32",
     "depthsum_dtype": "tts.py:324-331 (EARTTSModel.depthsum_embedding): the codebook vectors are summed in "
-                      "the codebooks' dtype (bf16); mlx-vlm sums them into a float32 accumulator",
+    "the codebooks' dtype (bf16); mlx-vlm sums them into a float32 accumulator",
     "continuation_flags": "tts.py:193-201 (CharAwareSubwordEncoder.set_tokenizer): the subword "
-                          "continuation flags are rebuilt from the tokenizer (a token continues a word unless "
-                          "it starts with 'Ġ', '▁' or '<'), replacing the checkpoint's stored "
-                          "is_continuation buffer, which mlx-vlm uses",
+    "continuation flags are rebuilt from the tokenizer (a token continues a word unless "
+    "it starts with 'Ġ', '▁' or '<'), replacing the checkpoint's stored "
+    "is_continuation buffer, which mlx-vlm uses",
 }
 CODE_DEPARTURES = tuple(DEPARTURES)
 
@@ -762,4 +913,13 @@ def departures_undone(backend: "MlxAudioBackend", names=CODE_DEPARTURES):
         yield
 
 
-__all__ = ["MlxAudioBackend", "DEPARTURES", "CODE_DEPARTURES", "departures_undone", "UnsupportedCheckpoint", "translate_config", "check_config", "TOKENIZER_BUFFERS"]
+__all__ = [
+    "MlxAudioBackend",
+    "DEPARTURES",
+    "CODE_DEPARTURES",
+    "departures_undone",
+    "UnsupportedCheckpoint",
+    "translate_config",
+    "check_config",
+    "TOKENIZER_BUFFERS",
+]

@@ -72,6 +72,7 @@ def _recording_calls(module, sink: list):
     cls = type(module)
     rec = _RECORDING_CLASSES.get(cls)
     if rec is None:
+
         def __call__(self, *args, **kwargs):
             out = cls.__call__(self, *args, **kwargs)
             sink_of = getattr(self, "_peer_sink", None)
@@ -179,8 +180,10 @@ class MlxVlmBackend(Backend):
         t0 = time.perf_counter()
         model, processor = vlm_load(str(checkpoint))
         if getattr(model, "model_type", None) != "nemotron_voicechat":
-            raise ValueError(f"{checkpoint} is not a nemotron_voicechat checkpoint "
-                             f"(mlx-vlm loaded model_type {getattr(model, 'model_type', None)!r})")
+            raise ValueError(
+                f"{checkpoint} is not a nemotron_voicechat checkpoint "
+                f"(mlx-vlm loaded model_type {getattr(model, 'model_type', None)!r})"
+            )
         session = model.create_session(processor)
         self.load_s = time.perf_counter() - t0
         self.model, self.processor, self.session = model, processor, session
@@ -278,8 +281,15 @@ class MlxVlmBackend(Backend):
 
     # -- offline
 
-    def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-                extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
+    def offline(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        extra_decoding_seconds: float = 0.0,
+        with_logits: bool = False,
+    ) -> OfflineRun:
         from mlx_vlm.models.nemotron_voicechat import session as vlm_session
 
         sess = self._require()
@@ -318,8 +328,13 @@ class MlxVlmBackend(Backend):
             if with_logits:
                 stack.enter_context(_recording_calls(self.model.stt_model, lm_outputs))
             t0 = time.perf_counter()
-            result = sess.generate(mx.array(wave), system_prompt=system_prompt, seed=seed,
-                                   extra_decoding_seconds=extra_decoding_seconds, use_language_cache=True)
+            result = sess.generate(
+                mx.array(wave),
+                system_prompt=system_prompt,
+                seed=seed,
+                extra_decoding_seconds=extra_decoding_seconds,
+                use_language_cache=True,
+            )
             mx.eval(result.audio)
             wall = time.perf_counter() - t0
 
@@ -355,8 +370,16 @@ class MlxVlmBackend(Backend):
 
     # -- streaming
 
-    def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-               chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
+    def stream(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        chunk_samples: int = 1280,
+        profile: bool = False,
+        with_logits: bool = False,
+    ) -> StreamRun:
         sess = self._require()
         wave = _as_audio(audio)
         if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
@@ -419,8 +442,9 @@ class MlxVlmBackend(Backend):
                 stack.enter_context(_patched(s._mel_stream, "push", mel_push))
 
             start = time.perf_counter()
-            calls = [lambda c=wave[i:i + chunk_samples]: s.push_audio(c)
-                     for i in range(0, wave.shape[0], chunk_samples)]
+            calls = [
+                lambda c=wave[i : i + chunk_samples]: s.push_audio(c) for i in range(0, wave.shape[0], chunk_samples)
+            ]
             calls.append(lambda: s.flush(pad_partial=True))
             for call in calls:
                 new = call()
@@ -437,18 +461,23 @@ class MlxVlmBackend(Backend):
         if len(audio_events) != len(frames):
             raise RuntimeError(f"mlx-vlm emitted {len(audio_events)} audio events for {len(frames)} frames")
         q = self.model.config.tts_config.num_quantizers
-        codes = (np.stack([_np(f["codes"], np.int32) for f in frames]) if frames
-                 else np.zeros((0, q), np.int32))
-        out_audio = (np.concatenate([_np(e.samples, np.float32) for e in audio_events]) if audio_events
-                     else np.zeros((0,), np.float32))
+        codes = np.stack([_np(f["codes"], np.int32) for f in frames]) if frames else np.zeros((0, q), np.int32)
+        out_audio = (
+            np.concatenate([_np(e.samples, np.float32) for e in audio_events])
+            if audio_events
+            else np.zeros((0,), np.float32)
+        )
         mels = [m for m in mel_chunks if m.shape[1]]
         rnnt_on = bool(self.model.config.rnnt_vocabulary)
         return StreamRun(
             text_ids=np.array([f["text_id"] for f in frames], dtype=np.int32),
             function_ids=np.array([f["function_id"] for f in frames], dtype=np.int32),
             codes=codes,
-            decoded_codes=(np.stack([_np(e.audio_codes, np.int32) for e in audio_events]) if audio_events
-                           else np.zeros((0, q), np.int32)),
+            decoded_codes=(
+                np.stack([_np(e.audio_codes, np.int32) for e in audio_events])
+                if audio_events
+                else np.zeros((0, q), np.int32)
+            ),
             audio=out_audio,
             tail=np.zeros((0,), np.float32),  # mlx-vlm never flushes the codec (§12.2 item 13)
             text=s._text.text,
@@ -458,9 +487,11 @@ class MlxVlmBackend(Backend):
             mel=np.concatenate([_np(m[0], np.float32) for m in mels]) if mels else None,
             encoder=np.stack([_np(f["encoder"], np.float32) for f in frames]) if frames else None,
             text_logits=np.stack([_np(f["text_logits"], np.float32) for f in frames])
-            if with_logits and frames else None,
+            if with_logits and frames
+            else None,
             function_logits=np.stack([_np(f["function_logits"], np.float32) for f in frames])
-            if with_logits and frames else None,
+            if with_logits and frames
+            else None,
             frame_timings=[dataclasses.asdict(t) for t in s.profile.frames] if profile else None,
             profile_summary=s.profile.summary() if profile else None,
             create_s=create_s,

@@ -46,6 +46,7 @@ def _event_dict(e) -> dict:
 
 def _executing(method):
     """Run a backend method with the model's runtime bound (its execution policy)."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self.execution_settings():
@@ -77,8 +78,14 @@ class VoiceChatBackend(Backend):
     name = "voicechat"
     policy = None  # the ExecutionPolicy to load with; None: `ExecutionPolicy.for_device()`
 
-    def __init__(self, model=None, *, numerics: str | None = None, component_max_frames: int | None = None,
-                 record_intermediates: bool | None = None):
+    def __init__(
+        self,
+        model=None,
+        *,
+        numerics: str | None = None,
+        component_max_frames: int | None = None,
+        record_intermediates: bool | None = None,
+    ):
         from voicechat.model.tts.numerics import DEFAULT_NUMERICS, numerics_from
 
         self.model = model
@@ -107,8 +114,11 @@ class VoiceChatBackend(Backend):
         from voicechat.synthetic.checkpoint import resolve_model_arg
 
         self.checkpoint = str(checkpoint)
-        self.model = voicechat.load(resolve_model_arg(str(checkpoint)), numerics=self.numerics,
-                                    policy=self.policy() if callable(self.policy) else self.policy)
+        self.model = voicechat.load(
+            resolve_model_arg(str(checkpoint)),
+            numerics=self.numerics,
+            policy=self.policy() if callable(self.policy) else self.policy,
+        )
         return self.model
 
     def _require(self):
@@ -199,8 +209,12 @@ class VoiceChatBackend(Backend):
         model = self._require()
         cfg = model.config
         text = RnntText(list(cfg.rnnt_vocabulary))
-        rnnt = RnntStream(model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint, cfg.audio_config.max_symbols,
-                          skip_ids=text.special_ids)
+        rnnt = RnntStream(
+            model.stt_model.rnnt_decoder,
+            model.stt_model.rnnt_joint,
+            cfg.audio_config.max_symbols,
+            skip_ids=text.special_ids,
+        )
         enc = mx.array(np.asarray(encoder_frames, dtype=np.float32))
         return [rnnt.step(enc[t]) for t in range(enc.shape[0])]
 
@@ -218,7 +232,7 @@ class VoiceChatBackend(Backend):
             llm.prefill(x[:, :p], state)
         text, function = [], []
         for t in range(p, x.shape[1]):
-            tl, fl = model.heads(llm(x[:, t:t + 1], state)[:, -1])
+            tl, fl = model.heads(llm(x[:, t : t + 1], state)[:, -1])
             mx.eval(tl, fl, state.arrays())
             text.append(_np(tl[0], np.float32))
             function.append(_np(fl[0], np.float32))
@@ -246,12 +260,18 @@ class VoiceChatBackend(Backend):
     # -- offline
 
     @_executing
-    def offline(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-                extra_decoding_seconds: float = 0.0, with_logits: bool = False) -> OfflineRun:
+    def offline(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        extra_decoding_seconds: float = 0.0,
+        with_logits: bool = False,
+    ) -> OfflineRun:
         model = self._require()
         t0 = time.perf_counter()
-        r = model.generate(audio, system_prompt=system_prompt, seed=seed,
-                           extra_decoding_seconds=extra_decoding_seconds)
+        r = model.generate(audio, system_prompt=system_prompt, seed=seed, extra_decoding_seconds=extra_decoding_seconds)
         wall = time.perf_counter() - t0
         run = OfflineRun(
             text_ids=np.asarray(r.text_tokens, np.int32),
@@ -270,14 +290,23 @@ class VoiceChatBackend(Backend):
             run.transcript_frame_tokens = self._frame_tokens(r.encoder_frames)
             if with_logits:
                 run.text_logits, run.function_logits = self._teacher_forced_logits(
-                    r.encoder_frames, self.prompt_ids(system_prompt), run.text_ids, run.function_ids)
+                    r.encoder_frames, self.prompt_ids(system_prompt), run.text_ids, run.function_ids
+                )
         return run
 
     # -- streamed
 
     @_executing
-    def stream(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-               chunk_samples: int = 1280, profile: bool = False, with_logits: bool = False) -> StreamRun:
+    def stream(
+        self,
+        audio: np.ndarray,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        chunk_samples: int = 1280,
+        profile: bool = False,
+        with_logits: bool = False,
+    ) -> StreamRun:
         from voicechat.io.audio_input import load_audio
 
         if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
@@ -288,14 +317,15 @@ class VoiceChatBackend(Backend):
         record = (not profile) if self.record_intermediates is None else self.record_intermediates
         frames: list = []
         t0 = time.perf_counter()
-        session = model.create_streaming_session(system_prompt=system_prompt, seed=seed, profile=profile,
-                                                 on_frame=frames.append if record else None)
+        session = model.create_streaming_session(
+            system_prompt=system_prompt, seed=seed, profile=profile, on_frame=frames.append if record else None
+        )
         create_s = time.perf_counter() - t0
         events: list = []
         first_audio = first_text = None
         t_push = time.perf_counter()
         for start in range(0, wave.size, chunk_samples):
-            got = session.push_audio(wave[start:start + chunk_samples])
+            got = session.push_audio(wave[start : start + chunk_samples])
             now = time.perf_counter() - t_push
             if first_audio is None and any(e.kind == "audio" for e in got):
                 first_audio = now
@@ -310,12 +340,21 @@ class VoiceChatBackend(Backend):
         run = StreamRun(
             text_ids=np.asarray(session.text_ids, np.int32),
             function_ids=np.asarray(session.function_ids, np.int32),
-            codes=(np.stack(session.raw_audio_codes).astype(np.int32) if session.raw_audio_codes
-                   else np.zeros((0, q), np.int32)),
-            decoded_codes=(np.stack([e.audio_codes for e in audio_events]).astype(np.int32) if audio_events
-                           else np.zeros((0, q), np.int32)),
-            audio=(np.concatenate([e.samples for e in audio_events]).astype(np.float32) if audio_events
-                   else np.zeros(0, np.float32)),
+            codes=(
+                np.stack(session.raw_audio_codes).astype(np.int32)
+                if session.raw_audio_codes
+                else np.zeros((0, q), np.int32)
+            ),
+            decoded_codes=(
+                np.stack([e.audio_codes for e in audio_events]).astype(np.int32)
+                if audio_events
+                else np.zeros((0, q), np.int32)
+            ),
+            audio=(
+                np.concatenate([e.samples for e in audio_events]).astype(np.float32)
+                if audio_events
+                else np.zeros(0, np.float32)
+            ),
             tail=(np.concatenate([e.samples for e in tails]).astype(np.float32) if tails else np.zeros(0, np.float32)),
             text=session.text.text,
             transcript=session.transcript.text,
@@ -346,7 +385,7 @@ class VoiceChatBackend(Backend):
         times = []
         for start in range(0, wave.size - chunk_samples + 1, chunk_samples):
             t0 = time.perf_counter()
-            session.step(wave[start:start + chunk_samples])
+            session.step(wave[start : start + chunk_samples])
             times.append((time.perf_counter() - t0) * 1000.0)
         session.finish()
         return times
@@ -370,8 +409,9 @@ class VoiceChatBackend(Backend):
         return hidden, codes
 
     @_executing
-    def component_checks(self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0,
-                         offline: OfflineRun | None = None) -> ComponentRun:
+    def component_checks(
+        self, audio: np.ndarray, *, system_prompt: str | None = None, seed: int = 0, offline: OfflineRun | None = None
+    ) -> ComponentRun:
         """Nemotron-H cached steps vs recompute, EAR-TTS cached steps vs recompute-from-history.
 
         The timeline inputs come from the offline encoder frames (of `offline`
@@ -403,8 +443,9 @@ class VoiceChatBackend(Backend):
             if t < p:
                 x = model.prompt_input(mx.array([prompt[t]], dtype=mx.int32))
             else:
-                x = model.fused_input(mx.array([prev_t], dtype=mx.int32), emb[t - p][None],
-                                      mx.array([prev_f], dtype=mx.int32))
+                x = model.fused_input(
+                    mx.array([prev_t], dtype=mx.int32), emb[t - p][None], mx.array([prev_f], dtype=mx.int32)
+                )
             x = x[None]
             hidden = self.llm_cached_step(x, state, t)
             tl, fl = model.heads(hidden)

@@ -13,41 +13,71 @@ import time
 import numpy as np
 
 from voicechat.cli.options import add_model, add_numerics, add_prompt, add_quiet, add_seed, add_tools
+
 OUTPUT_FORMATS = ("pcm16", "float32")
 
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="speech in -> speech + text out (offline, or --stream)")
     add_model(g)
-    g.add_argument("--audio", default="question.wav",
-                   help="input audio file: WAV / FLAC / OGG, any sample rate and channel count (mixed down to "
-                        "mono, resampled to 16 kHz with soxr); or a bundled sample name, question.wav or "
-                        "long_question.wav (default %(default)s)")
+    g.add_argument(
+        "--audio",
+        default="question.wav",
+        help="input audio file: WAV / FLAC / OGG, any sample rate and channel count (mixed down to "
+        "mono, resampled to 16 kHz with soxr); or a bundled sample name, question.wav or "
+        "long_question.wav (default %(default)s)",
+    )
     g.add_argument("--output-audio", required=True, help="output WAV file (22.05 kHz mono)")
-    g.add_argument("--output-format", choices=OUTPUT_FORMATS, default="pcm16",
-                   help="pcm16 (default: 16-bit PCM, what players open; rounded, clipped to [-1, 1)) or "
-                        "float32 (the exact samples)")
+    g.add_argument(
+        "--output-format",
+        choices=OUTPUT_FORMATS,
+        default="pcm16",
+        help="pcm16 (default: 16-bit PCM, what players open; rounded, clipped to [-1, 1)) or "
+        "float32 (the exact samples)",
+    )
     add_prompt(g, "system prompt")
     add_seed(g, default=None)
-    g.add_argument("--prompt-state", default=None, metavar="FILE",
-                   help="start from this prompt state (written by `voicechat cache-prompt` for the same checkpoint "
-                        "and numerics) instead of prefilling the system prompt; its prompt, tools and seed are used, "
-                        "and -p / --tools / --seed, if given, must agree with them")
+    g.add_argument(
+        "--prompt-state",
+        default=None,
+        metavar="FILE",
+        help="start from this prompt state (written by `voicechat cache-prompt` for the same checkpoint "
+        "and numerics) instead of prefilling the system prompt; its prompt, tools and seed are used, "
+        "and -p / --tools / --seed, if given, must agree with them",
+    )
     add_numerics(g)
     g.add_argument("--stream", action="store_true", help="run the streaming session in 1280-sample pushes")
     g.add_argument("--profile", action="store_true", help="print per-stage timings (first 5 frames dropped)")
     g.add_argument("--max-streaming-seconds", type=float, default=None)
-    g.add_argument("--extra-decoding-seconds", type=float, default=0.0,
-                   help="zeros appended to the input so the model can finish its answer")
-    add_tools(g, "a JSON list of OpenAI function tools the model may call (implies --stream; docs/tools.md); "
-                        "without --mcp each call is answered with --tool-output")
-    g.add_argument("--mcp", default=None, metavar="CMD",
-                   help="run the tools of this MCP server (started over stdio, e.g. "
-                        "'python -m mcp_server_time'); implies --stream")
-    g.add_argument("--tool-output", default='{"error": "no tool runner"}',
-                   help="with --tools and no --mcp: the result each call gets (JSON text)")
-    g.add_argument("--tool-timeout-seconds", type=float, default=None,
-                   help="inject {\"error\": \"timeout\"} when a call's result has not come within this much audio")
+    g.add_argument(
+        "--extra-decoding-seconds",
+        type=float,
+        default=0.0,
+        help="zeros appended to the input so the model can finish its answer",
+    )
+    add_tools(
+        g,
+        "a JSON list of OpenAI function tools the model may call (implies --stream; docs/tools.md); "
+        "without --mcp each call is answered with --tool-output",
+    )
+    g.add_argument(
+        "--mcp",
+        default=None,
+        metavar="CMD",
+        help="run the tools of this MCP server (started over stdio, e.g. "
+        "'python -m mcp_server_time'); implies --stream",
+    )
+    g.add_argument(
+        "--tool-output",
+        default='{"error": "no tool runner"}',
+        help="with --tools and no --mcp: the result each call gets (JSON text)",
+    )
+    g.add_argument(
+        "--tool-timeout-seconds",
+        type=float,
+        default=None,
+        help='inject {"error": "timeout"} when a call\'s result has not come within this much audio',
+    )
     add_quiet(g)
     g.set_defaults(func=run_generate)
 
@@ -92,8 +122,10 @@ def _generate(args, audio_path, tools, runner) -> int:
     model = load(resolve_model_arg(args.model), numerics=args.numerics)
     cfg = model.config
     audio = read_audio_file(audio_path, cfg.input_sample_rate)
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s; input {audio.size / cfg.input_sample_rate:.2f} s",
-          file=sys.stderr)
+    print(
+        f"loaded {args.model} in {time.perf_counter() - t0:.2f} s; input {audio.size / cfg.input_sample_rate:.2f} s",
+        file=sys.stderr,
+    )
     kw = {"system_prompt": args.prompt, "seed": 0 if args.seed is None else args.seed, "tools": tools}
     if args.prompt_state:
         from voicechat.errors import PromptStateError
@@ -103,8 +135,11 @@ def _generate(args, audio_path, tools, runner) -> int:
         except PromptStateError as e:
             print(f"voicechat generate: --prompt-state: {e}", file=sys.stderr)
             return 2
-        print(f"prompt state {args.prompt_state}: {state.prompt_positions} prompt positions, "
-              f"{state.nbytes / 2**20:.1f} MiB, {len(state.tools)} tool(s); no prefill", file=sys.stderr)
+        print(
+            f"prompt state {args.prompt_state}: {state.prompt_positions} prompt positions, "
+            f"{state.nbytes / 2**20:.1f} MiB, {len(state.tools)} tool(s); no prefill",
+            file=sys.stderr,
+        )
         # Only what was given on the command line is checked against the state.
         kw = {k: v for k, v in (("system_prompt", args.prompt), ("seed", args.seed), ("tools", tools)) if v is not None}
         kw["prompt_state"] = state
@@ -118,21 +153,28 @@ def _generate(args, audio_path, tools, runner) -> int:
         print(f"user: {r.user_transcript}")
         print(f"assistant: {r.text}")
         out = r.audio
-        print(f"offline: {r.text_tokens.size} frames in {dt:.2f} s "
-              f"({dt * 1000 / max(r.text_tokens.size, 1):.1f} ms/frame)", file=sys.stderr)
+        print(
+            f"offline: {r.text_tokens.size} frames in {dt:.2f} s "
+            f"({dt * 1000 / max(r.text_tokens.size, 1):.1f} ms/frame)",
+            file=sys.stderr,
+        )
     else:
         session = model.create_streaming_session(
-            max_streaming_seconds=args.max_streaming_seconds, profile=args.profile,
-            tool_timeout_seconds=args.tool_timeout_seconds, **kw)
+            max_streaming_seconds=args.max_streaming_seconds,
+            profile=args.profile,
+            tool_timeout_seconds=args.tool_timeout_seconds,
+            **kw,
+        )
         if args.extra_decoding_seconds:
-            audio = np.concatenate([audio, np.zeros(int(round(args.extra_decoding_seconds * cfg.input_sample_rate)),
-                                                    np.float32)])
+            audio = np.concatenate(
+                [audio, np.zeros(int(round(args.extra_decoding_seconds * cfg.input_sample_rate)), np.float32)]
+            )
         pieces: list[np.ndarray] = []
         n = cfg.frame_samples
         events = []
         try:
             for i in range(0, audio.size, n):  # no bar: the live text is the progress
-                events = session.push_audio(audio[i:i + n])
+                events = session.push_audio(audio[i : i + n])
                 _show(events, pieces)
                 _run_tools(events, session, runner, args.tool_output)
             events = session.flush()
@@ -148,8 +190,11 @@ def _generate(args, audio_path, tools, runner) -> int:
         if args.profile:
             print(session.profile.table(drop_first=5))
     clipped = write_wav(args.output_audio, out, cfg.output_sample_rate, args.output_format)
-    print(f"wrote {args.output_audio}: {out.size} samples at {cfg.output_sample_rate} Hz, {args.output_format}"
-          + (f" ({clipped} samples clipped to [-1, 1))" if clipped else ""), file=sys.stderr)
+    print(
+        f"wrote {args.output_audio}: {out.size} samples at {cfg.output_sample_rate} Hz, {args.output_format}"
+        + (f" ({clipped} samples clipped to [-1, 1))" if clipped else ""),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -166,8 +211,11 @@ def _run_tools(events, session, runner, default_output) -> None:
 def _show(events, pieces) -> None:
     for e in events:
         if e.kind == "tool_call":
-            print(f"\n[tool call {e.call_id} at frame {e.frame_index}: {e.name}({json.dumps(e.arguments)})]",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n[tool call {e.call_id} at frame {e.frame_index}: {e.name}({json.dumps(e.arguments)})]",
+                file=sys.stderr,
+                flush=True,
+            )
         elif e.kind == "tool_call_error":
             print(f"\n[tool call error at frame {e.frame_index}: {e.message}]", file=sys.stderr, flush=True)
         elif e.kind == "tool_result_done":

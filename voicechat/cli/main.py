@@ -18,13 +18,22 @@ def _cmd_synth(args) -> int:
         print("voicechat synth: --tool / --arguments are for --preset toolcall", file=sys.stderr)
         return 2
     try:
-        path = write_checkpoint(args.out, args.preset, bits=args.bits, seed=args.seed,
-                                progress=False if args.quiet else None, tool=args.tool, arguments=args.arguments)
+        path = write_checkpoint(
+            args.out,
+            args.preset,
+            bits=args.bits,
+            seed=args.seed,
+            progress=False if args.quiet else None,
+            tool=args.tool,
+            arguments=args.arguments,
+        )
     except ValueError as e:
         print(f"voicechat synth: {e}", file=sys.stderr)
         return 2
     extra = f", calls {args.tool}" if args.tool else ""
-    print(f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed}{extra})")
+    print(
+        f"wrote synthetic checkpoint {path} (preset {args.preset}, bits {args.bits or 'bf16'}, seed {args.seed}{extra})"
+    )
     return 0
 
 
@@ -34,12 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a synthetic random-weight checkpoint in the published layout")
     s.add_argument("out", help="output folder")
-    s.add_argument("--preset", choices=["tiny", "small", "small16", "full", "toolcall"], default="tiny",
-                   help="toolcall: tiny, with a language path that calls --tool with --arguments (docs/tools.md)")
+    s.add_argument(
+        "--preset",
+        choices=["tiny", "small", "small16", "full", "toolcall"],
+        default="tiny",
+        help="toolcall: tiny, with a language path that calls --tool with --arguments (docs/tools.md)",
+    )
     s.add_argument("--tool", default=None, help="toolcall preset: the tool the model calls")
     s.add_argument("--arguments", default=None, help="toolcall preset: the call's arguments, a JSON object")
-    s.add_argument("--bits", type=int, choices=[4, 8], default=None,
-                   help="quantize the language path as the published 4-/8-bit checkpoints do")
+    s.add_argument(
+        "--bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="quantize the language path as the published 4-/8-bit checkpoints do",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     add_quiet(s)
     s.set_defaults(func=_cmd_synth)
@@ -69,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_missing_extra_parsers(sub, error: ImportError) -> None:
     def refuse(args) -> int:
-        print(f"voicechat {args.command}: needs the `serve` extra ({error}); "
-              "install it with: pip install -e '.[serve]'", file=sys.stderr)
+        print(
+            f"voicechat {args.command}: needs the `serve` extra ({error}); install it with: pip install -e '.[serve]'",
+            file=sys.stderr,
+        )
         return 2
 
     for name in ("serve", "client", "talk"):

@@ -14,15 +14,22 @@ def add_model(p, *, required: bool = False, note: str = "") -> None:
     if required:
         p.add_argument("-m", "--model", required=True, help=MODEL_HELP + note)
     else:
-        p.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                       help=f"{MODEL_HELP} (default {DEFAULT_MODEL}: a random-weight tiny model, written on "
-                            f"first use){note}")
+        p.add_argument(
+            "-m",
+            "--model",
+            default=DEFAULT_MODEL,
+            help=f"{MODEL_HELP} (default {DEFAULT_MODEL}: a random-weight tiny model, written on first use){note}",
+        )
 
 
 def add_numerics(p, note: str = "") -> None:
-    p.add_argument("--numerics", choices=sorted(NUMERICS), default=DEFAULT_NUMERICS,
-                   help="reference (default: rounds as mlx-vlm does, the same ids and codes) or float32 "
-                        "(EAR-TTS and the language path in float32; docs/voicechat.md, Numerics)" + note)
+    p.add_argument(
+        "--numerics",
+        choices=sorted(NUMERICS),
+        default=DEFAULT_NUMERICS,
+        help="reference (default: rounds as mlx-vlm does, the same ids and codes) or float32 "
+        "(EAR-TTS and the language path in float32; docs/voicechat.md, Numerics)" + note,
+    )
 
 
 def add_prompt(p, help: str = "system prompt (default: the config's)") -> None:

@@ -10,8 +10,11 @@ from voicechat.cli.options import add_model, add_numerics, add_prompt, add_seed,
 
 
 def add_cache_prompt_parser(sub) -> None:
-    c = sub.add_parser("cache-prompt", help="prefill a system prompt once, write its prompt state (safetensors)",
-                       description=__doc__.split("\n\n")[0])
+    c = sub.add_parser(
+        "cache-prompt",
+        help="prefill a system prompt once, write its prompt state (safetensors)",
+        description=__doc__.split("\n\n")[0],
+    )
     add_model(c, required=True, note="; the file is bound to it")
     add_prompt(c)
     add_tools(c, "a JSON list of OpenAI function tools (their block is part of the prefilled prompt)")
@@ -38,6 +41,8 @@ def run_cache_prompt(args) -> int:
     state = model.prepare_prompt(args.prompt, tools=tools, seed=args.seed)
     dt = time.perf_counter() - t1
     path = state.save(args.output)
-    print(f"wrote {path}: {state.prompt_positions} prompt positions prefilled in {dt:.2f} s, "
-          f"{state.nbytes / 2**20:.2f} MiB, {len(state.tools)} tool(s), seed {state.seed}")
+    print(
+        f"wrote {path}: {state.prompt_positions} prompt positions prefilled in {dt:.2f} s, "
+        f"{state.nbytes / 2**20:.2f} MiB, {len(state.tools)} tool(s), seed {state.seed}"
+    )
     return 0

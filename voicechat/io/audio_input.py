@@ -68,9 +68,7 @@ def as_mono_float32(samples, *, allow_empty: bool = True) -> np.ndarray:
     elif a.dtype in (np.float32, np.float64, np.float16):
         a = a.astype(np.float32, copy=False)
     else:
-        raise TypeError(
-            f"unsupported sample dtype {a.dtype}; expected float32/float64 in [-1, 1] or int16/int32 PCM"
-        )
+        raise TypeError(f"unsupported sample dtype {a.dtype}; expected float32/float64 in [-1, 1] or int16/int32 PCM")
     if not allow_empty and a.size == 0:
         raise ValueError("audio is empty (0 samples); expected at least one sample")
     finite = np.isfinite(a)
@@ -131,8 +129,11 @@ def read_audio_file(path, target_rate: int, *, report=True) -> np.ndarray:
     mono, steps = to_mono_at_rate(data, int(sr), target_rate)
     if steps and report:
         stream = sys.stderr if report is True else report
-        print(f"{path.name}: {sr} Hz {describe_channels(data.shape[1])} -> {target_rate} Hz mono "
-              f"({', '.join(steps)})", file=stream, flush=True)
+        print(
+            f"{path.name}: {sr} Hz {describe_channels(data.shape[1])} -> {target_rate} Hz mono ({', '.join(steps)})",
+            file=stream,
+            flush=True,
+        )
     return as_mono_float32(mono)
 
 

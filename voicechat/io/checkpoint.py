@@ -42,16 +42,24 @@ def _is_codec_upsampler(key: str, cfg: VoiceChatConfig) -> bool:
 
 def _is_stt_conv1d(key: str, w) -> bool:
     """Conv1d kernels stored (O, I, K) raw / (O, K, I) in MLX: conformer convs and the Mamba conv."""
-    return w.ndim == 3 and (key.startswith(PERCEPTION_PREFIX) or
-                            (key.startswith("stt_model.llm.") and ".conv1d.weight" in key))
+    return w.ndim == 3 and (
+        key.startswith(PERCEPTION_PREFIX) or (key.startswith("stt_model.llm.") and ".conv1d.weight" in key)
+    )
 
 
 def is_raw_layout(weights: dict) -> bool:
     """True for raw (NeMo) names, False for MLX-layout names; mixed raises."""
-    raw = any(k.startswith(PREPROCESSOR_PREFIX) or "weight_ih_l" in k or "._control_codes" in k
-              or "prvq._variance_list" in k for k in weights)
-    mlx_names = any(k.startswith(LSTM_PREFIX) and (k.endswith(".Wx") or k.endswith(".Wh"))
-                    or k == "tts_model.control_codes" or "prvq.variance_list" in k for k in weights)
+    raw = any(
+        k.startswith(PREPROCESSOR_PREFIX) or "weight_ih_l" in k or "._control_codes" in k or "prvq._variance_list" in k
+        for k in weights
+    )
+    mlx_names = any(
+        k.startswith(LSTM_PREFIX)
+        and (k.endswith(".Wx") or k.endswith(".Wh"))
+        or k == "tts_model.control_codes"
+        or "prvq.variance_list" in k
+        for k in weights
+    )
     if raw and mlx_names:
         raise CheckpointError(
             "checkpoint mixes raw (NeMo) and MLX-layout tensor names (e.g. both "
@@ -68,7 +76,7 @@ def sanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
         if key.startswith(PREPROCESSOR_PREFIX):
             continue  # the frontend recomputes the filterbank and window
         if key.startswith(LSTM_PREFIX):
-            m = _LSTM_RAW.match(key[len(LSTM_PREFIX):])
+            m = _LSTM_RAW.match(key[len(LSTM_PREFIX) :])
             if m:
                 kind, layer = m.group(1), int(m.group(2))
                 if kind == "weight_ih":
@@ -108,7 +116,7 @@ def unsanitize(weights: dict, cfg: VoiceChatConfig) -> dict:
     out: dict = {}
     for key, w in weights.items():
         if key.startswith(LSTM_PREFIX):
-            rest = key[len(LSTM_PREFIX):]
+            rest = key[len(LSTM_PREFIX) :]
             layer, name = rest.split(".", 1)
             if name == "Wx":
                 out[f"{LSTM_PREFIX}weight_ih_l{layer}"] = w
@@ -227,7 +235,9 @@ def read_safetensors(folder: Path) -> tuple[dict, list[Path]]:
         try:
             part = mx.load(str(f))
         except Exception as e:  # mlx raises RuntimeError/ValueError on truncated files
-            raise CheckpointError(f"{f.name}: cannot read safetensors shard ({e}); is it truncated or corrupt?") from None
+            raise CheckpointError(
+                f"{f.name}: cannot read safetensors shard ({e}); is it truncated or corrupt?"
+            ) from None
         if not isinstance(part, dict):
             raise CheckpointError(f"{f.name}: not a safetensors file")
         dup = set(part) & set(weights)
@@ -273,8 +283,11 @@ def write_shards(raw: dict, folder: Path, n_shards: int = 2, metadata: dict | No
 # A float is NaN or +-inf exactly when all its exponent bits are set: testing the bits on a numpy
 # view of the stored array is ~9x faster than MLX's isfinite + all on the CPU backend (10.6 vs
 # 95 ms for a 4096 x 4096 bf16 matrix on the benchmark machine).
-_EXPONENT_BITS = {mx.bfloat16: (mx.uint16, np.uint16(0x7F80)), mx.float16: (mx.uint16, np.uint16(0x7C00)),
-                  mx.float32: (mx.uint32, np.uint32(0x7F800000))}
+_EXPONENT_BITS = {
+    mx.bfloat16: (mx.uint16, np.uint16(0x7F80)),
+    mx.float16: (mx.uint16, np.uint16(0x7C00)),
+    mx.float32: (mx.uint32, np.uint32(0x7F800000)),
+}
 # Elements tested at a time, so the temporaries stay small beside the largest tensor.
 NONFINITE_CHUNK_ELEMENTS = 1 << 24
 
@@ -290,7 +303,7 @@ def _bit_chunks(a: mx.array):
     if a.size == 0:
         return [], mask
     rows = max(1, NONFINITE_CHUNK_ELEMENTS // max(1, a.size // a.shape[0]))
-    return [a[start:start + rows].view(utype) for start in range(0, a.shape[0], rows)], mask
+    return [a[start : start + rows].view(utype) for start in range(0, a.shape[0], rows)], mask
 
 
 def _any_exponent_all_ones(chunks, mask) -> bool:

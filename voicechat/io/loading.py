@@ -28,8 +28,14 @@ from voicechat.io.checkpoint import unsanitize, write_shards
 from voicechat.model.config import dump_config
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
-ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-                  "tokenizer_config.json", "special_tokens_map.json"]
+ALLOW_PATTERNS = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -64,8 +70,9 @@ def _check_tensors(model: nn.Module, weights: dict) -> None:
         e, w = expected[k], weights[k]
         if tuple(e.shape) != tuple(w.shape):
             problems.append(f"{k}: stored shape {tuple(w.shape)}, model expects {tuple(e.shape)}")
-        elif mx.issubdtype(e.dtype, mx.floating) != mx.issubdtype(w.dtype, mx.floating) or \
-                (e.dtype == mx.uint32) != (w.dtype == mx.uint32):
+        elif mx.issubdtype(e.dtype, mx.floating) != mx.issubdtype(w.dtype, mx.floating) or (e.dtype == mx.uint32) != (
+            w.dtype == mx.uint32
+        ):
             problems.append(f"{k}: stored dtype {w.dtype}, model expects {e.dtype}-like")
     if missing or unexpected or problems:
         lines = []
@@ -117,8 +124,14 @@ def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loadi
         raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
 
 
-def load_network(path_or_repo, *, revision: str | None = None, numerics: str = "reference",
-                 check_finite: bool = True, policy: ExecutionPolicy | None = None):
+def load_network(
+    path_or_repo,
+    *,
+    revision: str | None = None,
+    numerics: str = "reference",
+    check_finite: bool = True,
+    policy: ExecutionPolicy | None = None,
+):
     """Read a checkpoint into a `VoiceChatNetwork` prepared for `policy` -> (network, parts), where
     `parts` are the rest of a loaded model (`tokenizer`, `runtime`, `prepared`, `source`, `folder`):
     `voicechat.load` (voicechat.streaming.model.load) makes the `VoiceChatModel` of both. See the
@@ -148,8 +161,7 @@ def load_network(path_or_repo, *, revision: str | None = None, numerics: str = "
         not_quantizable = sorted(set(plan) - quantizable)
         if not_quantizable:
             raise CheckpointError(
-                "'.scales' stored for modules that are not Linear/Embedding layers: "
-                + ", ".join(not_quantizable[:20])
+                "'.scales' stored for modules that are not Linear/Embedding layers: " + ", ".join(not_quantizable[:20])
             )
         nn.quantize(network, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
     _check_tensors(network, weights)
@@ -162,14 +174,18 @@ def load_network(path_or_repo, *, revision: str | None = None, numerics: str = "
     prepared = prepare(network, policy)  # the weight layout the policy runs on (voicechat/runtime)
     steps.update()  # prepared
     steps.close()
-    return network, dict(tokenizer=TextTokenizer.from_file(folder / "tokenizer.json"), runtime=prepared.runtime,
-                         prepared=prepared, source=str(path_or_repo), folder=folder)
+    return network, dict(
+        tokenizer=TextTokenizer.from_file(folder / "tokenizer.json"),
+        runtime=prepared.runtime,
+        prepared=prepared,
+        source=str(path_or_repo),
+        folder=folder,
+    )
 
 
 def save(model, folder, n_shards: int = 2) -> Path:
     """Save a loaded model back in the published raw layout (reloads with `load`)."""
     import shutil
-
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -79,16 +79,23 @@ def _tqdm(**kw):
     return tqdm(file=sys.stderr, mininterval=0.2, **kw)
 
 
-def progress(iterable, *, total: int | None = None, desc: str | None = None, unit: str = "it",
-             enabled: bool | None = None):
+def progress(
+    iterable, *, total: int | None = None, desc: str | None = None, unit: str = "it", enabled: bool | None = None
+):
     """`iterable`, drawing a bar while it is consumed (or `iterable` itself when bars are off)."""
     if not is_enabled(enabled):
         return iterable
     return _tqdm(iterable=iterable, total=total, desc=desc, unit=unit)
 
 
-def bar(total: int | None = None, *, desc: str | None = None, unit: str = "it", unit_scale: bool = False,
-        enabled: bool | None = None):
+def bar(
+    total: int | None = None,
+    *,
+    desc: str | None = None,
+    unit: str = "it",
+    unit_scale: bool = False,
+    enabled: bool | None = None,
+):
     """A bar advanced by hand with `.update(n)`: use it in a `with` block, or call `.close()`."""
     if not is_enabled(enabled):
         return _NoBar()

@@ -43,7 +43,7 @@ def nest(prefix: str, arrays: dict) -> dict:
 def part(arrays: dict, prefix: str) -> dict:
     """The arrays named `prefix.name`, by `name`: a part's `state` out of a composite's."""
     lead = prefix + "."
-    return {k[len(lead):]: v for k, v in arrays.items() if k.startswith(lead)}
+    return {k[len(lead) :]: v for k, v in arrays.items() if k.startswith(lead)}
 
 
 def rebuild(cls, arrays: dict, meta_state, like=None):
@@ -99,8 +99,9 @@ def read_metadata(path: Path, *, what: str, error=ValueError) -> dict:
                 raise error(f"{path}: truncated {what} ({size} bytes, no safetensors header)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
-                raise error(f"{path}: truncated {what} (its header says {n} bytes, the file has "
-                            f"{size - 8} after the length)")
+                raise error(
+                    f"{path}: truncated {what} (its header says {n} bytes, the file has {size - 8} after the length)"
+                )
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise error(f"{path}: no such {what} file") from None
@@ -111,15 +112,23 @@ def read_metadata(path: Path, *, what: str, error=ValueError) -> dict:
     try:
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise error(f"{path}: corrupt {what} (a tensor entry of its header is malformed: "
-                    f"{type(e).__name__}: {e})") from None
+        raise error(
+            f"{path}: corrupt {what} (a tensor entry of its header is malformed: {type(e).__name__}: {e})"
+        ) from None
     if 8 + n + end != size:
         raise error(f"{path}: truncated or corrupt {what} ({size} bytes; its header describes {8 + n + end})")
     return header.get("__metadata__") or {}
 
 
-def load_state(path, *, meta_key: str, digest_key: str | None = None, what: str, error=ValueError,
-               check: Callable[[dict], None] | None = None) -> tuple[dict, dict]:
+def load_state(
+    path,
+    *,
+    meta_key: str,
+    digest_key: str | None = None,
+    what: str,
+    error=ValueError,
+    check: Callable[[dict], None] | None = None,
+) -> tuple[dict, dict]:
     """(arrays, meta) of a file `save_state` wrote. `check(meta)` runs on the metadata before the
     arrays are read (and may raise); with `digest_key` the digest must match the contents."""
     path = Path(path)

@@ -111,7 +111,7 @@ class IncrementalDecoder:
         else:
             new = self.tok.decode(self.ids)
         if new.startswith(self.text):
-            delta = new[len(self.text):]
+            delta = new[len(self.text) :]
         else:
             delta = self.tok.decode([token_id])
         self.text = new
@@ -191,10 +191,27 @@ def build_synthetic_tokenizer(vocab_size: int, n_special: int = 20) -> Tokenizer
 def write_synthetic_tokenizer(folder: Path, vocab_size: int, n_special: int = 20) -> None:
     tok = build_synthetic_tokenizer(vocab_size, n_special)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast", "fix_mistral_regex": True,
-    }, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<SPECIAL_12>", "unk_token": "<unk>",
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<SPECIAL_12>",
+                "unk_token": "<unk>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "fix_mistral_regex": True,
+            },
+            indent=2,
+        )
+    )
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<SPECIAL_12>",
+                "unk_token": "<unk>",
+            },
+            indent=2,
+        )
+    )

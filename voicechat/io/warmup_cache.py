@@ -73,13 +73,16 @@ def cache_key(model) -> str | None:
         "device": str(mx.default_device().type),
         "numerics": model.numerics.name,
         "host_gemm": bool(model.policy is not None and model.policy.host_products),
-        "transposed_weights": sorted(f"{path}:{stored_transposed(m).dtype}"
-                                     for path, m in model.tts_model.named_modules()
-                                     if stored_transposed(m) is not None),
+        "transposed_weights": sorted(
+            f"{path}:{stored_transposed(m).dtype}"
+            for path, m in model.tts_model.named_modules()
+            if stored_transposed(m) is not None
+        ),
         # Shards and tokenizer.json by identity (re-reading them would add to every load; the
         # tokenizer is ~10 MB at the published size), config.json by its bytes.
-        "files": [_file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]
-                  if p.exists()],
+        "files": [
+            _file_identity(p) for p in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"] if p.exists()
+        ],
         "config": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
     }
     h.update(json.dumps(parts, sort_keys=True).encode())
@@ -115,8 +118,9 @@ def load_cached(model, key: str):
         if extra:
             raise ValueError(f"unexpected arrays {extra[:5]}")
         if codes.ndim != 2 or codes.shape[1] != state.num_quantizers:
-            raise ValueError(f"prompt codes of shape {tuple(codes.shape)}; the model has {state.num_quantizers} "
-                             "codebooks")
+            raise ValueError(
+                f"prompt codes of shape {tuple(codes.shape)}; the model has {state.num_quantizers} codebooks"
+            )
     except Exception as e:  # unusable: say so, recompute (the caller overwrites it)
         _warn(f"ignoring {path} ({type(e).__name__}: {e}); recomputing")
         return None

@@ -76,9 +76,7 @@ class TextConfig:
 
     def __post_init__(self):
         if self.model_type != "nemotron_h":
-            raise ConfigError(
-                f"text_config.model_type: expected 'nemotron_h', got {self.model_type!r}"
-            )
+            raise ConfigError(f"text_config.model_type: expected 'nemotron_h', got {self.model_type!r}")
         bad = sorted({c for c in self.hybrid_override_pattern if c not in LAYER_TYPES})
         if bad or not self.hybrid_override_pattern:
             raise ConfigError(
@@ -92,9 +90,7 @@ class TextConfig:
             self.time_step_limit = (0.0, math.inf)
         lim = tuple(float(x) for x in self.time_step_limit)
         if len(lim) != 2:
-            raise ConfigError(
-                f"text_config.time_step_limit: expected [min, max], got {self.time_step_limit!r}"
-            )
+            raise ConfigError(f"text_config.time_step_limit: expected [min, max], got {self.time_step_limit!r}")
         self.time_step_limit = lim
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -103,8 +99,7 @@ class TextConfig:
             )
         if self.mamba_num_heads % self.n_groups:
             raise ConfigError(
-                "text_config.n_groups: must divide mamba_num_heads "
-                f"({self.mamba_num_heads} % {self.n_groups} != 0)"
+                f"text_config.n_groups: must divide mamba_num_heads ({self.mamba_num_heads} % {self.n_groups} != 0)"
             )
 
     @property
@@ -147,21 +142,14 @@ class PreprocessorConfig:
 
     def __post_init__(self):
         if self.normalize != "NA":
-            raise ConfigError(
-                f"audio_config.preprocessor.normalize: only 'NA' streams; got {self.normalize!r}"
-            )
+            raise ConfigError(f"audio_config.preprocessor.normalize: only 'NA' streams; got {self.normalize!r}")
         if self.pad_to not in (0, None):
-            raise ConfigError(
-                f"audio_config.preprocessor.pad_to: only 0 streams; got {self.pad_to!r}"
-            )
+            raise ConfigError(f"audio_config.preprocessor.pad_to: only 0 streams; got {self.pad_to!r}")
         if self.window != "hann":
-            raise ConfigError(
-                f"audio_config.preprocessor.window: only 'hann' is supported; got {self.window!r}"
-            )
+            raise ConfigError(f"audio_config.preprocessor.window: only 'hann' is supported; got {self.window!r}")
         if self.pad_mode not in ("reflect", "constant"):
             raise ConfigError(
-                "audio_config.preprocessor.pad_mode: expected 'reflect' or 'constant'; "
-                f"got {self.pad_mode!r}"
+                f"audio_config.preprocessor.pad_mode: expected 'reflect' or 'constant'; got {self.pad_mode!r}"
             )
 
     @property
@@ -203,8 +191,7 @@ class EncoderConfig:
             self.att_context_size = tuple((int(a), int(b)) for a, b in acs)
         except (TypeError, ValueError):
             raise ConfigError(
-                "audio_config.encoder.att_context_size: expected [[left, right]], "
-                f"got {self.att_context_size!r}"
+                f"audio_config.encoder.att_context_size: expected [[left, right]], got {self.att_context_size!r}"
             ) from None
         if self.att_context_size[0][1] != 0:
             raise ConfigError(
@@ -224,8 +211,7 @@ class EncoderConfig:
             )
         if self.conv_norm_type != "layer_norm":
             raise ConfigError(
-                "audio_config.encoder.conv_norm_type: only 'layer_norm' is supported, "
-                f"got {self.conv_norm_type!r}"
+                f"audio_config.encoder.conv_norm_type: only 'layer_norm' is supported, got {self.conv_norm_type!r}"
             )
         if self.self_attention_model != "rel_pos":
             raise ConfigError(
@@ -233,9 +219,7 @@ class EncoderConfig:
                 f"got {self.self_attention_model!r}"
             )
         if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"audio_config.encoder.n_heads: must divide d_model ({self.d_model})"
-            )
+            raise ConfigError(f"audio_config.encoder.n_heads: must divide d_model ({self.d_model})")
 
     @property
     def left_context(self) -> int:
@@ -260,9 +244,7 @@ class JointConfig:
 
     def __post_init__(self):
         if self.activation != "relu":
-            raise ConfigError(
-                f"audio_config.joint.activation: only 'relu' is supported, got {self.activation!r}"
-            )
+            raise ConfigError(f"audio_config.joint.activation: only 'relu' is supported, got {self.activation!r}")
 
 
 @dataclass
@@ -452,9 +434,7 @@ class VoiceChatConfig:
         d = dict(d)
         mt = d.get("model_type")
         if mt != "nemotron_voicechat":
-            raise ConfigError(
-                f"model_type: expected 'nemotron_voicechat', got {mt!r}"
-            )
+            raise ConfigError(f"model_type: expected 'nemotron_voicechat', got {mt!r}")
         if "text_config" not in d or d["text_config"] is None:
             raise ConfigError("text_config: missing; a VoiceChat config needs the Nemotron-H text_config")
         text = _from_dict(TextConfig, d.pop("text_config"), "text_config")
@@ -478,8 +458,7 @@ class VoiceChatConfig:
         t, a, s, c = self.text_config, self.audio_config, self.tts_config, self.codec_config
         if a.output_dim != t.hidden_size:
             raise ConfigError(
-                f"audio_config.output_dim: must equal text_config.hidden_size "
-                f"({a.output_dim} != {t.hidden_size})"
+                f"audio_config.output_dim: must equal text_config.hidden_size ({a.output_dim} != {t.hidden_size})"
             )
         if a.joint.encoder_hidden != a.encoder.d_model:
             raise ConfigError(
@@ -518,8 +497,7 @@ class VoiceChatConfig:
             )
         if c.latent_dim != s.latent_size:
             raise ConfigError(
-                f"codec_config.latent_dim: must equal tts_config.latent_size "
-                f"({c.latent_dim} != {s.latent_size})"
+                f"codec_config.latent_dim: must equal tts_config.latent_size ({c.latent_dim} != {s.latent_size})"
             )
         in_samples = round(self.input_sample_rate * self.frame_duration)
         if in_samples % a.preprocessor.hop_length or in_samples // a.preprocessor.hop_length != 8:
@@ -553,9 +531,7 @@ class VoiceChatConfig:
 
     @property
     def special_text_ids(self) -> frozenset[int]:
-        return frozenset(
-            {self.pad_token_id, self.silence_token_id, self.bos_token_id, self.eos_token_id}
-        )
+        return frozenset({self.pad_token_id, self.silence_token_id, self.bos_token_id, self.eos_token_id})
 
     def to_dict(self) -> dict:
         d = _to_dict(self)

@@ -216,7 +216,28 @@ def widen_bf16_bits(bits: np.ndarray, order: str = "K") -> np.ndarray:
     return np.left_shift(bits, 16, dtype=np.uint32, order=order).view(np.float32)
 
 
-__all__ = ["PLAIN", "PlainOps", "after_layer", "apply", "bound", "current", "float32_matmul", "fused",
-           "fused_layer_norm", "fused_linear", "fused_rms_norm", "host_products", "layer_norm", "matmul_t",
-           "norm_params", "prepared_linear", "products_scope", "rms_norm", "rowwise", "rvq_pass", "stored_transposed", "structure",
-           "widen_bf16_bits"]
+__all__ = [
+    "PLAIN",
+    "PlainOps",
+    "after_layer",
+    "apply",
+    "bound",
+    "current",
+    "float32_matmul",
+    "fused",
+    "fused_layer_norm",
+    "fused_linear",
+    "fused_rms_norm",
+    "host_products",
+    "layer_norm",
+    "matmul_t",
+    "norm_params",
+    "prepared_linear",
+    "products_scope",
+    "rms_norm",
+    "rowwise",
+    "rvq_pass",
+    "stored_transposed",
+    "structure",
+    "widen_bf16_bits",
+]

@@ -98,8 +98,10 @@ class VoiceChatNetwork(nn.Module):
 
     def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
         """Text and function logits (float32) of the given final hidden states."""
-        return (self.stt_model.lm_head(hidden).astype(mx.float32),
-                self.stt_model.function_head(hidden).astype(mx.float32))
+        return (
+            self.stt_model.lm_head(hidden).astype(mx.float32),
+            self.stt_model.function_head(hidden).astype(mx.float32),
+        )
 
     def encode_prompt_codes(self) -> mx.array:
         """(F, Q) EAR-TTS speaker prompt codes: the codec encoder applied to F+1 frames of silence,
@@ -118,8 +120,9 @@ class VoiceChatNetwork(nn.Module):
         """A fresh RNNT stream and its incremental transcript (shared by the session and ASR)."""
         text = self.rnnt_text()
         st = self.stt_model
-        stream = RnntStream(st.rnnt_decoder, st.rnnt_joint, self.config.audio_config.max_symbols,
-                            skip_ids=text.special_ids)
+        stream = RnntStream(
+            st.rnnt_decoder, st.rnnt_joint, self.config.audio_config.max_symbols, skip_ids=text.special_ids
+        )
         return stream, RnntTranscript(text)
 
     def rnnt_text(self):

@@ -95,8 +95,9 @@ def compiled_layer_norm(x: mx.array, p: dict, eps: float, policy: ExecutionPolic
     kernels = policy.cpu_kernels
     if cpu_qmv.norm_served(x, p.get("weight"), p.get("bias"), enabled=kernels):
         return cpu_qmv.layer_norm(x, p.get("weight"), p.get("bias"), eps, served=True, enabled=kernels)
-    return piece(("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps, kernels),
-                 policy)(x, p)
+    return piece(
+        ("layer_norm", eps, tuple(sorted(p))), lambda: functools.partial(_layer_norm_core, eps, kernels), policy
+    )(x, p)
 
 
 def layer_norm(x: mx.array, p: dict, eps: float, kernels: bool) -> mx.array:

@@ -50,11 +50,15 @@ def keep_heap() -> bool:
         return False
     with _lock:
         if not _done:
-            for param, value, name in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
-                                       (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")):
+            for param, value, name in (
+                (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
+                (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD"),
+            ):
                 if _mallopt(param, value) != 1:
-                    raise RuntimeError(f"glibc mallopt({name}, {value}) failed; set VOICECHAT_KEEP_HEAP=0 "
-                                       "(a policy with keep_heap off) to leave the defaults")
+                    raise RuntimeError(
+                        f"glibc mallopt({name}, {value}) failed; set VOICECHAT_KEEP_HEAP=0 "
+                        "(a policy with keep_heap off) to leave the defaults"
+                    )
             _done.append(True)
     return True
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from voicechat.model.derived import derived
 from voicechat.model.ops import widen_bf16_bits
+
 _controller = None
 _controller_lock = threading.Lock()
 

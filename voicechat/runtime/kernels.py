@@ -105,14 +105,25 @@ def _build(folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     log = folder.parent / f"{folder.name}.build.log"
-    print(f"voicechat: building the CPU quantized matrix-vector kernel (once per MLX version, ~15 s) "
-          f"in {folder}", file=sys.stderr, flush=True)
+    print(
+        f"voicechat: building the CPU quantized matrix-vector kernel (once per MLX version, ~15 s) in {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                     f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_DIR={nanobind.cmake_dir()}",
-                     f"-DMLX_DIR={mlx_root / 'share' / 'cmake' / 'MLX'}",
-                     f"-DVOICECHAT_MLX_VERSION={mx.__version__}",
-                     f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={work / 'out'}"]
+        configure = [
+            cmake,
+            "-S",
+            str(SOURCE_DIR),
+            "-B",
+            str(work / "build"),
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dnanobind_DIR={nanobind.cmake_dir()}",
+            f"-DMLX_DIR={mlx_root / 'share' / 'cmake' / 'MLX'}",
+            f"-DVOICECHAT_MLX_VERSION={mx.__version__}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={work / 'out'}",
+        ]
         with open(log, "w") as out:
             for cmd in (configure, [cmake, "--build", str(work / "build"), "-j", str(min(os.cpu_count() or 1, 4))]):
                 out.write("$ " + " ".join(cmd) + "\n")
@@ -159,16 +170,27 @@ def self_check(module) -> str | None:
                 for group in GROUP_SIZES:
                     for dtype in (mx.float32, mx.bfloat16):
                         n, k = 45, 2 * max(GROUP_SIZES)
-                        w, scales, biases = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
-                                                        group_size=group, bits=bits)
+                        w, scales, biases = mx.quantize(
+                            mx.array(rng.standard_normal((n, k)).astype(np.float32)), group_size=group, bits=bits
+                        )
                         scales, biases = scales.astype(dtype), biases.astype(dtype)
                         x = mx.array(rng.standard_normal((3, k)).astype(np.float32) * 4)
                         ours = module.quantized_matvec(x, w, scales, biases, group, bits, stream=mx.cpu)
-                        theirs = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
-                                                     group_size=group, bits=bits, stream=mx.cpu)
+                        theirs = mx.quantized_matmul(
+                            x,
+                            w,
+                            scales=scales,
+                            biases=biases,
+                            transpose=True,
+                            group_size=group,
+                            bits=bits,
+                            stream=mx.cpu,
+                        )
                         if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
-                            return (f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
-                                    f"scales {dtype}, instruction set {ISA_NAMES[isa]}")
+                            return (
+                                f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
+                                f"scales {dtype}, instruction set {ISA_NAMES[isa]}"
+                            )
             for m, k, n in ((1, 72, 72), (2, 40, 100), (5, 33, 17)):  # 64-, 16-, 8-lane, single columns
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32) * 4)
                 for wdtype in (mx.float32, mx.bfloat16):
@@ -176,15 +198,21 @@ def self_check(module) -> str | None:
                     ours = module.float32_matmul(x, wt, stream=mx.cpu)
                     theirs = mx.matmul(x, wt, stream=mx.cpu)
                     if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
-                        return (f"float32_matmul differs from mx.matmul at {(m, k, n)}, weight {wdtype}, "
-                                f"instruction set {ISA_NAMES[isa]}")
+                        return (
+                            f"float32_matmul differs from mx.matmul at {(m, k, n)}, weight {wdtype}, "
+                            f"instruction set {ISA_NAMES[isa]}"
+                        )
         for rows, d, wdtype in ((3, 72, mx.float32), (2, 1000, mx.bfloat16)):  # norms (no ISA paths)
             x = mx.array(rng.standard_normal((rows, d)).astype(np.float32) * 7)
             w, b = (mx.array(rng.standard_normal(d).astype(np.float32)).astype(wdtype) for _ in range(2))
             for name, ours, theirs in (
-                    ("rms_norm", module.rms_norm(x, w, 1e-6, stream=mx.cpu), mx.fast.rms_norm(x, w, 1e-6, stream=mx.cpu)),
-                    ("layer_norm", module.layer_norm(x, w, b, 1e-5, stream=mx.cpu),
-                     mx.fast.layer_norm(x, w, b, 1e-5, stream=mx.cpu))):
+                ("rms_norm", module.rms_norm(x, w, 1e-6, stream=mx.cpu), mx.fast.rms_norm(x, w, 1e-6, stream=mx.cpu)),
+                (
+                    "layer_norm",
+                    module.layer_norm(x, w, b, 1e-5, stream=mx.cpu),
+                    mx.fast.layer_norm(x, w, b, 1e-5, stream=mx.cpu),
+                ),
+            ):
                 if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
                     return f"{name} differs from mx.fast.{name} at {(rows, d)}, weight {wdtype}"
         books_t = mx.array(rng.standard_normal((3, 16, 100)).astype(np.float32))  # an RVQ pass
@@ -196,8 +224,9 @@ def self_check(module) -> str | None:
             j = mx.argmin(norms[q] - 2.0 * mx.matmul(residual, books_t[q]), axis=-1)
             residual = residual - books_t[q][:, j].T
             want.append(j.item())
-        if codes.tolist() != want or not np.array_equal(np.array(rest).view(np.uint32),
-                                                         np.array(residual).view(np.uint32)):
+        if codes.tolist() != want or not np.array_equal(
+            np.array(rest).view(np.uint32), np.array(residual).view(np.uint32)
+        ):
             return "rvq_pass differs from MLX's per-codebook product, argmin and subtraction"
     finally:
         module.set_isa(top)
@@ -211,8 +240,10 @@ def _load():
             return _state["module"]
         module, reason = None, None
         if not platform_served():
-            reason = (f"not built on {sys.platform} {platform.machine()}: MLX's CPU kernel there sums in "
-                      "another order, so only MLX's own gives its bits")
+            reason = (
+                f"not built on {sys.platform} {platform.machine()}: MLX's CPU kernel there sums in "
+                "another order, so only MLX's own gives its bits"
+            )
         else:
             try:
                 folder = cache_home() / "cpu_qmv" / _build_key()
@@ -245,10 +276,18 @@ def weights_served(w, scales, biases, *, group_size: int, bits: int, mode: str =
     """Whether the extension serves products with these weights (affine 4 / 8-bit, group 32 / 64 /
     128, 2-D packed uint32 weights, float scales and biases of one dtype and matching shape). A
     layer checks its weights once (`parallel.FastQuantizedLinear`); each call checks its input."""
-    return (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
-            and w.ndim == 2 and w.dtype == mx.uint32 and scales.ndim == 2
-            and scales.dtype in (mx.float32, mx.bfloat16, mx.float16) and biases.dtype == scales.dtype
-            and scales.shape == biases.shape == (w.shape[0], w.shape[1] * 32 // bits // group_size))
+    return (
+        mode == "affine"
+        and biases is not None
+        and bits in BITS
+        and group_size in GROUP_SIZES
+        and w.ndim == 2
+        and w.dtype == mx.uint32
+        and scales.ndim == 2
+        and scales.dtype in (mx.float32, mx.bfloat16, mx.float16)
+        and biases.dtype == scales.dtype
+        and scales.shape == biases.shape == (w.shape[0], w.shape[1] * 32 // bits // group_size)
+    )
 
 
 _CPU = mx.Device(mx.cpu)  # MLX has one CPU device; comparing devices is 4x cheaper than their types
@@ -264,9 +303,19 @@ def _input_served(x, w, bits, stream) -> bool:
     return _stream_served(stream) and x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] == w.shape[1] * 32 // bits
 
 
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *,
-                     group_size: int, bits: int, mode: str = "affine", stream=None,
-                     served: bool | None = None, enabled: bool) -> mx.array:
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+    stream=None,
+    served: bool | None = None,
+    enabled: bool,
+) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, through the extension when
     `enabled` (`ExecutionPolicy.cpu_kernels`: a policy with it on is only made where the module
     loaded) and the call is one it serves (same bits either way). `served`: the caller's
@@ -276,8 +325,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
         served = weights_served(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
     if enabled and served and _input_served(x, w, bits, stream):
         return _state["module"].quantized_matvec(x, w, scales, biases, group_size, bits, stream=stream)
-    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
-                               bits=bits, mode=mode, stream=stream)
+    return mx.quantized_matmul(
+        x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode, stream=stream
+    )
 
 
 def float32_matmul(x: mx.array, wt: mx.array, *, stream=None, enabled: bool) -> mx.array:
@@ -288,8 +338,15 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None, enabled: bool) -> 
     columns per vector, widening bf16 weights in its registers). Used for the float32 weight
     copies of the conformer, TTS and codebook products and for bf16 weights stored transposed
     (`voicechat.runtime.linear.linear`)."""
-    if (x.dtype == mx.float32 and wt.dtype in (mx.float32, mx.bfloat16) and wt.ndim == 2 and x.ndim >= 1
-            and x.shape[-1] == wt.shape[0] > 0 and _stream_served(stream) and enabled):
+    if (
+        x.dtype == mx.float32
+        and wt.dtype in (mx.float32, mx.bfloat16)
+        and wt.ndim == 2
+        and x.ndim >= 1
+        and x.shape[-1] == wt.shape[0] > 0
+        and _stream_served(stream)
+        and enabled
+    ):
         return _state["module"].float32_matmul(x, wt, stream=stream)
     return mx.matmul(x, wt, stream=stream)
 
@@ -297,16 +354,22 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None, enabled: bool) -> 
 def norm_served(x: mx.array, *params, stream=None, enabled: bool) -> bool:
     """Whether `rms_norm` / `layer_norm` take the extension for x with these weight / bias (or
     None) params: enabled, float32 x, 1-D float params of x's last axis, a CPU stream."""
-    return (enabled and x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] > 0 and _stream_served(stream)
-            and all(p is None or (p.ndim == 1 and p.shape[0] == x.shape[-1] and p.dtype in _NORM_DTYPES)
-                    for p in params))
+    return (
+        enabled
+        and x.dtype == mx.float32
+        and x.ndim >= 1
+        and x.shape[-1] > 0
+        and _stream_served(stream)
+        and all(p is None or (p.ndim == 1 and p.shape[0] == x.shape[-1] and p.dtype in _NORM_DTYPES) for p in params)
+    )
 
 
 _NORM_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None,
-             served: bool | None = None, enabled: bool) -> mx.array:
+def rms_norm(
+    x: mx.array, weight: mx.array | None, eps: float, *, stream=None, served: bool | None = None, enabled: bool
+) -> mx.array:
     """`mx.fast.rms_norm(x, weight, eps)`, through the extension's norm when enabled and served
     (float32 x, a 1-D float weight or None, a CPU stream): one dispatch instead of MLX's three
     (square, sum, the fused tail), the same bits (MLX's CPU sum is one sequential chain per row
@@ -317,8 +380,16 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None,
     return mx.fast.rms_norm(x, weight, eps, stream=stream)
 
 
-def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
-               stream=None, served: bool | None = None, enabled: bool) -> mx.array:
+def layer_norm(
+    x: mx.array,
+    weight: mx.array | None,
+    bias: mx.array | None,
+    eps: float,
+    *,
+    stream=None,
+    served: bool | None = None,
+    enabled: bool,
+) -> mx.array:
     """`mx.fast.layer_norm(x, weight, bias, eps)`, as `rms_norm`: one dispatch instead of five."""
     if norm_served(x, weight, bias, stream=stream, enabled=enabled) if served is None else served:
         return _state["module"].layer_norm(x, weight, bias, eps, stream=stream)
@@ -331,11 +402,27 @@ def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=N
     one dispatch instead of five per codebook; the bits of MLX's ops in `tts.ear_tts._rvq_core`.
     None when the extension does not serve the call (disabled, not float32, not a CPU stream):
     the caller then runs those ops."""
-    if (residual.dtype == books_t.dtype == norms.dtype == mx.float32 and books_t.ndim == 3
-            and residual.size == books_t.shape[1] and _stream_served(stream) and enabled):
+    if (
+        residual.dtype == books_t.dtype == norms.dtype == mx.float32
+        and books_t.ndim == 3
+        and residual.size == books_t.shape[1]
+        and _stream_served(stream)
+        and enabled
+    ):
         return tuple(_state["module"].rvq_pass(residual, books_t, norms, stream=stream))
     return None
 
 
-__all__ = ["extension", "float32_matmul", "layer_norm", "norm_served", "platform_served",
-           "rms_norm", "rvq_pass", "quantized_matmul", "self_check", "unavailable_reason", "weights_served"]
+__all__ = [
+    "extension",
+    "float32_matmul",
+    "layer_norm",
+    "norm_served",
+    "platform_served",
+    "rms_norm",
+    "rvq_pass",
+    "quantized_matmul",
+    "self_check",
+    "unavailable_reason",
+    "weights_served",
+]

@@ -115,15 +115,34 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         """The layer's arrays by name, and whether `cpu_qmv` serves them (checked once per arrays:
         a product is a few microseconds of Python, the check another two)."""
         weights = {n: self[n] for n in self._names if n in self}
-        served = derived(self, "qmv_served", tuple(weights.values()), lambda *_: weights_served(
-            weights["weight"], weights["scales"], weights.get("biases"), group_size=self.group_size,
-            bits=self.bits, mode=self.mode))
+        served = derived(
+            self,
+            "qmv_served",
+            tuple(weights.values()),
+            lambda *_: weights_served(
+                weights["weight"],
+                weights["scales"],
+                weights.get("biases"),
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            ),
+        )
         return weights, served
 
     def _half(self, x, part, stream, served, policy):
-        y = quantized_matmul(x, part["weight"], part["scales"], part.get("biases"), group_size=self.group_size,
-                             bits=self.bits, mode=self.mode, stream=stream, served=served,
-                             enabled=policy.cpu_kernels)
+        y = quantized_matmul(
+            x,
+            part["weight"],
+            part["scales"],
+            part.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            stream=stream,
+            served=served,
+            enabled=policy.cpu_kernels,
+        )
         return y + part["bias"] if "bias" in part else y
 
     def __call__(self, x):
@@ -145,8 +164,9 @@ class ParallelQuantizedLinear(FastQuantizedLinear):
             return super().forward(x, policy)
         weights, served = self._weights()  # a row half of served weights is served too
         lo, hi = _row_halves(self, weights, policy)
-        return mx.concatenate([self._half(x, lo, None, served, policy), self._half(x, hi, stream, served, policy)],
-                              axis=-1)
+        return mx.concatenate(
+            [self._half(x, lo, None, served, policy), self._half(x, hi, stream, served, policy)], axis=-1
+        )
 
 
 def _float32_transposed(weight: mx.array, bias: mx.array | None = None) -> dict:
@@ -195,9 +215,14 @@ def float32_copies_within_budget(policy: ExecutionPolicy, extra_bytes: int) -> b
 
 def _copy_candidates(module: nn.Module, prefix: str) -> list:
     """Dense layers whose 16-bit weight a float32 copy would replace."""
-    return [layer for path, layer in module.named_modules()
-            if isinstance(layer, nn.Linear) and not isinstance(layer, nn.QuantizedLinear)
-            and layer["weight"].dtype in (mx.bfloat16, mx.float16) and not _language_path(prefix + path)]
+    return [
+        layer
+        for path, layer in module.named_modules()
+        if isinstance(layer, nn.Linear)
+        and not isinstance(layer, nn.QuantizedLinear)
+        and layer["weight"].dtype in (mx.bfloat16, mx.float16)
+        and not _language_path(prefix + path)
+    ]
 
 
 class FastLinear(nn.Linear):
@@ -235,8 +260,11 @@ class FastLinear(nn.Linear):
             # Converted per call, not cached: a cached 16-bit copy would be a second resident copy.
             dtype = self.__dict__["_stored_dtype"]
             return {n: v.astype(dtype) for n, v in stored.items()}
-        if x.dtype == mx.float32 and self.__dict__.get("_float32_copies") \
-                and stored["weight"].dtype in (mx.bfloat16, mx.float16):
+        if (
+            x.dtype == mx.float32
+            and self.__dict__.get("_float32_copies")
+            and stored["weight"].dtype in (mx.bfloat16, mx.float16)
+        ):
             # Weights replaced after `prepare_linears`: a derived float32 copy (second copy)
             # until `prepare_linears` is called again.
             if self.__dict__.get("_split", False):
@@ -266,8 +294,7 @@ class FastLinear(nn.Linear):
         if stream is None:
             return linear(x, weights, cpu_kernels=kernels)
         lo, hi = weights["parts"] if "parts" in weights else _row_halves(self, weights, policy)
-        return mx.concatenate([linear(x, lo, cpu_kernels=kernels), linear(x, hi, stream, cpu_kernels=kernels)],
-                              axis=-1)
+        return mx.concatenate([linear(x, lo, cpu_kernels=kernels), linear(x, hi, stream, cpu_kernels=kernels)], axis=-1)
 
 
 def _replace_by_float32(layer: FastLinear) -> None:
@@ -295,11 +322,10 @@ def contiguous_transpose(a: mx.array) -> mx.array:
     rows = a.shape[0]
     if rows <= TRANSPOSE_BLOCK_ROWS:
         return mx.contiguous(a.T)
-    return mx.concatenate([a[r:r + TRANSPOSE_BLOCK_ROWS].T for r in range(0, rows, TRANSPOSE_BLOCK_ROWS)], axis=1)
+    return mx.concatenate([a[r : r + TRANSPOSE_BLOCK_ROWS].T for r in range(0, rows, TRANSPOSE_BLOCK_ROWS)], axis=1)
 
 
-def replace_weight_transposed(module: nn.Module, to_matrix=None, from_matrix_t=None,
-                              dtype=mx.float32) -> mx.array:
+def replace_weight_transposed(module: nn.Module, to_matrix=None, from_matrix_t=None, dtype=mx.float32) -> mx.array:
     """Replace `module`'s `weight` by W.T stored contiguous in `dtype`, as its only resident
     copy; returns W.T.
 
@@ -318,8 +344,9 @@ def replace_weight_transposed(module: nn.Module, to_matrix=None, from_matrix_t=N
     w_t = contiguous_transpose(to_matrix(w).astype(dtype))
     view = from_matrix_t(w_t)
     if tuple(view.shape) != tuple(w.shape):
-        raise ValueError(f"replace_weight_transposed: from_matrix_t gave shape {tuple(view.shape)}, "
-                         f"the weight is {tuple(w.shape)}")
+        raise ValueError(
+            f"replace_weight_transposed: from_matrix_t gave shape {tuple(view.shape)}, the weight is {tuple(w.shape)}"
+        )
     module.__dict__["_stored_dtype"] = w.dtype
     module["weight"] = view
     module.__dict__.pop("_derived", None)  # nothing cached may keep the original alive
@@ -352,14 +379,14 @@ def _split_cost(layer: nn.Module, policy: ExecutionPolicy) -> int:
     are measured in (MLX's CPU kernels): a quantized product through `policy`'s CPU kernels
     counts 1 / `QMV_SPEEDUP` of its multiply-adds."""
     macs = _macs(layer)
-    if isinstance(layer, nn.QuantizedLinear) and layer.mode == "affine" and layer.bits in (4, 8) \
-            and policy.cpu_kernels:
+    if isinstance(layer, nn.QuantizedLinear) and layer.mode == "affine" and layer.bits in (4, 8) and policy.cpu_kernels:
         return macs // QMV_SPEEDUP
     return macs
 
 
-def prepare_linears(module: nn.Module, policy: ExecutionPolicy, *, min_split_macs: int = MIN_SPLIT_MACS,
-                    prefix: str = "") -> dict[str, list[str]]:
+def prepare_linears(
+    module: nn.Module, policy: ExecutionPolicy, *, min_split_macs: int = MIN_SPLIT_MACS, prefix: str = ""
+) -> dict[str, list[str]]:
     """Make the Linear / QuantizedLinear layers of `module` their fast versions (same parameters
     up to the exact float32 conversion, bit-identical results) with the weight layout `policy`
     asks for; returns the paths that split, that got float32 copies and that got bf16 W.T.
@@ -377,16 +404,17 @@ def prepare_linears(module: nn.Module, policy: ExecutionPolicy, *, min_split_mac
     CPU streams. Calling it again re-decides splitting for every layer."""
     bf16_transposed = policy.bf16_transposed
     asked = policy.float32_copies
-    extra = sum(2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
-                for m in _copy_candidates(module, prefix)
-                if asked or not (bf16_transposed and m["weight"].dtype == mx.bfloat16))
+    extra = sum(
+        2 * (m["weight"].size + (m["bias"].size if "bias" in m else 0))
+        for m in _copy_candidates(module, prefix)
+        if asked or not (bf16_transposed and m["weight"].dtype == mx.bfloat16)
+    )
     float32_copies = float32_copies_within_budget(policy, extra)
     split, copied, transposed, pending, pending_bytes = [], [], [], [], 0
     for path, layer in module.named_modules():
         if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
             continue
-        big = (policy.cpu_streams > 1 and layer["weight"].shape[0] >= 2
-               and _split_cost(layer, policy) >= min_split_macs)
+        big = policy.cpu_streams > 1 and layer["weight"].shape[0] >= 2 and _split_cost(layer, policy) >= min_split_macs
         if isinstance(layer, nn.QuantizedLinear):
             layer.__class__ = ParallelQuantizedLinear if big else FastQuantizedLinear
             if big:
@@ -397,8 +425,9 @@ def prepare_linears(module: nn.Module, policy: ExecutionPolicy, *, min_split_mac
         copies = float32_copies and not _language_path(prefix + path)
         layer.__dict__["_float32_copies"] = copies
         dtype = layer["weight"].dtype
-        if not layer._replaced() and (copies and dtype in (mx.bfloat16, mx.float16)
-                                      or bf16_transposed and dtype == mx.bfloat16):
+        if not layer._replaced() and (
+            copies and dtype in (mx.bfloat16, mx.float16) or bf16_transposed and dtype == mx.bfloat16
+        ):
             # Every other layer's copy on the second CPU stream: the two run at once when
             # evaluated (load at the published shapes: ~3.2 GB of bf16 W.T's).
             second = _load_stream(policy) if len(pending) % 2 else None

@@ -74,8 +74,15 @@ class ExecutionPolicy:
 
     def __post_init__(self):
         _streams(self.cpu_streams, "ExecutionPolicy.cpu_streams")
-        for field in ("compiled", "cpu_kernels", "host_products", "overlap", "keep_heap", "rnnt_on_device",
-                      "bf16_transposed"):
+        for field in (
+            "compiled",
+            "cpu_kernels",
+            "host_products",
+            "overlap",
+            "keep_heap",
+            "rnnt_on_device",
+            "bf16_transposed",
+        ):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"ExecutionPolicy.{field} must be True or False, got {getattr(self, field)!r}")
         if self.float32_copies not in (True, False, None):
@@ -84,8 +91,10 @@ class ExecutionPolicy:
             from voicechat.runtime import kernels
 
             if kernels.extension() is None:
-                raise RuntimeError(f"ExecutionPolicy(cpu_kernels=True): the CPU kernels cannot be used here: "
-                                   f"{kernels.unavailable_reason()}")
+                raise RuntimeError(
+                    f"ExecutionPolicy(cpu_kernels=True): the CPU kernels cannot be used here: "
+                    f"{kernels.unavailable_reason()}"
+                )
 
     # -- the policies a device gets
 
@@ -97,7 +106,13 @@ class ExecutionPolicy:
         warning says why (forcing them on with `VOICECHAT_CPU_QMV=1` then raises)."""
 
         environ = os.environ if environ is None else environ
-        device = mx.default_device() if device is None else mx.Device(device) if not isinstance(device, mx.Device) else device
+        device = (
+            mx.default_device()
+            if device is None
+            else mx.Device(device)
+            if not isinstance(device, mx.Device)
+            else device
+        )
         cpu = device.type == mx.DeviceType.cpu
         env = {field: env_flag(var, environ) for field, var in ENV_VARS.items() if field != "cpu_streams"}
         streams_env = environ.get(ENV_VARS["cpu_streams"], "").strip()
@@ -109,14 +124,18 @@ class ExecutionPolicy:
         if kernels_on is None:
             kernels_on = cpu and kernels.platform_served()
             if kernels_on and kernels.extension() is None:
-                warnings.warn(f"voicechat: the CPU kernels (quantized and float32 products) are not used "
-                              f"({kernels.unavailable_reason()}); MLX's kernels give the same results, several "
-                              f"times slower on this CPU. Set {ENV_VARS['cpu_kernels']}=0 to silence this.",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"voicechat: the CPU kernels (quantized and float32 products) are not used "
+                    f"({kernels.unavailable_reason()}); MLX's kernels give the same results, several "
+                    f"times slower on this CPU. Set {ENV_VARS['cpu_kernels']}=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 kernels_on = False
         elif kernels_on and kernels.extension() is None:
-            raise RuntimeError(f"{ENV_VARS['cpu_kernels']}=1, but the CPU kernels cannot be used: "
-                               f"{kernels.unavailable_reason()}")
+            raise RuntimeError(
+                f"{ENV_VARS['cpu_kernels']}=1, but the CPU kernels cannot be used: {kernels.unavailable_reason()}"
+            )
 
         def pick(field, default):
             return default if env[field] is None else env[field]
@@ -172,9 +191,11 @@ def switched_on(fields: Mapping) -> list[str]:
 def describe_fields(fields: Mapping) -> str:
     """One line for a policy's fields (`as_dict()`, or as read from a report)."""
     streams, copies, on = fields.get("cpu_streams"), fields.get("float32_copies"), switched_on(fields)
-    return (f"{fields.get('name')}: {streams} CPU stream{'s' if streams != 1 else ''}, "
-            + (", ".join(on) if on else "nothing else")
-            + f", float32 copies {'by budget' if copies is None else copies}")
+    return (
+        f"{fields.get('name')}: {streams} CPU stream{'s' if streams != 1 else ''}, "
+        + (", ".join(on) if on else "nothing else")
+        + f", float32 copies {'by budget' if copies is None else copies}"
+    )
 
 
 # What a prepared layer runs under when no model's runtime is bound (a component called on its

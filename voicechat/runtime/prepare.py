@@ -26,6 +26,7 @@ from voicechat.model.audio.conformer import ConvModule
 @dataclass
 class Prepared:
     """What `prepare` did: the runtime to bind, the layers it changed, the bytes the model keeps."""
+
     runtime: Runtime
     linears: dict = field(default_factory=dict)  # {"split": [...], "float32": [...], "bf16_transposed": [...]}
     resident_bytes: int = 0
@@ -43,8 +44,7 @@ def transpose_pointwise_convs(conv_module, policy: ExecutionPolicy) -> None:
     for conv in (conv_module.pointwise_conv1, conv_module.pointwise_conv2):
         if ops.stored_transposed(conv) is None:
             to_matrix, from_matrix_t = _one_by_one()
-            replace_weight_transposed(conv, to_matrix, from_matrix_t,
-                                      dtype=transposed_dtype(conv.weight.dtype, policy))
+            replace_weight_transposed(conv, to_matrix, from_matrix_t, dtype=transposed_dtype(conv.weight.dtype, policy))
             if "bias" in conv and conv.bias.dtype != mx.float32:
                 conv.bias = conv.bias.astype(mx.float32)
 
@@ -67,10 +67,20 @@ def float32_codec_weights(decoder, policy: ExecutionPolicy) -> None:
             targets = [(layer, _one_by_one())]
         else:  # upsampler (O, K, I) as its (K O, I) matrix (`codec._upsample`)
             out_ch, kernel, in_ch = layer.weight.shape
-            targets = [(layer, (lambda w, k=kernel, o=out_ch, i=in_ch: w.transpose(1, 0, 2).reshape(k * o, i),
-                                lambda w_t, k=kernel, o=out_ch, i=in_ch: w_t.T.reshape(k, o, i).transpose(1, 0, 2)))]
-        made = [replace_weight_transposed(conv, to_matrix, from_matrix_t)
-                for conv, (to_matrix, from_matrix_t) in targets if ops.stored_transposed(conv) is None]
+            targets = [
+                (
+                    layer,
+                    (
+                        lambda w, k=kernel, o=out_ch, i=in_ch: w.transpose(1, 0, 2).reshape(k * o, i),
+                        lambda w_t, k=kernel, o=out_ch, i=in_ch: w_t.T.reshape(k, o, i).transpose(1, 0, 2),
+                    ),
+                )
+            ]
+        made = [
+            replace_weight_transposed(conv, to_matrix, from_matrix_t)
+            for conv, (to_matrix, from_matrix_t) in targets
+            if ops.stored_transposed(conv) is None
+        ]
         mx.eval(made)
 
 

@@ -85,8 +85,12 @@ class ServerState:
     async def close_sessions(self, timeout: float) -> None:
         """Close every live session with 1001 and wait (at most `timeout`) until they are gone."""
         for c in list(self.connections):
-            c.stop("shutdown", CLOSE_GOING_AWAY, "server_shutdown", "the server is shutting down; the session "
-                                                                      "ended (reconnect when it is back)")
+            c.stop(
+                "shutdown",
+                CLOSE_GOING_AWAY,
+                "server_shutdown",
+                "the server is shutting down; the session ended (reconnect when it is back)",
+            )
         deadline = time.monotonic() + timeout
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -143,10 +147,15 @@ def create_app(state: ServerState) -> Starlette:
         await RealtimeConnection(state, ws, dialect="live").run()
 
     routes = [Route(p, page) for p in ASSETS]
-    routes += [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/v1/realtime", realtime),
-               WebSocketRoute("/v1/live/sessions", live)]
-    app = Starlette(routes=routes, middleware=[Middleware(SecurityMiddleware, security=state.security,
-                                                          metrics=state.metrics)])
+    routes += [
+        Route("/healthz", healthz),
+        Route("/metrics", metrics),
+        WebSocketRoute("/v1/realtime", realtime),
+        WebSocketRoute("/v1/live/sessions", live),
+    ]
+    app = Starlette(
+        routes=routes, middleware=[Middleware(SecurityMiddleware, security=state.security, metrics=state.metrics)]
+    )
     app.state.server = state
     return app
 
@@ -272,18 +281,24 @@ class RealtimeConnection:
         ch, lim = self.channel, self.limits
         rate = P.INPUT_SAMPLE_RATE
         if ch.received_samples + pcm.size > lim.max_session_audio_seconds * rate:
-            raise P.ProtocolError("session_audio_limit", f"this append ({pcm.size} samples) would take the "
-                                  f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
-                                  "Commit the turn and start a new session")
+            raise P.ProtocolError(
+                "session_audio_limit",
+                f"this append ({pcm.size} samples) would take the "
+                f"session past {lim.max_session_audio_seconds:g} s of audio; it was not accepted. "
+                "Commit the turn and start a new session",
+            )
         if pcm.size == 0:
             return
         if not await self._room_for(pcm.size):
             ch.overflows += 1
             ch.dropped_samples += int(pcm.size)
-            raise P.ProtocolError("input_overflow", f"the model made no room in {lim.backpressure_timeout:g} s "
-                                  f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
-                                  f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
-                                  f"{ch.dropped_samples} samples dropped in this session so far")
+            raise P.ProtocolError(
+                "input_overflow",
+                f"the model made no room in {lim.backpressure_timeout:g} s "
+                f"(it is {ch.queued_samples / rate:.2f} s of audio behind); this append of "
+                f"{pcm.size} samples ({pcm.size / rate:.3f} s) was dropped, "
+                f"{ch.dropped_samples} samples dropped in this session so far",
+            )
         ch.received_samples += int(pcm.size)
         self.metrics.audio_in_seconds.inc(pcm.size / rate)
         self.submit(AppendAudio(pcm))
@@ -306,19 +321,32 @@ class RealtimeConnection:
         if not await self._acquire():
             self.metrics.sessions_refused.labels(reason="busy").inc()
             await ws.accept(subprotocol=subprotocol)
-            await ws.send_text(self._envelope(self.dialect.error_payload(
-                "server_busy", "another session is active on this server (one session per process); retry later")))
+            await ws.send_text(
+                self._envelope(
+                    self.dialect.error_payload(
+                        "server_busy", "another session is active on this server (one session per process); retry later"
+                    )
+                )
+            )
             await ws.close(code=CLOSE_TRY_AGAIN)
             return
         self.metrics.sessions_opened.inc()
         self.metrics.sessions_active.set(1)
         loop = asyncio.get_running_loop()
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
-        self.channel = Channel(self.session_id, loop, asyncio.Queue(), peer=peer,
-                               max_outbox=self.limits.max_outbound_events,
-                               on_overfull=lambda: self.stop(
-                                   "slow_consumer", CLOSE_POLICY, None,
-                                   f"more than {self.limits.max_outbound_events} events wait for this client"))
+        self.channel = Channel(
+            self.session_id,
+            loop,
+            asyncio.Queue(),
+            peer=peer,
+            max_outbox=self.limits.max_outbound_events,
+            on_overfull=lambda: self.stop(
+                "slow_consumer",
+                CLOSE_POLICY,
+                None,
+                f"more than {self.limits.max_outbound_events} events wait for this client",
+            ),
+        )
         st.connections.add(self)
         try:
             await ws.accept(subprotocol=subprotocol)
@@ -335,12 +363,20 @@ class RealtimeConnection:
                 except (asyncio.CancelledError, Exception):
                     pass
             for t in done:
-                if t is not stopper and not t.cancelled() and t.exception() is not None and \
-                        not isinstance(t.exception(), WebSocketDisconnect):
+                if (
+                    t is not stopper
+                    and not t.cancelled()
+                    and t.exception() is not None
+                    and not isinstance(t.exception(), WebSocketDisconnect)
+                ):
                     # A bug on the network side: the traceback to the log, a code without internals to the client.
                     log.error("connection %s failed", self.session_id, exc_info=t.exception())
-                    self.stop("internal_error", CLOSE_INTERNAL, "internal_error",
-                              "the server failed while handling this session; it was ended")
+                    self.stop(
+                        "internal_error",
+                        CLOSE_INTERNAL,
+                        "internal_error",
+                        "the server failed while handling this session; it was ended",
+                    )
             if self._stop_reason is not None:
                 await self._final_close()
         finally:
@@ -362,8 +398,9 @@ class RealtimeConnection:
         if error_code is not None:
             self.metrics.client_errors.labels(code=error_code).inc()
             try:
-                await asyncio.wait_for(self.ws.send_text(self._envelope(P.error_event(error_code, message))),
-                                       CLOSE_WAIT_SECONDS)
+                await asyncio.wait_for(
+                    self.ws.send_text(self._envelope(P.error_event(error_code, message))), CLOSE_WAIT_SECONDS
+                )
             except Exception:  # the client is gone or does not read: the close below still frees the slot
                 pass
         else:
@@ -406,9 +443,12 @@ class RealtimeConnection:
         try:
             await self._write_loop()
         except _SlowReader:
-            self.stop("slow_consumer", CLOSE_POLICY, None,
-                      f"the client took more than {self.limits.send_timeout:g} s to take one event "
-                      "(--send-timeout)")
+            self.stop(
+                "slow_consumer",
+                CLOSE_POLICY,
+                None,
+                f"the client took more than {self.limits.send_timeout:g} s to take one event (--send-timeout)",
+            )
 
     async def _write_loop(self) -> None:
         outbox = self.channel.outbox
@@ -453,12 +493,18 @@ class RealtimeConnection:
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                ch.outbox.put_nowait(TimedOut(reason, {
-                    "session_update_timeout": f"no session.update within {lim.session_update_timeout:g} s of "
-                                              "connecting; closing",
-                    "idle_timeout": f"no message for {lim.idle_timeout:g} s; closing",
-                    "session_time_limit": f"the session reached {lim.max_session_seconds:g} s of wall-clock time "
-                                          "(--max-session-seconds); closing. Start a new session"}[reason]))
+                ch.outbox.put_nowait(
+                    TimedOut(
+                        reason,
+                        {
+                            "session_update_timeout": f"no session.update within {lim.session_update_timeout:g} s of "
+                            "connecting; closing",
+                            "idle_timeout": f"no message for {lim.idle_timeout:g} s; closing",
+                            "session_time_limit": f"the session reached {lim.max_session_seconds:g} s of wall-clock time "
+                            "(--max-session-seconds); closing. Start a new session",
+                        }[reason],
+                    )
+                )
                 await asyncio.Event().wait()  # the writer closes the socket and ends the connection
             if msg["type"] == "websocket.disconnect":
                 ch.outbox.put_nowait(Disconnected())
@@ -476,8 +522,10 @@ class RealtimeConnection:
                 self.dialect.error(e.code, str(e))
             except Exception:  # a bug, not the client's fault: the session goes on, the log has it
                 log.exception("session %s: a client message could not be handled", self.session_id)
-                self.dialect.error("internal_error", "this message could not be handled (the server log has the "
-                                                     "details); the session goes on")
+                self.dialect.error(
+                    "internal_error",
+                    "this message could not be handled (the server log has the details); the session goes on",
+                )
             # After the message is handled: time spent waiting for room (backpressure) is not idleness.
             last_message = time.monotonic()
 

@@ -65,8 +65,9 @@ class RealtimeClient:
         headers = {}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        self.ws = await connect(self.url, additional_headers=headers, origin=self.origin, max_size=None,
-                                open_timeout=self.open_timeout)
+        self.ws = await connect(
+            self.url, additional_headers=headers, origin=self.origin, max_size=None, open_timeout=self.open_timeout
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -80,8 +81,13 @@ class RealtimeClient:
         return json.loads(text)
 
     async def append(self, pcm: np.ndarray) -> None:
-        await self.send({"type": "input_audio_buffer.append", "sample_rate": INPUT_RATE,
-                         "audio": base64.b64encode(to_pcm16(pcm).astype("<i2").tobytes()).decode("ascii")})
+        await self.send(
+            {
+                "type": "input_audio_buffer.append",
+                "sample_rate": INPUT_RATE,
+                "audio": base64.b64encode(to_pcm16(pcm).astype("<i2").tobytes()).decode("ascii"),
+            }
+        )
 
     async def update(self, *, system_prompt=None, seed=0, max_streaming_seconds=None, model=None) -> None:
         session = {"system_prompt": system_prompt, "seed": seed, "max_streaming_seconds": max_streaming_seconds}
@@ -120,16 +126,31 @@ def _collect(result: ClientResult, e: dict) -> None:
 
 
 def _finish_audio(result: ClientResult) -> None:
-    pieces = [b64_to_int16(e["delta"]) for e in result.events
-              if e.get("type") in ("response.audio.delta", "response.audio.tail")]
+    pieces = [
+        b64_to_int16(e["delta"])
+        for e in result.events
+        if e.get("type") in ("response.audio.delta", "response.audio.tail")
+    ]
     result.audio = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
 
 
-async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: int = 1280,
-                       system_prompt: str | None = None, seed: int = 0, max_streaming_seconds: float | None = None,
-                       api_key: str | None = None, model: str | None = None, pad_partial: bool = True,
-                       cancel_after_frames: int | None = None, lockstep: bool = False, on_event=None,
-                       timeout: float = 300.0) -> ClientResult:
+async def stream_audio(
+    url: str,
+    audio,
+    *,
+    fast: bool = False,
+    chunk_samples: int = 1280,
+    system_prompt: str | None = None,
+    seed: int = 0,
+    max_streaming_seconds: float | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    pad_partial: bool = True,
+    cancel_after_frames: int | None = None,
+    lockstep: bool = False,
+    on_event=None,
+    timeout: float = 300.0,
+) -> ClientResult:
     """Stream `audio` (16 kHz mono) in `chunk_samples` appends, real time unless `fast`, then commit.
 
     `lockstep`: send one frame and wait for its audio delta before the next (per-frame
@@ -151,8 +172,7 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
         if isinstance(max_bytes, int) and max_bytes > 1024:
             # Appends the server can take: base64 makes 3 bytes 4 characters; leave room for the envelope.
             chunk_samples = max(1, min(chunk_samples, (max_bytes - 256) // 4 * 3 // 2))
-        await c.update(system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
-                       model=model)
+        await c.update(system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds, model=model)
         e = await c.wait_for("session.updated", timeout=timeout, sink=result.events)
         if e.get("type") == "error":
             result.errors.append(e["error"])
@@ -170,8 +190,11 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
                         on_event(ev)
                     if ev.get("type") == "response.audio.delta":
                         frame_arrived.put_nowait(time.perf_counter())
-                        if cancel_after_frames is not None and result.frames >= cancel_after_frames \
-                                and not cancelled.is_set():
+                        if (
+                            cancel_after_frames is not None
+                            and result.frames >= cancel_after_frames
+                            and not cancelled.is_set()
+                        ):
                             cancelled.set()
                             await c.send({"type": "response.cancel"})
             except Exception:  # connection closed: recorded below
@@ -179,9 +202,20 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
 
         recv_task = asyncio.create_task(receiver())
         try:
-            await _send_all(c, pcm, result, recv_task, cancelled, frame_arrived, fast=fast, lockstep=lockstep,
-                            chunk_samples=chunk_samples, cancel_after_frames=cancel_after_frames,
-                            pad_partial=pad_partial, timeout=timeout)
+            await _send_all(
+                c,
+                pcm,
+                result,
+                recv_task,
+                cancelled,
+                frame_arrived,
+                fast=fast,
+                lockstep=lockstep,
+                chunk_samples=chunk_samples,
+                cancel_after_frames=cancel_after_frames,
+                pad_partial=pad_partial,
+                timeout=timeout,
+            )
         except ConnectionClosed:
             pass  # the server ended the session (cancel, error, limit); the receiver has its last events
         try:
@@ -195,15 +229,28 @@ async def stream_audio(url: str, audio, *, fast: bool = False, chunk_samples: in
     return result
 
 
-async def _send_all(c, pcm, result, recv_task, cancelled, frame_arrived, *, fast, lockstep, chunk_samples,
-                    cancel_after_frames, pad_partial, timeout) -> None:
+async def _send_all(
+    c,
+    pcm,
+    result,
+    recv_task,
+    cancelled,
+    frame_arrived,
+    *,
+    fast,
+    lockstep,
+    chunk_samples,
+    cancel_after_frames,
+    pad_partial,
+    timeout,
+) -> None:
     step = chunk_samples / INPUT_RATE
     t0 = time.monotonic()
     sent = 0
     for k, i in enumerate(range(0, pcm.size, chunk_samples)):
         if cancelled.is_set() or recv_task.done():
             break
-        piece = pcm[i:i + chunk_samples]
+        piece = pcm[i : i + chunk_samples]
         if lockstep:
             before = sent // 1280
             ts = time.perf_counter()

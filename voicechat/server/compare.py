@@ -30,14 +30,22 @@ def compare_streams(ours: list[dict], ref: list[dict]) -> dict:
     """-> figures and verdicts: kinds/order, text and function ids, transcript, codes, PCM16 audio."""
     kinds_a = [e["type"] for e in ours if e["type"] not in OURS_ONLY]
     kinds_b = [e["type"] for e in ref]
-    first_kind = next((i for i, (x, y) in enumerate(zip(kinds_a, kinds_b)) if x != y),
-                      None if len(kinds_a) == len(kinds_b) else min(len(kinds_a), len(kinds_b)))
-    out = {"events_ours": len(ours), "events_reference": len(ref), "ours_only": sorted(
-        {e["type"] for e in ours if e["type"] in OURS_ONLY}), "kinds_equal": first_kind is None,
-        "first_kind_mismatch": first_kind}
-    for name, t, key in (("text_ids", "response.text.delta", "token_id"),
-                         ("function_ids", "response.function.delta", "token_id"),
-                         ("transcript", "conversation.item.input_audio_transcription.delta", "transcript")):
+    first_kind = next(
+        (i for i, (x, y) in enumerate(zip(kinds_a, kinds_b)) if x != y),
+        None if len(kinds_a) == len(kinds_b) else min(len(kinds_a), len(kinds_b)),
+    )
+    out = {
+        "events_ours": len(ours),
+        "events_reference": len(ref),
+        "ours_only": sorted({e["type"] for e in ours if e["type"] in OURS_ONLY}),
+        "kinds_equal": first_kind is None,
+        "first_kind_mismatch": first_kind,
+    }
+    for name, t, key in (
+        ("text_ids", "response.text.delta", "token_id"),
+        ("function_ids", "response.function.delta", "token_id"),
+        ("transcript", "conversation.item.input_audio_transcription.delta", "transcript"),
+    ):
         a, b = _frames(ours, t, key), _frames(ref, t, key)
         out[f"{name}_equal"] = a == b
         out[f"{name}_count"] = len(a)
@@ -105,12 +113,33 @@ class ServerPair:
     def __enter__(self):
         pv, po = free_port(), free_port()
         try:
-            self.procs.append(start_process([sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port",
-                                             str(pv)], f"http://127.0.0.1:{pv}/health", self.log_dir / "mlx_vlm.log"))
-            self.procs.append(start_process([sys.executable, "-m", "voicechat.cli", "serve", "-m", self.checkpoint,
-                                             "--port", str(po), "--warmup-seconds", "0", "--numerics",
-                                             self.numerics],
-                                            f"http://127.0.0.1:{po}/healthz", self.log_dir / "voicechat.log"))
+            self.procs.append(
+                start_process(
+                    [sys.executable, "-m", "mlx_vlm.server", "--host", "127.0.0.1", "--port", str(pv)],
+                    f"http://127.0.0.1:{pv}/health",
+                    self.log_dir / "mlx_vlm.log",
+                )
+            )
+            self.procs.append(
+                start_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "voicechat.cli",
+                        "serve",
+                        "-m",
+                        self.checkpoint,
+                        "--port",
+                        str(po),
+                        "--warmup-seconds",
+                        "0",
+                        "--numerics",
+                        self.numerics,
+                    ],
+                    f"http://127.0.0.1:{po}/healthz",
+                    self.log_dir / "voicechat.log",
+                )
+            )
         except BaseException:
             self.__exit__()
             raise

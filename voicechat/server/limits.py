@@ -28,10 +28,21 @@ class ServerLimits:
     shutdown_timeout: float = 5.0  # SIGTERM / SIGINT: live sessions get 1001, then the process exits
 
     def __post_init__(self):
-        for name in ("max_message_bytes", "max_session_audio_seconds", "session_update_timeout", "idle_timeout",
-                     "max_queued_audio_seconds", "max_queued_appends", "busy_grace_seconds", "max_prompt_tokens",
-                     "max_session_seconds", "send_timeout", "max_outbound_events", "backpressure_timeout",
-                     "shutdown_timeout"):
+        for name in (
+            "max_message_bytes",
+            "max_session_audio_seconds",
+            "session_update_timeout",
+            "idle_timeout",
+            "max_queued_audio_seconds",
+            "max_queued_appends",
+            "busy_grace_seconds",
+            "max_prompt_tokens",
+            "max_session_seconds",
+            "send_timeout",
+            "max_outbound_events",
+            "backpressure_timeout",
+            "shutdown_timeout",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise ValueError(f"server limit {name} must be a positive number, got {v!r}")

@@ -186,9 +186,43 @@ class Disconnected:
     """The client closed the socket."""
 
 
-Output = (SessionOpened | SessionRefused | FrameEvents | Committed | Synced | ToolOutputSent | SessionError | Finished
-          | Closed | Reply | TimedOut | Disconnected)
+Output = (
+    SessionOpened
+    | SessionRefused
+    | FrameEvents
+    | Committed
+    | Synced
+    | ToolOutputSent
+    | SessionError
+    | Finished
+    | Closed
+    | Reply
+    | TimedOut
+    | Disconnected
+)
 
-__all__ = ["SessionParams", "OpenSession", "AppendAudio", "Commit", "Cancel", "Sync", "SubmitToolResult", "Close",
-           "Stop", "Command", "SessionOpened", "SessionRefused", "FrameEvents", "Committed", "Synced",
-           "ToolOutputSent", "SessionError", "Finished", "Closed", "Reply", "TimedOut", "Disconnected", "Output"]
+__all__ = [
+    "SessionParams",
+    "OpenSession",
+    "AppendAudio",
+    "Commit",
+    "Cancel",
+    "Sync",
+    "SubmitToolResult",
+    "Close",
+    "Stop",
+    "Command",
+    "SessionOpened",
+    "SessionRefused",
+    "FrameEvents",
+    "Committed",
+    "Synced",
+    "ToolOutputSent",
+    "SessionError",
+    "Finished",
+    "Closed",
+    "Reply",
+    "TimedOut",
+    "Disconnected",
+    "Output",
+]

@@ -17,21 +17,35 @@ class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.frames = Counter("voicechat_frames", "audio frames computed (80 ms each)", registry=r)
-        self.frame_seconds = Histogram("voicechat_frame_compute_seconds",
-                                       "compute time of one frame on the MLX worker", buckets=LATENCY_BUCKETS,
-                                       registry=r)
-        self.stage_seconds = Histogram("voicechat_stage_seconds", "per-stage compute time of one frame",
-                                       ["stage"], buckets=LATENCY_BUCKETS, registry=r)
-        self.lag_seconds = Histogram("voicechat_lag_seconds",
-                                     "audio received but not yet computed, when a frame completes",
-                                     buckets=LAG_BUCKETS, registry=r)
+        self.frame_seconds = Histogram(
+            "voicechat_frame_compute_seconds",
+            "compute time of one frame on the MLX worker",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "voicechat_stage_seconds",
+            "per-stage compute time of one frame",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lag_seconds = Histogram(
+            "voicechat_lag_seconds",
+            "audio received but not yet computed, when a frame completes",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         self.lag_current = Gauge("voicechat_lag_current_seconds", "lag at the last completed frame", registry=r)
         self.audio_in_seconds = Counter("voicechat_audio_received_seconds", "accepted input audio", registry=r)
         self.sessions_opened = Counter("voicechat_sessions_opened", "sessions that got the slot", registry=r)
         self.sessions_refused = Counter("voicechat_sessions_refused", "connections refused", ["reason"], registry=r)
-        self.sessions_errored = Counter("voicechat_sessions_errored",
-                                        "sessions ended by an error (timeout, internal, context limit)", ["reason"],
-                                        registry=r)
+        self.sessions_errored = Counter(
+            "voicechat_sessions_errored",
+            "sessions ended by an error (timeout, internal, context limit)",
+            ["reason"],
+            registry=r,
+        )
         self.sessions_active = Gauge("voicechat_sessions_active", "sessions holding the slot (0 or 1)", registry=r)
         self.client_errors = Counter("voicechat_client_errors", "error events sent to clients", ["code"], registry=r)
         self.queue_depth = Gauge("voicechat_worker_queue_commands", "commands waiting for the MLX worker", registry=r)

@@ -20,8 +20,17 @@ from voicechat.streaming.prompt_state import PromptState
 
 
 class PromptStates:
-    def __init__(self, *, default_prompt=None, default_tools=None, state_file=None, max_entries: int = 4,
-                 max_bytes: int = 1 << 30, metrics=None, announce=True):
+    def __init__(
+        self,
+        *,
+        default_prompt=None,
+        default_tools=None,
+        state_file=None,
+        max_entries: int = 4,
+        max_bytes: int = 1 << 30,
+        metrics=None,
+        announce=True,
+    ):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
             raise ValueError(f"prompt cache entries must be an int >= 0, got {max_entries!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
@@ -45,8 +54,10 @@ class PromptStates:
         return text, json.dumps(tools, sort_keys=True), int(seed)
 
     def _resolve(self, system_prompt, tools):
-        return (self.default_prompt if system_prompt is None else system_prompt,
-                self.default_tools if tools is None else tools)
+        return (
+            self.default_prompt if system_prompt is None else system_prompt,
+            self.default_tools if tools is None else tools,
+        )
 
     # -- startup (worker thread)
 
@@ -57,8 +68,10 @@ class PromptStates:
         if self.state_file is not None:
             state = PromptState.load(self.state_file, model)
             if self.default_prompt is not None and state.system_prompt != self.default_prompt:
-                raise ValueError(f"--prompt-state {self.state_file} holds the prompt {state.system_prompt!r}, not "
-                                 f"-p {self.default_prompt!r}; leave -p out or write the file for it")
+                raise ValueError(
+                    f"--prompt-state {self.state_file} holds the prompt {state.system_prompt!r}, not "
+                    f"-p {self.default_prompt!r}; leave -p out or write the file for it"
+                )
             self.default_prompt = state.system_prompt
             self.default_tools = list(state.tools) or None
             how = f"read from {self.state_file}"
@@ -69,8 +82,10 @@ class PromptStates:
             how = "prepared"
             key = self._key(model, self.default_prompt, self.default_tools, 0)
         self._pinned = (key, state)
-        self._say(f"default prompt state {how}: {state.prompt_positions} positions, "
-                  f"{state.nbytes / 2**20:.2f} MiB, in {time.perf_counter() - t0:.2f} s")
+        self._say(
+            f"default prompt state {how}: {state.prompt_positions} positions, "
+            f"{state.nbytes / 2**20:.2f} MiB, in {time.perf_counter() - t0:.2f} s"
+        )
         self._update_gauges(state)
 
     def _say(self, msg: str) -> None:
@@ -124,17 +139,21 @@ class PromptStates:
 
 class _Gauges:
     """Prometheus series of the prompt states, on the server's own registry."""
+
     def __init__(self, metrics):
         from prometheus_client import Counter, Gauge
 
         r = metrics.registry
-        self.state_bytes = Gauge("voicechat_prompt_state_bytes",
-                                 "bytes of one prompt state (the default prompt's; state.nbytes)", registry=r)
-        self.entries = Gauge("voicechat_prompt_cache_entries", "prompt states in the LRU (besides the default)",
-                             registry=r)
+        self.state_bytes = Gauge(
+            "voicechat_prompt_state_bytes", "bytes of one prompt state (the default prompt's; state.nbytes)", registry=r
+        )
+        self.entries = Gauge(
+            "voicechat_prompt_cache_entries", "prompt states in the LRU (besides the default)", registry=r
+        )
         self.cached_bytes = Gauge("voicechat_prompt_cache_bytes", "bytes of the prompt states in the LRU", registry=r)
-        self.lookups = Counter("voicechat_prompt_cache_lookups", "session prompts looked up in the prompt states",
-                               ["result"], registry=r)
+        self.lookups = Counter(
+            "voicechat_prompt_cache_lookups", "session prompts looked up in the prompt states", ["result"], registry=r
+        )
         for result in ("hit", "miss"):
             self.lookups.labels(result=result)
 

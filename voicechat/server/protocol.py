@@ -82,20 +82,26 @@ def decode_append(msg: dict) -> np.ndarray:
     """input_audio_buffer.append -> int16 samples (16 kHz mono PCM16 little-endian, base64)."""
     rate = msg.get("sample_rate", INPUT_SAMPLE_RATE)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate != INPUT_SAMPLE_RATE:
-        raise ProtocolError("invalid_sample_rate", f"sample_rate must be {INPUT_SAMPLE_RATE} (16 kHz mono PCM16; "
-                                                   f"the server does not resample), got {excerpt(rate)}")
+        raise ProtocolError(
+            "invalid_sample_rate",
+            f"sample_rate must be {INPUT_SAMPLE_RATE} (16 kHz mono PCM16; "
+            f"the server does not resample), got {excerpt(rate)}",
+        )
     audio = msg.get("audio")
     if not isinstance(audio, str):
-        raise ProtocolError("invalid_audio", "'audio' must be a base64 string of PCM16 little-endian samples, "
-                                             f"got {V._kind(audio)}")
+        raise ProtocolError(
+            "invalid_audio", f"'audio' must be a base64 string of PCM16 little-endian samples, got {V._kind(audio)}"
+        )
     try:
         raw = base64.b64decode(audio, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ProtocolError("invalid_audio", f"'audio' is not valid base64 ({e}); expected base64 of PCM16 "
-                                             "little-endian samples") from None
+        raise ProtocolError(
+            "invalid_audio", f"'audio' is not valid base64 ({e}); expected base64 of PCM16 little-endian samples"
+        ) from None
     if len(raw) % 2:
-        raise ProtocolError("invalid_audio", f"'audio' decodes to {len(raw)} bytes, an odd number; PCM16 needs "
-                                             "2 bytes per sample")
+        raise ProtocolError(
+            "invalid_audio", f"'audio' decodes to {len(raw)} bytes, an odd number; PCM16 needs 2 bytes per sample"
+        )
     return np.frombuffer(raw, dtype="<i2")
 
 
@@ -106,11 +112,24 @@ def decode_session_update(msg: dict, *, max_streaming_seconds: float = 86400.0) 
     key = "system_prompt" if "system_prompt" in s else "instructions"
     prompt = V.field_str(s, key, f"session.{key}", MAX_TEXT_CHARS, None, code)
     seed = V.field_int(s, "seed", "session.seed", 0, MAX_SEED, 0, code)
-    mss = V.field_number(s, "max_streaming_seconds", "session.max_streaming_seconds", 0.0, max_streaming_seconds,
-                         None, code, lo_open=True, allow_null=True)
+    mss = V.field_number(
+        s,
+        "max_streaming_seconds",
+        "session.max_streaming_seconds",
+        0.0,
+        max_streaming_seconds,
+        None,
+        code,
+        lo_open=True,
+        allow_null=True,
+    )
     model = V.field_str(s, "model", "session.model", 256, None, code)
-    return {"system_prompt": prompt or None, "seed": seed,
-            "max_streaming_seconds": float(mss) if mss is not None else None, "model": model}
+    return {
+        "system_prompt": prompt or None,
+        "seed": seed,
+        "max_streaming_seconds": float(mss) if mss is not None else None,
+        "model": model,
+    }
 
 
 def pcm16(samples: np.ndarray) -> np.ndarray:
@@ -150,8 +169,13 @@ def event_payload(e, output_sample_rate: int, *, compute_ms: float | None = None
         case ToolResultDone():
             out.update(call_id=e.call_id)
         case Audio() | AudioTail():
-            out.update(delta=b64_pcm16(e.samples), format="pcm16", sample_rate=output_sample_rate, channels=1,
-                       samples=int(np.asarray(e.samples).size))
+            out.update(
+                delta=b64_pcm16(e.samples),
+                format="pcm16",
+                sample_rate=output_sample_rate,
+                channels=1,
+                samples=int(np.asarray(e.samples).size),
+            )
             if isinstance(e, Audio):
                 out["audio_codes"] = [int(c) for c in np.asarray(e.audio_codes).reshape(-1)]
                 if compute_ms is not None:

@@ -13,34 +13,73 @@ from voicechat.streaming.model import load
 from voicechat.synthetic.checkpoint import resolve_model_arg
 
 
-def make_state(model: str, *, limits: ServerLimits | None = None, security: ServerSecurity | None = None,
-               warmup_seconds: float = 0.5, stage_metrics_every: int = 10, load_timeout: float = 600.0,
-               load_kwargs: dict | None = None, prompt_states=None, metrics=None, tool_runner=None,
-               dialect_options=None) -> ServerState:
+def make_state(
+    model: str,
+    *,
+    limits: ServerLimits | None = None,
+    security: ServerSecurity | None = None,
+    warmup_seconds: float = 0.5,
+    stage_metrics_every: int = 10,
+    load_timeout: float = 600.0,
+    load_kwargs: dict | None = None,
+    prompt_states=None,
+    metrics=None,
+    tool_runner=None,
+    dialect_options=None,
+) -> ServerState:
     """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
 
     def load_model():
         return load(resolve_model_arg(model), **(load_kwargs or {}))
 
     metrics = metrics or ServerMetrics()
-    worker = ModelWorker(load_model, metrics=metrics, stage_metrics_every=stage_metrics_every,
-                         warmup_seconds=warmup_seconds, prompt_states=prompt_states, tool_runner=tool_runner).start()
+    worker = ModelWorker(
+        load_model,
+        metrics=metrics,
+        stage_metrics_every=stage_metrics_every,
+        warmup_seconds=warmup_seconds,
+        prompt_states=prompt_states,
+        tool_runner=tool_runner,
+    ).start()
     worker.wait_ready(load_timeout)
-    state = ServerState(worker=worker, limits=limits or ServerLimits(), security=security or ServerSecurity(),
-                        model_name=str(model), metrics=metrics)
+    state = ServerState(
+        worker=worker,
+        limits=limits or ServerLimits(),
+        security=security or ServerSecurity(),
+        model_name=str(model),
+        metrics=metrics,
+    )
     if dialect_options is not None:
         state.dialect_options = dialect_options
     return state
 
 
-def uvicorn_config(app, state: ServerState, *, host: str, port: int, log_level: str = "info",
-                   tls_cert: str | None = None, tls_key: str | None = None):
+def uvicorn_config(
+    app,
+    state: ServerState,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+):
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, ws_max_size=state.limits.transport_max_bytes,
-                          ws_ping_interval=20.0, ws_ping_timeout=20.0, lifespan="off", access_log=False,
-                          timeout_graceful_shutdown=max(1, int(round(state.limits.shutdown_timeout))),
-                          ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        ws_max_size=state.limits.transport_max_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(round(state.limits.shutdown_timeout))),
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+    )
 
 
 def make_server(config, state: ServerState):
@@ -67,8 +106,17 @@ def make_server(config, state: ServerState):
 
 class ServerThread:
     """uvicorn serving `state` on a background thread (tests, `voicechat talk` in-process)."""
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+
+    def __init__(
+        self,
+        state: ServerState,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        *,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.tls = tls_cert is not None
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -76,10 +124,15 @@ class ServerThread:
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.app = create_app(state)
-        self.server = make_server(uvicorn_config(self.app, state, host=host, port=self.port, log_level=log_level,
-                                                 tls_cert=tls_cert, tls_key=tls_key), state)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="voicechat-server", daemon=True)
+        self.server = make_server(
+            uvicorn_config(
+                self.app, state, host=host, port=self.port, log_level=log_level, tls_cert=tls_cert, tls_key=tls_key
+            ),
+            state,
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="voicechat-server", daemon=True
+        )
 
     @property
     def url(self) -> str:

@@ -43,8 +43,10 @@ def check_api_key(key: str | None) -> str | None:
     bad = sorted({c for c in key if c not in TOKEN_CHARS})
     if bad:
         shown = ", ".join(repr(c) for c in bad[:5])
-        raise ValueError(f"the API key holds characters a browser cannot send in a WebSocket subprotocol ({shown}); "
-                         "use letters, digits and !#$%&'*+-.^_`|~ only (no whitespace)")
+        raise ValueError(
+            f"the API key holds characters a browser cannot send in a WebSocket subprotocol ({shown}); "
+            "use letters, digits and !#$%&'*+-.^_`|~ only (no whitespace)"
+        )
     return key
 
 
@@ -60,8 +62,10 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
     """Binding beyond loopback without a key is refused unless `insecure` says so."""
     if not is_loopback(host) and api_key is None and not insecure:
-        raise ValueError(f"--host {host} makes the server reachable from other machines, and no --api-key is set: "
-                         "anyone there could use it. Set --api-key KEY (and --tls-cert/--tls-key), or pass --insecure")
+        raise ValueError(
+            f"--host {host} makes the server reachable from other machines, and no --api-key is set: "
+            "anyone there could use it. Set --api-key KEY (and --tls-cert/--tls-key), or pass --insecure"
+        )
 
 
 def split_host(value: str) -> tuple[str, int | None] | None:
@@ -126,8 +130,10 @@ class ServerSecurity:
                 continue
             n = normalize_origin(o)
             if n is None:
-                raise ValueError(f"--allow-origin {o!r} is not an origin; expected scheme://host[:port] "
-                                 "(http, https, ws or wss) or '*'")
+                raise ValueError(
+                    f"--allow-origin {o!r} is not an origin; expected scheme://host[:port] "
+                    "(http, https, ws or wss) or '*'"
+                )
             self._origins.add(n)
         names = set(LOOPBACK_NAMES)
         if self.bound_host not in ("0.0.0.0", "::", ""):
@@ -177,7 +183,7 @@ class ServerSecurity:
             for proto in headers.get("sec-websocket-protocol", "").split(","):
                 proto = proto.strip()
                 if proto.startswith(BEARER_SUBPROTOCOL):
-                    given = proto[len(BEARER_SUBPROTOCOL):]
+                    given = proto[len(BEARER_SUBPROTOCOL) :]
         return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
 
 
@@ -197,16 +203,27 @@ class SecurityMiddleware:
         sec = self.security
         ws = scope["type"] == "websocket"
         if not sec.host_ok(headers.get("host")):
-            return await self._refuse(scope, receive, send, 421, "host",
-                                      f"Host {excerpt(headers.get('host'))} is not served here "
-                                      "(see voicechat serve --allow-host)")
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                421,
+                "host",
+                f"Host {excerpt(headers.get('host'))} is not served here (see voicechat serve --allow-host)",
+            )
         if ws and not sec.origin_ok(headers.get("origin"), headers.get("host"), scope.get("scheme", "ws")):
-            return await self._refuse(scope, receive, send, 403, "origin",
-                                      f"Origin {excerpt(headers.get('origin'))} is not allowed "
-                                      "(see voicechat serve --allow-origin)")
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                403,
+                "origin",
+                f"Origin {excerpt(headers.get('origin'))} is not allowed (see voicechat serve --allow-origin)",
+            )
         if (ws or scope.get("path") in KEYED_HTTP_PATHS) and not sec.key_ok(headers):
-            return await self._refuse(scope, receive, send, 401, "unauthorized",
-                                      "missing or wrong API key: send 'Authorization: Bearer KEY'")
+            return await self._refuse(
+                scope, receive, send, 401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'"
+            )
         return await self.app(scope, receive, send)
 
     async def _refuse(self, scope, receive, send, status: int, reason: str, message: str) -> None:

@@ -45,7 +45,7 @@ class JitterBuffer:
             while i < n and self.chunks:
                 c = self.chunks[0]
                 k = min(n - i, c.size)
-                out[i:i + k] = c[:k]
+                out[i : i + k] = c[:k]
                 i += k
                 self.size -= k
                 if k == c.size:
@@ -98,8 +98,10 @@ async def _talk(url: str, args) -> int:
                     return
 
         rx = asyncio.create_task(receive())
-        with sd.InputStream(samplerate=16000, channels=1, dtype="int16", blocksize=1280, callback=on_mic), \
-                sd.OutputStream(samplerate=rate, channels=1, dtype="int16", callback=on_speaker):
+        with (
+            sd.InputStream(samplerate=16000, channels=1, dtype="int16", blocksize=1280, callback=on_mic),
+            sd.OutputStream(samplerate=rate, channels=1, dtype="int16", callback=on_speaker),
+        ):
             print("listening; Ctrl-C to end the turn", file=sys.stderr)
             try:
                 while not rx.done():
@@ -119,8 +121,10 @@ def talk(args) -> int:
     try:
         import sounddevice  # noqa: F401
     except (ImportError, OSError) as e:
-        print(f"voicechat talk: needs the `mic` extra and PortAudio (pip install 'voicechat-mlx[mic]'): {e}",
-              file=sys.stderr)
+        print(
+            f"voicechat talk: needs the `mic` extra and PortAudio (pip install 'voicechat-mlx[mic]'): {e}",
+            file=sys.stderr,
+        )
         return 2
     srv = None
     url = args.url

@@ -37,8 +37,11 @@ def check_size(text, max_bytes: int) -> None:
     else:
         size = len(text.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
-        raise MessageRefused("message_too_large", f"message of {size} bytes exceeds the limit of {max_bytes} bytes "
-                                                  "(--max-message-bytes); send audio in smaller appends")
+        raise MessageRefused(
+            "message_too_large",
+            f"message of {size} bytes exceeds the limit of {max_bytes} bytes "
+            "(--max-message-bytes); send audio in smaller appends",
+        )
 
 
 class _Refused(ValueError):
@@ -93,27 +96,35 @@ def parse_json_object(text) -> dict:
     """A text message -> its JSON object; every way the input can be wrong is `invalid_json` (or
     `invalid_message` for binary). Guarded: depth, number length, NaN / Infinity, lone surrogates."""
     if isinstance(text, (bytes, bytearray)):
-        raise MessageRefused("invalid_message", "binary WebSocket messages are not accepted; send JSON text messages "
-                                                "(audio goes base64-encoded in the append message)")
+        raise MessageRefused(
+            "invalid_message",
+            "binary WebSocket messages are not accepted; send JSON text messages "
+            "(audio goes base64-encoded in the append message)",
+        )
     if not _depth_ok(text):
-        raise MessageRefused("invalid_json", f"message nests deeper than {MAX_JSON_DEPTH} levels; expected one "
-                                             "flat JSON object per text message")
+        raise MessageRefused(
+            "invalid_json",
+            f"message nests deeper than {MAX_JSON_DEPTH} levels; expected one flat JSON object per text message",
+        )
     try:
         msg = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except _Refused as e:
         raise MessageRefused("invalid_json", f"message refused: {e}") from None
     except json.JSONDecodeError as e:
-        raise MessageRefused("invalid_json", f"message is not valid JSON ({e.msg} at character {e.pos}); "
-                                             "expected one JSON object per text message") from None
+        raise MessageRefused(
+            "invalid_json",
+            f"message is not valid JSON ({e.msg} at character {e.pos}); expected one JSON object per text message",
+        ) from None
     except (ValueError, RecursionError, TypeError, OverflowError, MemoryError) as e:
-        raise MessageRefused("invalid_json", f"message is not usable JSON ({type(e).__name__}); expected one "
-                                             "JSON object per text message") from None
+        raise MessageRefused(
+            "invalid_json",
+            f"message is not usable JSON ({type(e).__name__}); expected one JSON object per text message",
+        ) from None
     if not isinstance(msg, dict):
         raise MessageRefused("invalid_json", f"message must be a JSON object, got a JSON {_kind(msg)}")
     # Only a \uD8xx-\uDFxx escape can make a lone surrogate; walk the values only when one is present.
     if ("\\ud" in text or "\\uD" in text) and _any_surrogate(msg):
-        raise MessageRefused("invalid_json", "message holds a lone UTF-16 surrogate escape; text must be valid "
-                                             "Unicode")
+        raise MessageRefused("invalid_json", "message holds a lone UTF-16 surrogate escape; text must be valid Unicode")
     return msg
 
 
@@ -156,7 +167,9 @@ def message_type(msg: dict, allowed: tuple) -> str:
     if not isinstance(t, str):
         raise MessageRefused("invalid_message", "message has no string 'type'; expected one of " + ", ".join(allowed))
     if t not in allowed:
-        raise MessageRefused("unknown_type", f"unknown message type {excerpt(t)}; expected one of " + ", ".join(allowed))
+        raise MessageRefused(
+            "unknown_type", f"unknown message type {excerpt(t)}; expected one of " + ", ".join(allowed)
+        )
     return t
 
 
@@ -173,18 +186,34 @@ def field_int(obj: dict, key: str, name: str, lo: int, hi: int, default, code: s
     return v
 
 
-def field_number(obj: dict, key: str, name: str, lo: float, hi: float, default, code: str, *,
-                 lo_open: bool = False, allow_null: bool = False):
+def field_number(
+    obj: dict,
+    key: str,
+    name: str,
+    lo: float,
+    hi: float,
+    default,
+    code: str,
+    *,
+    lo_open: bool = False,
+    allow_null: bool = False,
+):
     """A finite number in [lo, hi] ((lo, hi] with lo_open); null allowed with allow_null."""
     v = obj.get(key, default)
     if v is default or (v is None and allow_null):
         return v
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and \
-        (lo < v if lo_open else lo <= v) and v <= hi
+    ok = (
+        not isinstance(v, bool)
+        and isinstance(v, (int, float))
+        and math.isfinite(v)
+        and (lo < v if lo_open else lo <= v)
+        and v <= hi
+    )
     if not ok:
         rng = f"{'above' if lo_open else 'from'} {lo:g} {'and at most' if lo_open else 'to'} {hi:g}"
-        raise MessageRefused(code, f"{name} must be a number {rng}{' or null' if allow_null else ''}; got "
-                                   f"{_kind(v)} {excerpt(v)}")
+        raise MessageRefused(
+            code, f"{name} must be a number {rng}{' or null' if allow_null else ''}; got {_kind(v)} {excerpt(v)}"
+        )
     return float(v)
 
 
@@ -217,5 +246,16 @@ def field_object(obj: dict, key: str, name: str, code: str) -> dict:
     return v
 
 
-__all__ = ["MessageRefused", "check_size", "parse_json_object", "message_type", "field_int", "field_number",
-           "field_str", "field_bool", "field_object", "MAX_JSON_DEPTH", "MAX_NUMBER_CHARS"]
+__all__ = [
+    "MessageRefused",
+    "check_size",
+    "parse_json_object",
+    "message_type",
+    "field_int",
+    "field_number",
+    "field_str",
+    "field_bool",
+    "field_object",
+    "MAX_JSON_DEPTH",
+    "MAX_NUMBER_CHARS",
+]

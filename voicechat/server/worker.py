@@ -111,8 +111,17 @@ class _Active:
 
 class ModelWorker:
     """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
-    def __init__(self, load_model: Callable[[], Any], *, metrics=None, stage_metrics_every: int = 10,
-                 warmup_seconds: float = 0.0, prompt_states=None, tool_runner=None):
+
+    def __init__(
+        self,
+        load_model: Callable[[], Any],
+        *,
+        metrics=None,
+        stage_metrics_every: int = 10,
+        warmup_seconds: float = 0.0,
+        prompt_states=None,
+        tool_runner=None,
+    ):
         self._load_model = load_model
         # voicechat.server.prompt_cache.PromptStates: sessions start from prompt states (None: each prefills).
         self.prompt_states = prompt_states
@@ -216,11 +225,19 @@ class ModelWorker:
                 active = self._handle(ch, cmd, active)
             except Exception:  # never let one session kill the worker
                 # The traceback goes to the log; the client gets a code and a message without internals.
-                log.exception("worker command %s of session %s failed", type(cmd).__name__,
-                              ch.session_id if ch is not None else "-")
+                log.exception(
+                    "worker command %s of session %s failed",
+                    type(cmd).__name__,
+                    ch.session_id if ch is not None else "-",
+                )
                 if ch is not None:
-                    ch.emit(SessionError("internal_error", "the server failed while computing this session; "
-                                                           "the session was ended. Start a new session"))
+                    ch.emit(
+                        SessionError(
+                            "internal_error",
+                            "the server failed while computing this session; "
+                            "the session was ended. Start a new session",
+                        )
+                    )
                     ch.emit(Finished("internal_error"))
                 if active is not None and (ch is None or active.channel is ch):
                     active.session = None
@@ -294,18 +311,28 @@ class ModelWorker:
             # and the message size.
             n = _prompt_tokens(self.model, p.system_prompt)
             if n > limit:
-                ch.emit(SessionRefused("invalid_session",
-                                       f"session.system_prompt is {n} tokens; at most {limit} are accepted "
-                                       "(--max-prompt-tokens). Send a shorter prompt"))
+                ch.emit(
+                    SessionRefused(
+                        "invalid_session",
+                        f"session.system_prompt is {n} tokens; at most {limit} are accepted "
+                        "(--max-prompt-tokens). Send a shorter prompt",
+                    )
+                )
                 return None
         try:
             prompt = {"system_prompt": p.system_prompt, "seed": p.seed, "tools": tools}
             if self.prompt_states is not None:  # a cached state: no prefill
-                prompt = {"prompt_state": self.prompt_states.state_for(
-                    self.model, p.system_prompt, p.seed, tools=tools, should_stop=ch.gone.is_set)}
+                prompt = {
+                    "prompt_state": self.prompt_states.state_for(
+                        self.model, p.system_prompt, p.seed, tools=tools, should_stop=ch.gone.is_set
+                    )
+                }
             session = self.model.create_streaming_session(
-                max_streaming_seconds=p.max_streaming_seconds, profile=self.stage_metrics_every > 0,
-                should_stop=ch.gone.is_set, **prompt)
+                max_streaming_seconds=p.max_streaming_seconds,
+                profile=self.stage_metrics_every > 0,
+                should_stop=ch.gone.is_set,
+                **prompt,
+            )
         except PrefillStoppedError:
             # The client left during the prefill: nothing to answer; its Close command follows.
             log.info("session %s: prefill stopped, the client left", ch.session_id)
@@ -394,7 +421,7 @@ class ModelWorker:
         m.lag_current.set(lag_ms / 1000.0)
         prof = a.profile
         if prof is not None:
-            for t in prof.frames[a.stages_seen:]:
+            for t in prof.frames[a.stages_seen :]:
                 for f in STAGE_FIELDS:
                     m.stage_seconds.labels(stage=f[:-3]).observe(getattr(t, f) / 1000.0)
             a.stages_seen = len(prof.frames)
@@ -418,19 +445,28 @@ class ModelWorker:
         frames = s.frame_index if s is not None else 0
         stats = _stats(a.compute_ms)
         line = {
-            "event": "session_end", "session_id": ch.session_id, "peer": ch.peer, "end": ch.end,
+            "event": "session_end",
+            "session_id": ch.session_id,
+            "peer": ch.peer,
+            "end": ch.end,
             "duration_s": round(time.monotonic() - ch.opened_at, 3),
             "audio_in_s": round(ch.received_samples / self.info["input_sample_rate"], 3),
-            "frames": frames, "compute_ms_mean": stats["mean"], "compute_ms_p95": stats["p95"],
-            "compute_ms_max": stats["max"], "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
-            "discarded_samples": a.discarded_samples, "errors": ch.errors, "input_overflows": ch.overflows,
+            "frames": frames,
+            "compute_ms_mean": stats["mean"],
+            "compute_ms_p95": stats["p95"],
+            "compute_ms_max": stats["max"],
+            "lag_ms_max": round(max(a.lag_ms), 3) if a.lag_ms else 0.0,
+            "discarded_samples": a.discarded_samples,
+            "errors": ch.errors,
+            "input_overflows": ch.overflows,
             "dropped_samples": ch.dropped_samples,
         }
         if a.profile is not None and a.profile.frames:
             summ = a.profile.summary()
             line["stage_ms_frames"] = len(a.profile.frames)
-            line["stage_ms_mean"] = {k: round(summ[k]["mean_ms"], 3) for k in ("perception", "rnnt", "language",
-                                                                              "tts", "codec")}
+            line["stage_ms_mean"] = {
+                k: round(summ[k]["mean_ms"], 3) for k in ("perception", "rnnt", "language", "tts", "codec")
+            }
         log.info(json.dumps(line, sort_keys=False))
         a.session = None
         ch.emit(Closed(line))
@@ -448,8 +484,11 @@ def _stats(values) -> dict:
 
     if not values:
         return {"mean": 0.0, "p95": 0.0, "max": 0.0}
-    return {"mean": round(sum(values) / len(values), 3), "p95": round(percentile(values, 0.95), 3),
-            "max": round(max(values), 3)}
+    return {
+        "mean": round(sum(values) / len(values), 3),
+        "p95": round(percentile(values, 0.95), 3),
+        "max": round(max(values), 3),
+    }
 
 
 __all__ = ["ModelWorker", "Channel"]

@@ -87,15 +87,18 @@ class FrameEngine:
 
     # -- a conversation's state
 
-    def new_state(self, *, seed: int, use_language_cache: bool = True,
-                  use_perception_cache: bool = True) -> ConversationState:
+    def new_state(
+        self, *, seed: int, use_language_cache: bool = True, use_perception_cache: bool = True
+    ) -> ConversationState:
         """A conversation's state before its prompt: fresh caches, the EAR-TTS state after the
         speaker warm-up, the random stream of `seed`."""
         rnnt, _ = self.model.rnnt_transcriber()
         return ConversationState(
-            perception=StreamingPerception(self.model, use_cache=use_perception_cache), rnnt=rnnt,
+            perception=StreamingPerception(self.model, use_cache=use_perception_cache),
+            rnnt=rnnt,
             timeline=Timeline(self.model, seed=seed, use_language_cache=use_language_cache),
-            codec=self.codec.make_state())
+            codec=self.codec.make_state(),
+        )
 
     def prefill(self, state: ConversationState, system_prompt: str | None, should_stop=None) -> int:
         """The system-prompt prefill (`Timeline.start`) under the runtime; -> prompt positions."""
@@ -104,8 +107,15 @@ class FrameEngine:
 
     # -- one frame
 
-    def step(self, state: ConversationState, samples: np.ndarray, forced: int | None = None, *,
-             profile: bool = False, on_stage: Callable[[str], None] | None = None) -> FrameOutputs:
+    def step(
+        self,
+        state: ConversationState,
+        samples: np.ndarray,
+        forced: int | None = None,
+        *,
+        profile: bool = False,
+        on_stage: Callable[[str], None] | None = None,
+    ) -> FrameOutputs:
         """One frame of `state` on `samples` (float32 (frame_samples,), checked by the caller);
         `forced`: a tool-response token to feed on the function channel, or None; `profile`: time
         the stages (each ends with its outputs evaluated); `on_stage(name)`: told as each stage
@@ -147,8 +157,15 @@ class FrameEngine:
         audio = self.codec.decode_step(clean, st.codec)
         # The frame's wait: ids, codes, audio and the codec state (with the codec's products on the
         # host, the codec evaluated its inputs on the way), and the RNNT's symbols when on the device.
-        mx.eval(text_id, function_id, codes, clean, audio, st.codec.arrays(),
-                *((rnnt_ids, st.rnnt.state.lstm) if self.rnnt_on_device else ()))
+        mx.eval(
+            text_id,
+            function_id,
+            codes,
+            clean,
+            audio,
+            st.codec.arrays(),
+            *((rnnt_ids, st.rnnt.state.lstm) if self.rnnt_on_device else ()),
+        )
         t5 = time.perf_counter()
         if self.rnnt_on_device:
             tokens = st.rnnt.finish_on_device(rnnt_ids)
@@ -156,8 +173,21 @@ class FrameEngine:
         if prof:
             stage_ms = tuple((b - a) * 1000.0 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t0, t5)))
         mel = st.perception.last_mel if st.perception.use_cache else None
-        return FrameOutputs(enc, mel, tokens, text_id, function_id, text_fed, function_fed, text_logits,
-                            function_logits, codes, clean, audio, stage_ms)
+        return FrameOutputs(
+            enc,
+            mel,
+            tokens,
+            text_id,
+            function_id,
+            text_fed,
+            function_fed,
+            text_logits,
+            function_logits,
+            codes,
+            clean,
+            audio,
+            stage_ms,
+        )
 
     def finish(self, state: ConversationState) -> mx.array:
         """The codec's held-back tail after the last frame (evaluated)."""

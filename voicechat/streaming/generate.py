@@ -59,14 +59,16 @@ class OfflineResult:
 @dataclass
 class OfflineInputs:
     """Everything the offline timeline consumes, computed from the whole waveform."""
+
     waveform: np.ndarray
     mel: mx.array  # (n_mel, F)
     encoder: mx.array  # (T, d)
     audio_emb: mx.array  # (T, H)
 
 
-def offline_perception(model, audio, *, extra_decoding_seconds: float = 0.0,
-                       max_frames: int | None = None) -> OfflineInputs:
+def offline_perception(
+    model, audio, *, extra_decoding_seconds: float = 0.0, max_frames: int | None = None
+) -> OfflineInputs:
     cfg = model.config
     wave = load_audio(audio, cfg.input_sample_rate, allow_empty=False)
     if not isinstance(extra_decoding_seconds, (int, float)) or extra_decoding_seconds < 0:
@@ -91,8 +93,13 @@ def offline_transcript(model, encoder_frames: mx.array) -> tuple[list[int], str]
     st = model.stt_model
     text = model.rnnt_text()
     with model.executing():
-        tokens = greedy_decode(st.rnnt_decoder, st.rnnt_joint, encoder_frames, model.config.audio_config.max_symbols,
-                               skip_ids=text.special_ids)
+        tokens = greedy_decode(
+            st.rnnt_decoder,
+            st.rnnt_joint,
+            encoder_frames,
+            model.config.audio_config.max_symbols,
+            skip_ids=text.special_ids,
+        )
     return tokens, text.decode(tokens)
 
 
@@ -115,13 +122,26 @@ class ToolSchedule:
         if tool_timeout_seconds is not None and not self.tools:
             raise ValueError("tool_timeout_seconds needs tools")
         for i, e in enumerate(entries):
-            if not isinstance(e, (tuple, list)) or len(e) != 3 or isinstance(e[0], bool) \
-                    or not isinstance(e[0], int) or e[0] < 0 or not isinstance(e[1], str):
+            if (
+                not isinstance(e, (tuple, list))
+                or len(e) != 3
+                or isinstance(e[0], bool)
+                or not isinstance(e[0], int)
+                or e[0] < 0
+                or not isinstance(e[1], str)
+            ):
                 raise ValueError(f"tool_results[{i}] must be (after_frame: int >= 0, call_id: str, output), got {e!r}")
         self.entries = sorted(entries, key=lambda e: e[0])  # stable: equal frames keep their order
-        self.channel = FunctionChannel(model.tokenizer, self.tools, pad_id=cfg.pad_token_id,
-                                       timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration)) \
-            if self.tools else None
+        self.channel = (
+            FunctionChannel(
+                model.tokenizer,
+                self.tools,
+                pad_id=cfg.pad_token_id,
+                timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration),
+            )
+            if self.tools
+            else None
+        )
         self.events: list = []
 
     def forced_token(self, t: int):
@@ -141,23 +161,42 @@ class ToolSchedule:
             raise ValueError(f"tool_results {left} come after the last frame ({frames - 1})")
 
 
-def _run_timeline(model, inputs: OfflineInputs, *, system_prompt, seed, use_language_cache, on_frame=None,
-                  schedule: ToolSchedule | None = None, prompt_state=None):
+def _run_timeline(
+    model,
+    inputs: OfflineInputs,
+    *,
+    system_prompt,
+    seed,
+    use_language_cache,
+    on_frame=None,
+    schedule: ToolSchedule | None = None,
+    prompt_state=None,
+):
 
     with model.executing():
-        return _timeline_frames(model, inputs, system_prompt=system_prompt, seed=seed,
-                                use_language_cache=use_language_cache, on_frame=on_frame, schedule=schedule,
-                                prompt_state=prompt_state, session_prompt=session_prompt)
+        return _timeline_frames(
+            model,
+            inputs,
+            system_prompt=system_prompt,
+            seed=seed,
+            use_language_cache=use_language_cache,
+            on_frame=on_frame,
+            schedule=schedule,
+            prompt_state=prompt_state,
+            session_prompt=session_prompt,
+        )
 
 
-def _timeline_frames(model, inputs, *, system_prompt, seed, use_language_cache, on_frame, schedule, prompt_state,
-                     session_prompt):
+def _timeline_frames(
+    model, inputs, *, system_prompt, seed, use_language_cache, on_frame, schedule, prompt_state, session_prompt
+):
     timeline = Timeline(model, seed=seed, use_language_cache=use_language_cache)
     if prompt_state is not None:  # a copy of the state after that very prefill (voicechat/streaming/prompt_state.py)
         prompt_positions = prompt_state.restore(timeline)
     else:
-        prompt_positions = timeline.start(session_prompt(model.config, system_prompt,
-                                                         schedule.tools if schedule else ()))
+        prompt_positions = timeline.start(
+            session_prompt(model.config, system_prompt, schedule.tools if schedule else ())
+        )
     text_ids, function_ids, codes, forced_frames = [], [], [], []
     for t in progress(range(inputs.audio_emb.shape[0]), desc="generating", unit="frame"):
         forced = schedule.forced_token(t) if schedule is not None else None
@@ -177,18 +216,35 @@ def _timeline_frames(model, inputs, *, system_prompt, seed, use_language_cache, 
     return timeline, prompt_positions, text_ids, function_ids, codes, forced_frames
 
 
-def generate(model, audio, *, system_prompt: str | None = UNSET, seed: int = UNSET,
-             extra_decoding_seconds: float = 0.0, max_frames: int | None = None,
-             use_language_cache: bool = True, tools=UNSET, tool_results=None,
-             tool_timeout_seconds=None, prompt_state=None) -> OfflineResult:
-    system_prompt, tools, seed = resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed,
-                                                          use_language_cache)
+def generate(
+    model,
+    audio,
+    *,
+    system_prompt: str | None = UNSET,
+    seed: int = UNSET,
+    extra_decoding_seconds: float = 0.0,
+    max_frames: int | None = None,
+    use_language_cache: bool = True,
+    tools=UNSET,
+    tool_results=None,
+    tool_timeout_seconds=None,
+    prompt_state=None,
+) -> OfflineResult:
+    system_prompt, tools, seed = resolve_prompt_arguments(
+        model, prompt_state, system_prompt, tools, seed, use_language_cache
+    )
     schedule = ToolSchedule(model, tools, tool_results, tool_timeout_seconds)
     inputs = offline_perception(model, audio, extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames)
     tr_tokens, transcript = offline_transcript(model, inputs.encoder)
     _, prompt_positions, text_ids, function_ids, codes, forced = _run_timeline(
-        model, inputs, system_prompt=system_prompt, seed=seed, use_language_cache=use_language_cache,
-        schedule=schedule, prompt_state=prompt_state)
+        model,
+        inputs,
+        system_prompt=system_prompt,
+        seed=seed,
+        use_language_cache=use_language_cache,
+        schedule=schedule,
+        prompt_state=prompt_state,
+    )
     tts = model.tts_model
     with model.executing():
         clean = replace_control_codes(codes, tts.control_codes, tts.codec_silence_tokens)
@@ -212,9 +268,17 @@ def generate(model, audio, *, system_prompt: str | None = UNSET, seed: int = UNS
     )
 
 
-def generate_stream(model, audio, *, chunk_frames: int = 25, system_prompt: str | None = None, seed: int = 0,
-                    extra_decoding_seconds: float = 0.0, max_frames: int | None = None,
-                    use_language_cache: bool = True) -> Iterator[AudioChunk]:
+def generate_stream(
+    model,
+    audio,
+    *,
+    chunk_frames: int = 25,
+    system_prompt: str | None = None,
+    seed: int = 0,
+    extra_decoding_seconds: float = 0.0,
+    max_frames: int | None = None,
+    use_language_cache: bool = True,
+) -> Iterator[AudioChunk]:
     """The `generate` timeline, yielding audio chunks decoded with the codec's streaming state.
 
     The concatenation of the chunks equals `generate(...).audio` in length, and

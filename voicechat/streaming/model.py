@@ -32,8 +32,16 @@ class VoiceChatModel:
     under the policy chosen at load; None: the plain ops); `prepared`: what `prepare` rewrote;
     `source` / `folder`: where it came from."""
 
-    def __init__(self, network: VoiceChatNetwork, *, tokenizer=None, runtime=None, prepared=None,
-                 source: str | None = None, folder=None):
+    def __init__(
+        self,
+        network: VoiceChatNetwork,
+        *,
+        tokenizer=None,
+        runtime=None,
+        prepared=None,
+        source: str | None = None,
+        folder=None,
+    ):
         if not isinstance(network, VoiceChatNetwork):
             raise TypeError(f"VoiceChatModel wraps a VoiceChatNetwork, got {type(network).__name__}")
         self.network = network
@@ -123,9 +131,13 @@ class VoiceChatModel:
         if tts.char_table is None:
             if self.tokenizer is None:
                 raise RuntimeError("the model has no tokenizer; load it with voicechat.load()")
-            tts.set_char_table(CharTable.from_vocab(
-                self.tokenizer.get_vocab(), self.config.tts_config.character_encoder.char_vocab_size,
-                num_tokens=self.config.text_config.vocab_size))
+            tts.set_char_table(
+                CharTable.from_vocab(
+                    self.tokenizer.get_vocab(),
+                    self.config.tts_config.character_encoder.char_vocab_size,
+                    num_tokens=self.config.text_config.vocab_size,
+                )
+            )
 
     def warm_tts_state(self):
         """A fresh copy of the EAR-TTS state right after the speaker warm-up.
@@ -162,9 +174,20 @@ class VoiceChatModel:
 
     # -- entry points (api.md)
 
-    def generate(self, audio, *, system_prompt=UNSET, seed: int = UNSET, extra_decoding_seconds: float = 0.0,
-                 max_frames=None, use_language_cache: bool = True, tools=UNSET, tool_results=None,
-                 tool_timeout_seconds=None, prompt_state=None):
+    def generate(
+        self,
+        audio,
+        *,
+        system_prompt=UNSET,
+        seed: int = UNSET,
+        extra_decoding_seconds: float = 0.0,
+        max_frames=None,
+        use_language_cache: bool = True,
+        tools=UNSET,
+        tool_results=None,
+        tool_timeout_seconds=None,
+        prompt_state=None,
+    ):
         """Offline generation over the whole input -> `OfflineResult` (see voicechat.streaming.generate).
 
         `tools`: OpenAI-style function tools (voicechat.tools); `tool_results`: a schedule of
@@ -172,10 +195,19 @@ class VoiceChatModel:
         `submit_tool_result` would be. `prompt_state`: start from `prepare_prompt`'s state instead
         of prefilling (its prompt, tools and seed; any of them given must agree with it). Without
         one, `system_prompt`, `seed` and `tools` default to None, 0 and None."""
-        return generate(self, audio, system_prompt=system_prompt, seed=seed,
-                        extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
-                        use_language_cache=use_language_cache, tools=tools, tool_results=tool_results,
-                        tool_timeout_seconds=tool_timeout_seconds, prompt_state=prompt_state)
+        return generate(
+            self,
+            audio,
+            system_prompt=system_prompt,
+            seed=seed,
+            extra_decoding_seconds=extra_decoding_seconds,
+            max_frames=max_frames,
+            use_language_cache=use_language_cache,
+            tools=tools,
+            tool_results=tool_results,
+            tool_timeout_seconds=tool_timeout_seconds,
+            prompt_state=prompt_state,
+        )
 
     def prepare_prompt(self, system_prompt=None, *, tools=None, seed: int = 0, should_stop=None):
         """Run the system-prompt prefill once -> a frozen `voicechat.PromptState` (api.md, "Prompt
@@ -183,17 +215,43 @@ class VoiceChatModel:
         from a copy of it, bit for bit as if they had prefilled the same prompt."""
         return prepare_prompt(self, system_prompt, tools=tools, seed=seed, should_stop=should_stop)
 
-    def generate_stream(self, audio, *, chunk_frames: int = 25, system_prompt=None, seed: int = 0,
-                        extra_decoding_seconds: float = 0.0, max_frames=None, use_language_cache: bool = True):
+    def generate_stream(
+        self,
+        audio,
+        *,
+        chunk_frames: int = 25,
+        system_prompt=None,
+        seed: int = 0,
+        extra_decoding_seconds: float = 0.0,
+        max_frames=None,
+        use_language_cache: bool = True,
+    ):
         """Like `generate`, yielding `AudioChunk`s decoded with the codec's streaming state."""
-        return generate_stream(self, audio, chunk_frames=chunk_frames, system_prompt=system_prompt, seed=seed,
-                               extra_decoding_seconds=extra_decoding_seconds, max_frames=max_frames,
-                               use_language_cache=use_language_cache)
+        return generate_stream(
+            self,
+            audio,
+            chunk_frames=chunk_frames,
+            system_prompt=system_prompt,
+            seed=seed,
+            extra_decoding_seconds=extra_decoding_seconds,
+            max_frames=max_frames,
+            use_language_cache=use_language_cache,
+        )
 
-    def create_streaming_session(self, system_prompt=UNSET, seed: int = UNSET, max_streaming_seconds=None,
-                                 use_language_cache: bool = True, use_perception_cache: bool = True,
-                                 profile: bool = False, on_frame=None, tools=UNSET, tool_timeout_seconds=None,
-                                 prompt_state=None, should_stop=None) -> VoiceChatStreamingSession:
+    def create_streaming_session(
+        self,
+        system_prompt=UNSET,
+        seed: int = UNSET,
+        max_streaming_seconds=None,
+        use_language_cache: bool = True,
+        use_perception_cache: bool = True,
+        profile: bool = False,
+        on_frame=None,
+        tools=UNSET,
+        tool_timeout_seconds=None,
+        prompt_state=None,
+        should_stop=None,
+    ) -> VoiceChatStreamingSession:
         """`on_frame`: optional callable handed a `voicechat.streaming.session.FrameRecord` (the frame's mel,
         encoder frame, RNNT tokens, logits, ids, raw and decoded codes, samples) after each frame.
         `tools`: OpenAI-style function tools the model may call (docs/tools.md); results go back
@@ -204,10 +262,19 @@ class VoiceChatModel:
         None, 0 and None. `should_stop`: a callable the system-prompt prefill asks between pieces;
         true stops it with `PrefillStoppedError`."""
         return VoiceChatStreamingSession(
-            self, system_prompt=system_prompt, seed=seed, max_streaming_seconds=max_streaming_seconds,
-            use_language_cache=use_language_cache, use_perception_cache=use_perception_cache, profile=profile,
-            on_frame=on_frame, tools=tools, tool_timeout_seconds=tool_timeout_seconds, prompt_state=prompt_state,
-            should_stop=should_stop)
+            self,
+            system_prompt=system_prompt,
+            seed=seed,
+            max_streaming_seconds=max_streaming_seconds,
+            use_language_cache=use_language_cache,
+            use_perception_cache=use_perception_cache,
+            profile=profile,
+            on_frame=on_frame,
+            tools=tools,
+            tool_timeout_seconds=tool_timeout_seconds,
+            prompt_state=prompt_state,
+            should_stop=should_stop,
+        )
 
     def create_asr_session(self) -> AsrStreamSession:
         return AsrStreamSession(self)

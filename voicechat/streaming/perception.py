@@ -23,8 +23,11 @@ class StreamingPerception:
         self.perception = per
         self.use_cache = use_cache
         if use_cache:
-            self.mel = StreamingLogMel(cfg.audio_config.preprocessor, lookahead_samples=cfg.frame_samples,
-                                       reference_edge=model.numerics.streaming_mel_edge_as_reference)
+            self.mel = StreamingLogMel(
+                cfg.audio_config.preprocessor,
+                lookahead_samples=cfg.frame_samples,
+                reference_edge=model.numerics.streaming_mel_edge_as_reference,
+            )
             self.conformer = ConformerStream(per.encoder)
             self.fallback = None
         else:

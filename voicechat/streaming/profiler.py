@@ -79,13 +79,19 @@ class Profile:
     def table(self, drop_first: int = 0) -> str:
         """A plain-text table of the summary (printed by `voicechat generate --profile`)."""
         s = self.summary(drop_first)
-        lines = [f"{'stage':<11}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}   (ms, {s['frames']} frames, "
-                 f"first {s['dropped_cold_frames']} dropped)"]
+        lines = [
+            f"{'stage':<11}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}   (ms, {s['frames']} frames, "
+            f"first {s['dropped_cold_frames']} dropped)"
+        ]
         for stage in STAGES:
             st = s[stage]
-            lines.append(f"{stage:<11}{st['mean_ms']:>9.2f}{st['p50_ms']:>9.2f}{st['p95_ms']:>9.2f}{st['max_ms']:>9.2f}")
-        lines.append(f"real-time factor {s['realtime_factor']:.3f} (mean total / {self.frame_duration_ms:g} ms), "
-                     f"{s['processing_frames_per_second']:.2f} frames/s")
+            lines.append(
+                f"{stage:<11}{st['mean_ms']:>9.2f}{st['p50_ms']:>9.2f}{st['p95_ms']:>9.2f}{st['max_ms']:>9.2f}"
+            )
+        lines.append(
+            f"real-time factor {s['realtime_factor']:.3f} (mean total / {self.frame_duration_ms:g} ms), "
+            f"{s['processing_frames_per_second']:.2f} frames/s"
+        )
         if self.policy is not None:
             from voicechat.runtime.policy import describe_fields
 

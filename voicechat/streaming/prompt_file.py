@@ -32,8 +32,13 @@ WHAT = "prompt state"
 
 def write(path, arrays: dict, meta_state: dict, *, checkpoint: str, numerics: dict) -> Path:
     """Write a state's `arrays` and `meta_state` with the header (atomically)."""
-    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "voicechat": __version__,
-              "checkpoint": checkpoint, "numerics": numerics}
+    header = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "voicechat": __version__,
+        "checkpoint": checkpoint,
+        "numerics": numerics,
+    }
     clash = sorted(set(header) & set(meta_state))
     if clash:
         raise ValueError(f"meta_state keys {clash} are the file header's")
@@ -45,9 +50,11 @@ def _check_header(path, meta, model) -> None:
         got = meta.get("format") if isinstance(meta, dict) else None
         raise PromptStateError(f"{path}: not a voicechat prompt state (format {got!r}; expected {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise PromptStateError(f"{path}: prompt state format version {meta.get('format_version')!r}; this "
-                               f"voicechat reads version {FORMAT_VERSION}. Write it again with "
-                               "`voicechat cache-prompt`")
+        raise PromptStateError(
+            f"{path}: prompt state format version {meta.get('format_version')!r}; this "
+            f"voicechat reads version {FORMAT_VERSION}. Write it again with "
+            "`voicechat cache-prompt`"
+        )
     check_file(path, meta, model)
 
 
@@ -55,8 +62,14 @@ def read(path, model) -> tuple[dict, dict]:
     """(arrays, metadata) of a prompt-state file for `model`: PromptStateError (nothing is used) for
     a missing, truncated or corrupt file, another format version, checkpoint or numerics setting."""
     path = Path(path)
-    return load_state(path, meta_key=META_KEY, digest_key=DIGEST_KEY, what=WHAT, error=PromptStateError,
-                      check=lambda meta: _check_header(path, meta, model))
+    return load_state(
+        path,
+        meta_key=META_KEY,
+        digest_key=DIGEST_KEY,
+        what=WHAT,
+        error=PromptStateError,
+        check=lambda meta: _check_header(path, meta, model),
+    )
 
 
 __all__ = ["DIGEST_KEY", "FORMAT", "FORMAT_VERSION", "META_KEY", "read", "write"]

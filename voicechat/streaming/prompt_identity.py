@@ -53,8 +53,10 @@ def checkpoint_identity(model) -> str:
         return cached
     folder = getattr(model, "folder", None)
     if folder is None:
-        raise PromptStateError("the model was not loaded from a checkpoint folder (voicechat.load), so its "
-                               "identity cannot be recorded or checked; load it with voicechat.load(PATH)")
+        raise PromptStateError(
+            "the model was not loaded from a checkpoint folder (voicechat.load), so its "
+            "identity cannot be recorded or checked; load it with voicechat.load(PATH)"
+        )
     folder = Path(folder)
     h = hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
@@ -70,10 +72,14 @@ def checkpoint_identity(model) -> str:
 
 
 def numerics_mismatch(stored: dict, have: dict) -> str:
-    diff = [f"{k} {stored.get(k)!r} (the model: {have.get(k)!r})" for k in sorted(set(stored) | set(have))
-            if stored.get(k) != have.get(k)]
-    return ("prompt state made under other numerics: " + "; ".join(diff) +
-            ". Prepare it again under this model's settings")
+    diff = [
+        f"{k} {stored.get(k)!r} (the model: {have.get(k)!r})"
+        for k in sorted(set(stored) | set(have))
+        if stored.get(k) != have.get(k)
+    ]
+    return (
+        "prompt state made under other numerics: " + "; ".join(diff) + ". Prepare it again under this model's settings"
+    )
 
 
 def check_model(model, *, made_by, checkpoint: str | None, numerics: dict) -> None:
@@ -89,7 +95,8 @@ def check_model(model, *, made_by, checkpoint: str | None, numerics: dict) -> No
         raise PromptStateError(
             f"this prompt state was prepared for another checkpoint (identity {str(have)[:16]}...), the model "
             f"is {checkpoint_identity(model)[:16]}... ({getattr(model, 'folder', None)}); prepare it with "
-            "this model's prepare_prompt")
+            "this model's prepare_prompt"
+        )
 
 
 def check_file(path, meta: dict, model) -> None:
@@ -99,7 +106,8 @@ def check_file(path, meta: dict, model) -> None:
         raise PromptStateError(
             f"{path}: prompt state of another checkpoint (identity {str(meta.get('checkpoint'))[:16]}...); the "
             f"model {getattr(model, 'folder', '')} is {want[:16]}.... Write one for it with `voicechat "
-            "cache-prompt -m CKPT`")
+            "cache-prompt -m CKPT`"
+        )
     have = numerics_identity(model)
     if meta.get("numerics") != have:
         raise PromptStateError(f"{path}: {numerics_mismatch(meta.get('numerics') or {}, have)}")

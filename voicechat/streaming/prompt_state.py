@@ -51,6 +51,7 @@ from voicechat.streaming.timeline import TimelineState
 
 class _Unset:
     """The default of `system_prompt` / `tools` / `seed` where a `prompt_state` may supply them."""
+
     _instance = None
 
     def __new__(cls):
@@ -77,8 +78,18 @@ class PromptState:
     """The session state after one system-prompt prefill. Make with `model.prepare_prompt(...)` or
     `PromptState.load(path, model)`; never changed by the sessions started from it."""
 
-    def __init__(self, *, model, system_prompt, tools, seed: int, timeline_state, prompt_positions: int,
-                 text_rows, checkpoint: str | None = None):
+    def __init__(
+        self,
+        *,
+        model,
+        system_prompt,
+        tools,
+        seed: int,
+        timeline_state,
+        prompt_positions: int,
+        text_rows,
+        checkpoint: str | None = None,
+    ):
 
         self._model_ref = weakref.ref(model)
         self._system_prompt = system_prompt
@@ -88,8 +99,9 @@ class PromptState:
         self._prompt_positions = int(prompt_positions)
         # The character-encoder rows the prefill computed (a dict {token: row} or a cache of them).
         if not isinstance(text_rows, TextEmbeddingCache):
-            text_rows = TextEmbeddingCache.from_state({str(t): r for t, r in dict(text_rows).items()},
-                                                      [int(t) for t in text_rows])
+            text_rows = TextEmbeddingCache.from_state(
+                {str(t): r for t, r in dict(text_rows).items()}, [int(t) for t in text_rows]
+            )
         self._text_rows = text_rows
         self._checkpoint = checkpoint
         self._numerics = numerics_identity(model)
@@ -132,9 +144,14 @@ class PromptState:
     def meta_state(self) -> dict:
         """The timeline state's `meta_state`, the rows' tokens ("text_rows") and the prompt's
         arguments (system_prompt, tools, seed, prompt_positions)."""
-        return {**self._timeline.meta_state, "text_rows": self._text_rows.meta_state,
-                "system_prompt": self._system_prompt, "tools": list(self._tools), "seed": self._seed,
-                "prompt_positions": self._prompt_positions}
+        return {
+            **self._timeline.meta_state,
+            "text_rows": self._text_rows.meta_state,
+            "system_prompt": self._system_prompt,
+            "tools": list(self._tools),
+            "seed": self._seed,
+            "prompt_positions": self._prompt_positions,
+        }
 
     @classmethod
     def from_state(cls, state: dict, meta_state: dict, like) -> "PromptState":
@@ -142,14 +159,24 @@ class PromptState:
         gives the shapes; a "checkpoint" in `meta_state`, as files have, is kept as the identity)."""
 
         model = like
-        fresh = TimelineState(model.stt_model.llm.make_state(), model.tts_model.tts_model.make_state(),
-                              SessionRandom(0), model.config.pad_token_id)
+        fresh = TimelineState(
+            model.stt_model.llm.make_state(),
+            model.tts_model.tts_model.make_state(),
+            SessionRandom(0),
+            model.config.pad_token_id,
+        )
         timeline_state = TimelineState.from_state(state, meta_state, fresh)
         rows = TextEmbeddingCache.from_state(part(state, "text_rows"), meta_state["text_rows"])
-        return cls(model=model, system_prompt=meta_state["system_prompt"], tools=meta_state["tools"],
-                   seed=meta_state["seed"], timeline_state=timeline_state,
-                   prompt_positions=meta_state["prompt_positions"], text_rows=rows,
-                   checkpoint=meta_state.get("checkpoint"))
+        return cls(
+            model=model,
+            system_prompt=meta_state["system_prompt"],
+            tools=meta_state["tools"],
+            seed=meta_state["seed"],
+            timeline_state=timeline_state,
+            prompt_positions=meta_state["prompt_positions"],
+            text_rows=rows,
+            checkpoint=meta_state.get("checkpoint"),
+        )
 
     def _arrays(self) -> dict[str, mx.array]:
         """Every array the state holds, by file name (`state`)."""
@@ -172,10 +199,15 @@ class PromptState:
         return total
 
     def __repr__(self) -> str:
-        prompt = self._system_prompt if self._system_prompt is None or len(self._system_prompt) <= 40 \
+        prompt = (
+            self._system_prompt
+            if self._system_prompt is None or len(self._system_prompt) <= 40
             else self._system_prompt[:37] + "..."
-        return (f"PromptState(system_prompt={prompt!r}, tools={len(self._tools)}, seed={self._seed}, "
-                f"prompt_positions={self._prompt_positions}, nbytes={self.nbytes})")
+        )
+        return (
+            f"PromptState(system_prompt={prompt!r}, tools={len(self._tools)}, seed={self._seed}, "
+            f"prompt_positions={self._prompt_positions}, nbytes={self.nbytes})"
+        )
 
     # -- use by sessions
 
@@ -189,19 +221,26 @@ class PromptState:
 
         self.check_model(model)
         if not use_language_cache:
-            raise ValueError("prompt_state holds the language cache; use_language_cache=False (recompute mode) "
-                             "prefills from scratch: pass no prompt_state")
+            raise ValueError(
+                "prompt_state holds the language cache; use_language_cache=False (recompute mode) "
+                "prefills from scratch: pass no prompt_state"
+            )
         cfg = model.config
         if system_prompt is not UNSET and _norm_prompt(cfg, system_prompt) != _norm_prompt(cfg, self._system_prompt):
-            raise ValueError(f"system_prompt {_short(system_prompt)} disagrees with the prompt_state's "
-                             f"{_short(self._system_prompt)}; leave system_prompt out to use the state's")
+            raise ValueError(
+                f"system_prompt {_short(system_prompt)} disagrees with the prompt_state's "
+                f"{_short(self._system_prompt)}; leave system_prompt out to use the state's"
+            )
         if tools is not UNSET and normalize_tools(tools) != self._tools:
-            raise ValueError(f"tools ({len(normalize_tools(tools))} given) disagree with the prompt_state's "
-                             f"{len(self._tools)} tool(s) ({', '.join(t['name'] for t in self._tools) or 'none'}); "
-                             "leave tools out to use the state's")
+            raise ValueError(
+                f"tools ({len(normalize_tools(tools))} given) disagree with the prompt_state's "
+                f"{len(self._tools)} tool(s) ({', '.join(t['name'] for t in self._tools) or 'none'}); "
+                "leave tools out to use the state's"
+            )
         if seed is not UNSET and seed != self._seed:
-            raise ValueError(f"seed {seed!r} disagrees with the prompt_state's seed {self._seed}; leave seed out "
-                             "to use the state's")
+            raise ValueError(
+                f"seed {seed!r} disagrees with the prompt_state's seed {self._seed}; leave seed out to use the state's"
+            )
         return self._system_prompt, (list(self._tools) or None), self._seed
 
     def restore(self, timeline) -> int:
@@ -240,8 +279,9 @@ def _short(prompt) -> str:
     return repr(prompt if len(prompt) <= 40 else prompt[:37] + "...")
 
 
-def state_nbytes(cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_step: int = 256,
-                 speaker_frames: int = 37) -> int:
+def state_nbytes(
+    cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_step: int = 256, speaker_frames: int = 37
+) -> int:
     """`PromptState.nbytes` of a prefill of `positions` positions, from the config's shapes alone (for
     presets too large to run here). The language cache: per Mamba layer its conv rows (K-1, conv_dim)
     and SSM state (heads, head_dim, state), float32; per attention layer K and V (kv_heads, capacity,
@@ -255,7 +295,9 @@ def state_nbytes(cfg, positions: int, *, text_row_itemsize: int = 2, kv_alloc_st
     total = 0
     for kind in t.layer_types:
         if kind == "mamba":
-            total += 4 * ((t.conv_kernel - 1) * t.mamba_conv_dim + t.mamba_num_heads * t.mamba_head_dim * t.ssm_state_size)
+            total += 4 * (
+                (t.conv_kernel - 1) * t.mamba_conv_dim + t.mamba_num_heads * t.mamba_head_dim * t.ssm_state_size
+            )
         elif kind == "attention":
             total += 2 * 4 * t.num_key_value_heads * steps(positions) * t.head_dim
     total += 8 + 2 * 4  # the random key (2 x uint32), the ids fed forward (int32)
@@ -274,11 +316,16 @@ def resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed, us
     `PromptState.resolve`), or without a state the given ones, UNSET meaning None / None / 0."""
     if prompt_state is not None:
         if not isinstance(prompt_state, PromptState):
-            raise TypeError(f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
-                            f"got {type(prompt_state).__name__}")
+            raise TypeError(
+                f"prompt_state must be a voicechat.PromptState (model.prepare_prompt), "
+                f"got {type(prompt_state).__name__}"
+            )
         return prompt_state.resolve(model, system_prompt, tools, seed, use_language_cache)
-    return (None if system_prompt is UNSET else system_prompt, None if tools is UNSET else tools,
-            0 if seed is UNSET else seed)
+    return (
+        None if system_prompt is UNSET else system_prompt,
+        None if tools is UNSET else tools,
+        0 if seed is UNSET else seed,
+    )
 
 
 def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, should_stop=None) -> PromptState:
@@ -294,10 +341,23 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, shou
     with model.executing():
         positions = timeline.start(session_prompt(model.config, system_prompt, tools), should_stop=should_stop)
         mx.eval(timeline.state.arrays())
-    return PromptState(model=model, system_prompt=system_prompt, tools=tools, seed=seed,
-                       timeline_state=timeline.state, prompt_positions=positions,
-                       text_rows=dict(timeline.text_cache._rows))
+    return PromptState(
+        model=model,
+        system_prompt=system_prompt,
+        tools=tools,
+        seed=seed,
+        timeline_state=timeline.state,
+        prompt_positions=positions,
+        text_rows=dict(timeline.text_cache._rows),
+    )
 
 
-__all__ = ["PromptState", "prepare_prompt", "state_nbytes", "checkpoint_identity", "numerics_identity", "UNSET",
-           "FORMAT_VERSION"]
+__all__ = [
+    "PromptState",
+    "prepare_prompt",
+    "state_nbytes",
+    "checkpoint_identity",
+    "numerics_identity",
+    "UNSET",
+    "FORMAT_VERSION",
+]

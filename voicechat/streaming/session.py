@@ -71,15 +71,26 @@ class FrameRecord:
 class VoiceChatStreamingSession:
     """Create with `model.create_streaming_session(...)`."""
 
-    def __init__(self, model, *, system_prompt: str | None = UNSET, seed: int = UNSET,
-                 max_streaming_seconds: float | None = None, use_language_cache: bool = True,
-                 use_perception_cache: bool = True, profile: bool = False,
-                 on_frame: Callable[[FrameRecord], None] | None = None, tools=UNSET,
-                 tool_timeout_seconds: float | None = None, prompt_state=None,
-                 should_stop: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        system_prompt: str | None = UNSET,
+        seed: int = UNSET,
+        max_streaming_seconds: float | None = None,
+        use_language_cache: bool = True,
+        use_perception_cache: bool = True,
+        profile: bool = False,
+        on_frame: Callable[[FrameRecord], None] | None = None,
+        tools=UNSET,
+        tool_timeout_seconds: float | None = None,
+        prompt_state=None,
+        should_stop: Callable[[], bool] | None = None,
+    ):
         cfg = model.config
-        system_prompt, tools, seed = resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed,
-                                                              use_language_cache)
+        system_prompt, tools, seed = resolve_prompt_arguments(
+            model, prompt_state, system_prompt, tools, seed, use_language_cache
+        )
         if on_frame is not None and not callable(on_frame):
             raise TypeError(f"on_frame must be a callable taking a FrameRecord, or None; got {type(on_frame).__name__}")
         if should_stop is not None and not callable(should_stop):
@@ -90,23 +101,36 @@ class VoiceChatStreamingSession:
         self._owner = threading.get_ident()
         self.frame_samples = cfg.frame_samples
         if max_streaming_seconds is not None:
-            if isinstance(max_streaming_seconds, bool) or not isinstance(max_streaming_seconds, (int, float)) \
-                    or max_streaming_seconds <= 0:
-                raise ValueError(f"max_streaming_seconds must be a positive number or None, got {max_streaming_seconds!r}")
+            if (
+                isinstance(max_streaming_seconds, bool)
+                or not isinstance(max_streaming_seconds, (int, float))
+                or max_streaming_seconds <= 0
+            ):
+                raise ValueError(
+                    f"max_streaming_seconds must be a positive number or None, got {max_streaming_seconds!r}"
+                )
             self.max_frames = int(max_streaming_seconds / cfg.frame_duration + 1e-9)
         else:
             self.max_frames = None
         self.tools = normalize_tools(tools)
         # Tools are checked (markers in the tokenizer, the timeout) before any work starts.
-        self.tool_channel = FunctionChannel(model.tokenizer, self.tools, pad_id=cfg.pad_token_id,
-                                            timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration)) \
-            if self.tools else None
+        self.tool_channel = (
+            FunctionChannel(
+                model.tokenizer,
+                self.tools,
+                pad_id=cfg.pad_token_id,
+                timeout_frames=timeout_frames(tool_timeout_seconds, cfg.frame_duration),
+            )
+            if self.tools
+            else None
+        )
         if tool_timeout_seconds is not None and not self.tools:
             raise ValueError("tool_timeout_seconds needs tools")
         # The frames run on the engine, under the model's runtime, fixed for the session's life.
         self._engine = FrameEngine(model)
         self.state: ConversationState = self._engine.new_state(
-            seed=seed, use_language_cache=use_language_cache, use_perception_cache=use_perception_cache)
+            seed=seed, use_language_cache=use_language_cache, use_perception_cache=use_perception_cache
+        )
         self.transcript = RnntTranscript(model.rnnt_text())
         self.system_prompt = session_prompt(cfg, system_prompt, self.tools)
         if prompt_state is None:
@@ -116,8 +140,11 @@ class VoiceChatStreamingSession:
         specials = cfg.special_text_ids
         self.text = IncrementalDecoder(model.tokenizer, specials)
         self.function_text = IncrementalDecoder(model.tokenizer, specials)
-        self.profile = Profile(cfg.frame_duration * 1000.0,
-                               model.policy.as_dict() if model.policy is not None else None) if profile else None
+        self.profile = (
+            Profile(cfg.frame_duration * 1000.0, model.policy.as_dict() if model.policy is not None else None)
+            if profile
+            else None
+        )
         # Instrumentation: told each stage's name as it starts (bench/dispatch.py attributes MLX's
         # dispatches by it); None costs nothing.
         self.on_stage: Callable[[str], None] | None = None
@@ -218,11 +245,22 @@ class VoiceChatStreamingSession:
 
     def _record(self, i: int, out: FrameOutputs, forced: bool) -> FrameRecord:
         f32 = lambda a: np.array(a, dtype=np.float32)  # noqa: E731
-        return FrameRecord(i, None if out.mel is None else f32(out.mel), f32(out.encoder),
-                           tuple(int(t) for t in out.rnnt_tokens), f32(out.text_logits), f32(out.function_logits),
-                           int(out.text_id.item()), int(out.function_id.item()), np.array(out.codes, dtype=np.int32),
-                           np.array(out.clean, dtype=np.int32), f32(out.audio), self.text_ids[-1],
-                           self.function_ids[-1], forced)
+        return FrameRecord(
+            i,
+            None if out.mel is None else f32(out.mel),
+            f32(out.encoder),
+            tuple(int(t) for t in out.rnnt_tokens),
+            f32(out.text_logits),
+            f32(out.function_logits),
+            int(out.text_id.item()),
+            int(out.function_id.item()),
+            np.array(out.codes, dtype=np.int32),
+            np.array(out.clean, dtype=np.int32),
+            f32(out.audio),
+            self.text_ids[-1],
+            self.function_ids[-1],
+            forced,
+        )
 
     def _frames(self, *, at_limit_raise: bool = True) -> Iterator[list]:
         """Compute the buffered complete frames one at a time, yielding each one's events; at

@@ -87,8 +87,12 @@ class TimelineState:
     def meta_state(self) -> dict:
         """{"position", "llm" (None in recompute mode), "tts", "rng"}: the parts' `meta_state`;
         in recompute mode also "llm_inputs" (their count)."""
-        meta = {"position": self.position, "llm": None if self.llm is None else self.llm.meta_state,
-                "tts": self.tts.meta_state, "rng": self.rng.meta_state}
+        meta = {
+            "position": self.position,
+            "llm": None if self.llm is None else self.llm.meta_state,
+            "tts": self.tts.meta_state,
+            "rng": self.rng.meta_state,
+        }
         if self.llm is None:
             meta["llm_inputs"] = len(self.llm_inputs)
         return meta
@@ -100,8 +104,9 @@ class TimelineState:
         other = cls.__new__(cls)
         if (meta_state["llm"] is None) != (like.llm is None):
             raise ValueError("a language cache stored for a timeline without one, or none for one with it")
-        other.llm = None if like.llm is None else \
-            type(like.llm).from_state(part(state, "llm"), meta_state["llm"], like.llm)
+        other.llm = (
+            None if like.llm is None else type(like.llm).from_state(part(state, "llm"), meta_state["llm"], like.llm)
+        )
         other.llm_inputs = [state[f"llm_inputs.{j}"] for j in range(meta_state.get("llm_inputs", 0))]
         other.tts = type(like.tts).from_state(part(state, "tts"), meta_state["tts"], like.tts)
         other.rng = type(like.rng).from_state(part(state, "rng"), meta_state["rng"], like.rng)
@@ -160,7 +165,11 @@ class Timeline:
         # the TTS cannot start before the id exists.
         token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
         return self.tts.step(
-            st.tts, token, st.rng, eos_id=self.cfg.eos_token_id, silence_codes=self.silence_codes,
+            st.tts,
+            token,
+            st.rng,
+            eos_id=self.cfg.eos_token_id,
+            silence_codes=self.silence_codes,
             text_cache=self.text_cache,
         )
 
@@ -205,7 +214,7 @@ class Timeline:
             llm.prefill(x, st.llm)
         else:  # reference rounding steps one position at a time anyway: pieces are the same steps
             for a in range(0, x.shape[1], PREFILL_PIECE):
-                llm.prefill(x[:, a:a + PREFILL_PIECE], st.llm)
+                llm.prefill(x[:, a : a + PREFILL_PIECE], st.llm)
                 _stop_point(st, should_stop)
         pad_id = mx.array(pad, dtype=mx.int32)
         for i in range(len(ids)):

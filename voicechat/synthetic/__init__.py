@@ -9,5 +9,4 @@ from voicechat.synthetic.checkpoint import (
     write_checkpoint,
 )
 
-__all__ = ["checkpoint_size", "ensure_synthetic", "language_path_modules", "resolve_model_arg",
-           "write_checkpoint"]
+__all__ = ["checkpoint_size", "ensure_synthetic", "language_path_modules", "resolve_model_arg", "write_checkpoint"]

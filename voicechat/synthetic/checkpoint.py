@@ -52,21 +52,23 @@ GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
 SUBWORD_TABLE_SIZE = 131072  # hard-wired in the reference (docs/model.md §13.1)
 
+
 def language_path_modules(model) -> list[str]:
     """The modules the published 4/8-bit checkpoints quantize (docs/model.md §3.1)."""
     out = []
     for path, m in model.named_modules():
         if not isinstance(m, (nn.Linear, nn.Embedding)):
             continue
-        if path in ("stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head") or \
-                path.startswith("stt_model.llm."):
+        if path in ("stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head") or path.startswith(
+            "stt_model.llm."
+        ):
             out.append(path)
     return sorted(out)
 
 
 def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bit pattern (as MLX's cast does for finite values)."""
-    u = np.require(np.asarray(a, dtype=np.float32), requirements='C').view(np.uint32)
+    u = np.require(np.asarray(a, dtype=np.float32), requirements="C").view(np.uint32)
     u = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
     return (u >> np.uint32(16)).astype(np.uint16)
 
@@ -128,7 +130,7 @@ _CODEC_BOOKS = "tts_model.audio_codec.prvq.mus_list."
 
 
 def _rvq_codebook(rng: np.random.Generator, q: int, shape) -> np.ndarray:
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(RVQ_SCALE0 * RVQ_DECAY ** q)).astype(np.float32)
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(RVQ_SCALE0 * RVQ_DECAY**q)).astype(np.float32)
 
 
 # A random RNNT at init scale is degenerate (every frame emits max_symbols of one
@@ -238,14 +240,21 @@ CHUNK_ELEMENTS = 1 << 22
 # tiny or small presets is this large, so their files are unchanged.
 PROXY_STATS_ELEMENTS = 1 << 24
 
-_INT_NAMES = ("subword_flag_emb.is_continuation", "subword_flag_emb.pad_tensor", "bos_eos_emb.pad_tensor",
-              "bos_eos_emb.special_flags")
+_INT_NAMES = (
+    "subword_flag_emb.is_continuation",
+    "subword_flag_emb.pad_tensor",
+    "bos_eos_emb.pad_tensor",
+    "bos_eos_emb.special_flags",
+)
 
 
 def _is_integer(name: str, init: mx.array) -> bool:
     """Whether `_draw` gives int64 values for this tensor (planned before anything is drawn)."""
-    return name.endswith(_INT_NAMES) or name in ("tts_model.control_codes", "tts_model.codec_silence_tokens") \
+    return (
+        name.endswith(_INT_NAMES)
+        or name in ("tts_model.control_codes", "tts_model.codec_silence_tokens")
         or mx.issubdtype(init.dtype, mx.integer)
+    )
 
 
 def _proxy_stats(module, shape) -> tuple[float, float] | None:
@@ -267,8 +276,11 @@ def _pieces(name, shape, init, quant, bits, cfg, float_dt: str) -> list[tuple[st
     order they are emitted; computed from shapes (the zeros are never evaluated)."""
     if quant:
         module, (out, inp) = name[: -len(".weight")], shape
-        return [(name, (out, inp * bits // 32), "U32"), (module + ".scales", (out, inp // GROUP_SIZE), "F32"),
-                (module + ".biases", (out, inp // GROUP_SIZE), "F32")]
+        return [
+            (name, (out, inp * bits // 32), "U32"),
+            (module + ".scales", (out, inp // GROUP_SIZE), "F32"),
+            (module + ".biases", (out, inp // GROUP_SIZE), "F32"),
+        ]
     if _is_integer(name, init):
         return [(k, tuple(v.shape), "I64") for k, v in unsanitize({name: mx.zeros(shape, mx.int64)}, cfg).items()]
     if name.startswith(_LSTM) and name.endswith(".bias"):
@@ -335,9 +347,19 @@ def _stored(value: np.ndarray, dt: str) -> np.ndarray:
     return value
 
 
-def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, seed: int = 0,
-                     dtype: str = "bfloat16", n_shards: int | None = None, progress: bool | None = False,
-                     overrides: dict | None = None, tool: str | None = None, arguments=None) -> Path:
+def write_checkpoint(
+    path,
+    preset: str = "tiny",
+    *,
+    bits: int | None = None,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    n_shards: int | None = None,
+    progress: bool | None = False,
+    overrides: dict | None = None,
+    tool: str | None = None,
+    arguments=None,
+) -> Path:
     """Write a synthetic checkpoint folder; returns its path.
 
     Memory is bounded whatever the preset: the shard files are laid out from the shapes
@@ -359,8 +381,11 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         if tool is None:
             raise ValueError("the toolcall preset needs tool=NAME (and arguments=JSON object)")
         n_special = SPECIAL_COUNT
-        script = ToolcallScript(build_synthetic_tokenizer(preset_dict("tiny")["text_config"]["vocab_size"], n_special),
-                                tool, {} if arguments is None else arguments)
+        script = ToolcallScript(
+            build_synthetic_tokenizer(preset_dict("tiny")["text_config"]["vocab_size"], n_special),
+            tool,
+            {} if arguments is None else arguments,
+        )
         overrides = _deep_update(toolcall_overrides(script), overrides or {})
     elif tool is not None or arguments is not None:
         raise ValueError("tool / arguments are for the toolcall preset")
@@ -415,8 +440,9 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         for idx in range(len(plan)):
             name, shape, init, quant = plan[idx]
             plan[idx] = None  # drop the init (evaluated below for its statistics) with the tensor
-            _write_tensor(files, name, shape, init, quant, bits, cfg, seed, float_dt, proxy.get(name),
-                          designed.get(name))
+            _write_tensor(
+                files, name, shape, init, quant, bits, cfg, seed, float_dt, proxy.get(name), designed.get(name)
+            )
             del init
             if bar is not None:
                 bar.update(1)
@@ -434,8 +460,14 @@ def write_checkpoint(path, preset: str = "tiny", *, bits: int | None = None, see
         f.replace(final)
         names[i] = final.name
     index = {
-        "metadata": {"total_size": total, "synthetic": True, "preset": preset, "seed": seed, "bits": bits,
-                     **({"tool": script.name, "arguments": script.arguments} if script is not None else {})},
+        "metadata": {
+            "total_size": total,
+            "synthetic": True,
+            "preset": preset,
+            "seed": seed,
+            "bits": bits,
+            **({"tool": script.name, "arguments": script.arguments} if script is not None else {}),
+        },
         "weight_map": {k: names[files.where[k][0]] for k in sorted(files.where)},
     }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -454,13 +486,29 @@ def _progress_bar(total: int, desc: str):
     return bar(total=total, desc=desc, unit="tensor")
 
 
-def _write_tensor(files: _ShardFiles, name, shape, init, quant, bits, cfg, seed, float_dt, proxy_stats,
-                  designed: np.ndarray | None = None):
+def _write_tensor(
+    files: _ShardFiles,
+    name,
+    shape,
+    init,
+    quant,
+    bits,
+    cfg,
+    seed,
+    float_dt,
+    proxy_stats,
+    designed: np.ndarray | None = None,
+):
     """Draw one MLX-layout tensor and write what it is stored as (row chunks when it is large).
     `designed`: the tensor's values instead of a random draw (the toolcall preset)."""
-    chunked = designed is None and len(shape) == 2 and not _is_integer(name, init) and \
-        [k for k, _, _ in _pieces(name, shape, init, False, bits, cfg, float_dt)] == [name] and \
-        name not in _RNNT_SCALE and not name.startswith(("tts_model.audio_prompt_latents.", _CODEC_BOOKS))
+    chunked = (
+        designed is None
+        and len(shape) == 2
+        and not _is_integer(name, init)
+        and [k for k, _, _ in _pieces(name, shape, init, False, bits, cfg, float_dt)] == [name]
+        and name not in _RNNT_SCALE
+        and not name.startswith(("tts_model.audio_prompt_latents.", _CODEC_BOOKS))
+    )
     if chunked:
         mean, std = proxy_stats or _init_stats(init)
         if not std <= 1e-6 * max(1.0, abs(mean)):
@@ -502,10 +550,12 @@ def _write_rows(files: _ShardFiles, name, shape, mean, std, quant, bits, seed):
         if quant:
             wq, scales, biases = mx.quantize(mx.array(value), group_size=GROUP_SIZE, bits=bits)
             files.write(name, _stored(np.array(wq), "U32"), r * (cols * bits // 8))
-            files.write(module + ".scales", _stored(np.array(scales.astype(mx.float32)), "F32"),
-                        r * (cols // GROUP_SIZE) * 4)
-            files.write(module + ".biases", _stored(np.array(biases.astype(mx.float32)), "F32"),
-                        r * (cols // GROUP_SIZE) * 4)
+            files.write(
+                module + ".scales", _stored(np.array(scales.astype(mx.float32)), "F32"), r * (cols // GROUP_SIZE) * 4
+            )
+            files.write(
+                module + ".biases", _stored(np.array(biases.astype(mx.float32)), "F32"), r * (cols // GROUP_SIZE) * 4
+            )
         else:
             files.write(name, _stored(value, files.dtype[name]), r * cols * (2 if files.dtype[name] == "BF16" else 4))
 

@@ -58,6 +58,7 @@ def parse_arguments(arguments) -> dict:
 
 class ToolcallScript:
     """The token plan of one scripted call for a tokenizer (a `tokenizers.Tokenizer`)."""
+
     def __init__(self, tokenizer, name: str, arguments, *, pad_id: int = 12, silence_id: int = 11):
 
         if not isinstance(name, str) or not TOOL_NAME.match(name):
@@ -77,13 +78,17 @@ class ToolcallScript:
         free = [i for i in range(len(vocab) - 1, -1, -1) if i not in used and i >= SPECIAL_COUNT + 256]
         n, m = len(self.script), SPEECH_WORDS
         if n > MAX_SCRIPT:
-            raise ValueError(f"the call spells {n} tokens; the preset calls within its first {MAX_SCRIPT + 1} "
-                             f"frames, so at most {MAX_SCRIPT}: shorten the name or the arguments")
+            raise ValueError(
+                f"the call spells {n} tokens; the preset calls within its first {MAX_SCRIPT + 1} "
+                f"frames, so at most {MAX_SCRIPT}: shorten the name or the arguments"
+            )
         if len(free) < n + m:
-            raise ValueError(f"the call needs {n + m} free tokens in a {len(vocab)}-token vocabulary; "
-                             "shorten the name or the arguments")
+            raise ValueError(
+                f"the call needs {n + m} free tokens in a {len(vocab)}-token vocabulary; "
+                "shorten the name or the arguments"
+            )
         self.counter = free[:n]
-        self.speech = free[n:n + m]
+        self.speech = free[n : n + m]
 
     @property
     def directions(self) -> list[int]:
@@ -116,8 +121,11 @@ class ToolcallScript:
             func[self.pad, dim[tok]] = strong
         text[self.silence, dim[self.silence]] = strong
         func[self.pad, dim[self.silence]] = strong
-        return {"stt_model.embed_tokens.weight": emb, "stt_model.lm_head.weight": text,
-                "stt_model.function_head.weight": func}
+        return {
+            "stt_model.embed_tokens.weight": emb,
+            "stt_model.lm_head.weight": text,
+            "stt_model.function_head.weight": func,
+        }
 
 
 def toolcall_tensors(cfg, tokenizer, script: ToolcallScript, names) -> dict[str, np.ndarray]:
@@ -127,7 +135,8 @@ def toolcall_tensors(cfg, tokenizer, script: ToolcallScript, names) -> dict[str,
     out["stt_model.llm.norm_f.weight"] = np.ones((t.hidden_size,), np.float32)
     for name, shape in names:
         if name.startswith("stt_model.llm.layers.") and name.endswith(
-                (".mixer.out_proj.weight", ".mixer.o_proj.weight", ".mixer.down_proj.weight")):
+            (".mixer.out_proj.weight", ".mixer.o_proj.weight", ".mixer.down_proj.weight")
+        ):
             out[name] = np.zeros(shape, np.float32)
         elif name.startswith("stt_model.perception.proj."):
             out[name] = np.zeros(shape, np.float32)

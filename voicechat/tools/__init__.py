@@ -11,5 +11,12 @@ from voicechat.tools.channel import (
     tool_markers,
 )
 
-__all__ = ["MARKER_IDS", "MAX_TOOLS", "FunctionChannel", "normalize_tools", "render_system_prompt",
-           "timeout_frames", "tool_markers"]
+__all__ = [
+    "MARKER_IDS",
+    "MAX_TOOLS",
+    "FunctionChannel",
+    "normalize_tools",
+    "render_system_prompt",
+    "timeout_frames",
+    "tool_markers",
+]

@@ -71,8 +71,9 @@ def normalize_tools(tools) -> tuple[dict, ...]:
         raise TypeError(f"tools must be a list of OpenAI-style function tools or None, got {type(tools).__name__}")
     tools = list(tools)
     if len(tools) > MAX_TOOLS:
-        raise ValueError(f"at most {MAX_TOOLS} tools are supported (the model was trained with up to 5), "
-                         f"got {len(tools)}")
+        raise ValueError(
+            f"at most {MAX_TOOLS} tools are supported (the model was trained with up to 5), got {len(tools)}"
+        )
     out, seen = [], set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -92,7 +93,7 @@ def normalize_tools(tools) -> tuple[dict, ...]:
             raise ValueError(f"{where}.description must be a string")
         params = d.get("parameters")
         if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
-            raise ValueError(f"{where}.parameters must be a JSON-schema object ({{\"type\": \"object\", ...}})")
+            raise ValueError(f'{where}.parameters must be a JSON-schema object ({{"type": "object", ...}})')
         _ascii_json(d, where)
         out.append(json.loads(json.dumps(d)))  # a private deep copy
     return tuple(out)
@@ -121,8 +122,11 @@ def tool_markers(tokenizer) -> dict[str, int]:
     vocab = tokenizer.get_vocab()
     missing = [f"{t} (id {MARKER_IDS[k]})" for k, t in MARKER_TOKENS.items() if vocab.get(t) != MARKER_IDS[k]]
     if missing:
-        raise ValueError("this checkpoint's tokenizer lacks the function channel's tool markers "
-                         + ", ".join(missing) + "; it cannot take tools")
+        raise ValueError(
+            "this checkpoint's tokenizer lacks the function channel's tool markers "
+            + ", ".join(missing)
+            + "; it cannot take tools"
+        )
     return dict(MARKER_IDS)
 
 
@@ -135,7 +139,9 @@ def result_text(output) -> str:
     try:
         return json.dumps(output, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"a tool result must be a str or JSON-serialisable, got {type(output).__name__} ({e})") from None
+        raise ValueError(
+            f"a tool result must be a str or JSON-serialisable, got {type(output).__name__} ({e})"
+        ) from None
 
 
 def response_text(results: list[str]) -> str:
@@ -199,8 +205,11 @@ class FunctionChannel:
         value = result_text(output)
         call = next((c for c in self.calls if c.call_id == call_id), None) if self.state == "awaiting_results" else None
         if call is None or call.answered:
-            why = "was already answered" if call_id in self.answered_ids or (call and call.answered) else \
-                "is not a pending tool call"
+            why = (
+                "was already answered"
+                if call_id in self.answered_ids or (call and call.answered)
+                else "is not a pending tool call"
+            )
             pending = ", ".join(self.pending_call_ids) or "none"
             raise ValueError(f"call_id {call_id!r} {why}; pending calls: {pending}")
         call.result, call.answered = value, True
@@ -216,8 +225,11 @@ class FunctionChannel:
     def forced_token(self, frame_index: int) -> int | None:
         """The function token to force at this frame (None: the model's own). Call once per frame,
         before it is computed; applies the timeout (counted in frames, so offline equals streamed)."""
-        if self.state == "awaiting_results" and self.timeout_frames is not None \
-                and frame_index - self.call_frame > self.timeout_frames:
+        if (
+            self.state == "awaiting_results"
+            and self.timeout_frames is not None
+            and frame_index - self.call_frame > self.timeout_frames
+        ):
             for c in self.calls:
                 if not c.answered:
                     c.result, c.answered = result_text(TIMEOUT_RESULT), True
@@ -274,7 +286,7 @@ class FunctionChannel:
         self.state, self.tokens = "idle", []
         body = raw.strip()
         if body.startswith(CALL_OPEN) and body.endswith(CALL_CLOSE):
-            body = body[len(CALL_OPEN):-len(CALL_CLOSE)].strip()
+            body = body[len(CALL_OPEN) : -len(CALL_CLOSE)].strip()
         try:
             parsed = json.loads(body, parse_constant=_refuse_constant)
         except (json.JSONDecodeError, ValueError, RecursionError) as e:
@@ -286,8 +298,11 @@ class FunctionChannel:
                 return [ToolCallError(frame_index, f"call {pos} is not an object with a string 'name'", raw)]
             if item["name"] not in self.names:
                 known = ", ".join(sorted(self.names))
-                return [ToolCallError(frame_index, f"call {pos} names the unknown tool {item['name']!r} "
-                                                   f"(declared: {known})", raw)]
+                return [
+                    ToolCallError(
+                        frame_index, f"call {pos} names the unknown tool {item['name']!r} (declared: {known})", raw
+                    )
+                ]
             args = item.get("arguments", {})
             if isinstance(args, str):
                 try:

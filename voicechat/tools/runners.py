@@ -116,8 +116,10 @@ class McpToolRunner:
         except BaseException as e:
             tail = self._stderr_tail()
             self.close()
-            raise RuntimeError(f"MCP server {shlex.join(self.command)!r} did not start ({type(e).__name__}: {e})"
-                               + (f"; its stderr ends with:\n{tail}" if tail else "")) from None
+            raise RuntimeError(
+                f"MCP server {shlex.join(self.command)!r} did not start ({type(e).__name__}: {e})"
+                + (f"; its stderr ends with:\n{tail}" if tail else "")
+            ) from None
 
     def _stderr_tail(self) -> str:
         if self._errlog is None:

@@ -50,10 +50,22 @@ CONVNEXT_EXPANSION = 4
 # erf(x) = x P(x^2) / Q(x^2) on x clamped to [-4, 4] (|erf| rounds to 1 beyond): the float32
 # rational approximation of Eigen / XLA, within 8 ulp of the exact erf over the whole line
 # (tested). mx.erf is no closer and is slow on MLX's CPU backend (docs/performance.md).
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)
+_ERF_P = (
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+)
+_ERF_Q = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
 
 
 def erf_rational(x: mx.array) -> mx.array:
@@ -69,8 +81,9 @@ def erf_rational(x: mx.array) -> mx.array:
     return x * p / q
 
 
-def _depthwise_norm_core(k: int, padded: mx.array, taps: list, bias: mx.array, norm_w: mx.array,
-                         norm_b: mx.array) -> mx.array:
+def _depthwise_norm_core(
+    k: int, padded: mx.array, taps: list, bias: mx.array, norm_w: mx.array, norm_b: mx.array
+) -> mx.array:
     """LayerNorm(causal depthwise conv) of the (k - 1 + L, C) left-padded frames; the conv as k
     shifted multiply-adds (same result as the grouped Conv1d, without its per-channel dispatch)."""
     length = padded.shape[0] - (k - 1)
@@ -190,26 +203,38 @@ class ConvNeXtBlock(nn.Module):
             history = mx.zeros((k - 1, x.shape[1]), dtype=mx.float32)
         padded = mx.concatenate([history, x], axis=0)
         # Depthwise weight (C, k, 1) as k per-channel taps.
-        taps, bias = derived(self, "dw_taps", (self.dwconv.weight, self.dwconv.bias),
-                             lambda w, b: ([_f32(w)[:, j, 0] for j in range(k)], _f32(b)))
+        taps, bias = derived(
+            self,
+            "dw_taps",
+            (self.dwconv.weight, self.dwconv.bias),
+            lambda w, b: ([_f32(w)[:, j, 0] for j in range(k)], _f32(b)),
+        )
         p = self._float32_params()
         y = ops.fused(("codec_dwconv_norm", k), lambda: functools.partial(_depthwise_norm_core, k))(
-            padded, taps, bias, p["norm_w"], p["norm_b"])
+            padded, taps, bias, p["norm_w"], p["norm_b"]
+        )
         y = ops.rowwise(self._pointwise_part, y)  # the rest is row-wise
         return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
 
     def _float32_params(self) -> dict[str, mx.array]:
         """The norm's and the biases' parameters in float32, converted once per weights (lazily:
         the first use evaluates them) instead of at every call, and by each of the two row halves."""
-        return derived(self, "float32_params", (self.norm.weight, self.norm.bias, self.pwconv1.bias,
-                                                self.pwconv2.bias),
-                       lambda nw, nb, b1, b2: {"norm_w": _f32(nw), "norm_b": _f32(nb), "b1": _f32(b1), "b2": _f32(b2)})
+        return derived(
+            self,
+            "float32_params",
+            (self.norm.weight, self.norm.bias, self.pwconv1.bias, self.pwconv2.bias),
+            lambda nw, nb, b1, b2: {"norm_w": _f32(nw), "norm_b": _f32(nb), "b1": _f32(b1), "b2": _f32(b2)},
+        )
 
     def _pointwise_matrices(self) -> tuple[mx.array, mx.array]:
         """The two 1x1 conv weights (O, 1, I) as (O, I) matrices: views of the weights as the
         runtime's `prepare` stored them (a float32 W.T, or as loaded), no copies."""
-        return derived(self, "pointwise_views", (self.pwconv1.weight, self.pwconv2.weight),
-                       lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]))
+        return derived(
+            self,
+            "pointwise_views",
+            (self.pwconv1.weight, self.pwconv2.weight),
+            lambda w1, w2: (w1[:, 0, :], w2[:, 0, :]),
+        )
 
     def _pointwise_part(self, y: mx.array) -> mx.array:
         """pw2(gelu(pw1(y))) of the normalised frames."""
@@ -238,8 +263,9 @@ def _upsample(conv: nn.ConvTranspose1d, x: mx.array) -> mx.array:
     out[t K + j, o] = sum_i x[t, i] W[o, j, i]  (MLX's conv_transpose1d, no kernel flip).
     """
     out_ch, kernel, in_ch = conv.weight.shape
-    w = derived(conv, _matrix_name(conv), (conv.weight,),
-                lambda a: a.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch))
+    w = derived(
+        conv, _matrix_name(conv), (conv.weight,), lambda a: a.transpose(1, 0, 2).reshape(kernel * out_ch, in_ch)
+    )
     return ops.matmul_t(x, w, conv, "matrix").reshape(x.shape[0] * kernel, out_ch)
 
 
@@ -397,11 +423,7 @@ class ResidualVectorQuantizer(nn.Module):
             m = _f32(mus)
             src = mus if self._norms_in_weight_dtype else m
             norms = _f32(mx.sum(src * src, axis=1))
-            dist = (
-                mx.sum(residual * residual, axis=1, keepdims=True)
-                - 2.0 * (residual @ m.T)
-                + norms[None, :]
-            )
+            dist = mx.sum(residual * residual, axis=1, keepdims=True) - 2.0 * (residual @ m.T) + norms[None, :]
             idx = mx.argmin(dist, axis=1).astype(mx.int32)
             codes.append(idx)
             residual = residual - m[idx]
@@ -539,8 +561,7 @@ class Codec(nn.Module):
         lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= cfg.codebook_size:
             raise ValueError(
-                f"{where}: codes must lie in [0, {cfg.codebook_size}) (codebook_size), "
-                f"got values from {lo} to {hi}"
+                f"{where}: codes must lie in [0, {cfg.codebook_size}) (codebook_size), got values from {lo} to {hi}"
             )
         return host.astype(np.int32)
 
@@ -628,10 +649,14 @@ class Codec(nn.Module):
             raise TypeError(f"{where}: expected a CodecState (from Codec.make_state()), got {type(state).__name__}")
         if state.flushed:
             raise ValueError(f"{where}: this CodecState was flushed; call state.reset() or make_state() first")
-        if set(state.block_histories) != set(self.decoder.block_indices) or any(
-            tuple(h.shape) != (self.decoder.layers[n].history_frames, self.decoder.layers[n].channels)
-            for n, h in state.block_histories.items()
-        ) or state.istft_real.shape[0] != self._geometry.cache_frames:
+        if (
+            set(state.block_histories) != set(self.decoder.block_indices)
+            or any(
+                tuple(h.shape) != (self.decoder.layers[n].history_frames, self.decoder.layers[n].channels)
+                for n, h in state.block_histories.items()
+            )
+            or state.istft_real.shape[0] != self._geometry.cache_frames
+        ):
             raise ValueError(f"{where}: this CodecState was made by a codec of a different geometry")
 
     def decode_step(self, codes, state: CodecState) -> mx.array:
@@ -659,9 +684,7 @@ class Codec(nn.Module):
         new_frames = real.shape[0] - geo.cache_frames
         out = audio[geo.emit_start : geo.emit_start + new_frames * geo.hop]
         if out.shape != (geo.samples_per_frame,):
-            raise RuntimeError(
-                f"Codec.decode_step: produced {out.shape} samples, expected ({geo.samples_per_frame},)"
-            )
+            raise RuntimeError(f"Codec.decode_step: produced {out.shape} samples, expected ({geo.samples_per_frame},)")
 
         state.block_histories = histories
         state.istft_real = real[real.shape[0] - geo.cache_frames :]
@@ -706,9 +729,7 @@ class Codec(nn.Module):
             if not mx.issubdtype(waveform.dtype, mx.floating):
                 raise TypeError(f"Codec.encode: waveform must be floating point, got {waveform.dtype}")
         else:
-            raise TypeError(
-                f"Codec.encode: waveform must be an mx.array or numpy array, got {type(waveform).__name__}"
-            )
+            raise TypeError(f"Codec.encode: waveform must be an mx.array or numpy array, got {type(waveform).__name__}")
         ratio = self.samples_per_frame
         if waveform.ndim != 1 or waveform.shape[0] == 0 or waveform.shape[0] % ratio:
             raise ValueError(

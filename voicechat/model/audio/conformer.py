@@ -291,9 +291,7 @@ class ConvModule(nn.Module):
         self.kernel = kernel
         self.pointwise_conv1 = nn.Conv1d(d, 2 * d, 1, bias=bias)
         self.depthwise_conv = nn.Conv1d(d, d, kernel, groups=d, bias=bias)
-        self.depthwise_conv.weight = mx.random.uniform(
-            -1 / math.sqrt(kernel), 1 / math.sqrt(kernel), (d, kernel, 1)
-        )
+        self.depthwise_conv.weight = mx.random.uniform(-1 / math.sqrt(kernel), 1 / math.sqrt(kernel), (d, kernel, 1))
         self.batch_norm = nn.LayerNorm(d)  # a LayerNorm despite the name (conv_norm_type)
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=bias)
 
@@ -303,6 +301,7 @@ class ConvModule(nn.Module):
         stored (O, 1, I) weight is 16-bit in the checkpoints, which MLX would convert at every
         call: the W.T the runtime's `prepare` stored as the weight's only copy (float32, or bf16
         where the product widens it), else a float32 copy beside the weight."""
+
         def weights(conv):
             def make(w, *b):
                 stored = ops.stored_transposed(conv)
@@ -321,8 +320,12 @@ class ConvModule(nn.Module):
 
     def taps(self) -> tuple[list, mx.array | None]:
         """The depthwise taps (kernel x (d,) float32) and the bias (or None)."""
-        w = derived(self, "depthwise_taps", (self.depthwise_conv.weight,),
-                    lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)])
+        w = derived(
+            self,
+            "depthwise_taps",
+            (self.depthwise_conv.weight,),
+            lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)],
+        )
         return w, (self.depthwise_conv.bias if "bias" in self.depthwise_conv else None)
 
     def glu_input(self, xn: mx.array) -> mx.array:
@@ -384,13 +387,13 @@ class ConformerLayer(nn.Module):
         glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
         din = mx.concatenate([conv_cache, glu(x, norms, p1)])
         taps, bias = conv.taps()
-        finish = ops.fused(("conformer_conv_out", conv.kernel, bias is not None) + key,
-                         lambda: functools.partial(_conv_out_core, eps))
+        finish = ops.fused(
+            ("conformer_conv_out", conv.kernel, bias is not None) + key, lambda: functools.partial(_conv_out_core, eps)
+        )
         x = finish(x, din, taps, [] if bias is None else [bias], norms, p2)
         x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
-        return x, keys[keep:], values[max(0, values.shape[0] - left):], \
-            din[din.shape[0] - (self.conv.kernel - 1) :]
+        return x, keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (self.conv.kernel - 1) :]
 
     @staticmethod
     def _feed_forward(x, norm, ff, out_norm):
@@ -504,8 +507,7 @@ class ConformerStream:
     `refresh_constants()` if the weights change afterwards.
     """
 
-    def __init__(self, encoder: FastConformer, state: ConformerState | None = None, *,
-                 cache_projections: bool = True):
+    def __init__(self, encoder: FastConformer, state: ConformerState | None = None, *, cache_projections: bool = True):
         if encoder.left_context < 0:
             raise ValueError(
                 "ConformerStream: unlimited left attention context (-1) cannot stream with a "
@@ -586,8 +588,12 @@ class ConformerStream:
         left = self.encoder.left_context
         for i, layer in enumerate(self.encoder.layers):
             x, st.k_cache[i], st.v_cache[i], st.conv_cache[i] = layer.step(
-                x, st.k_cache[i], st.v_cache[i], st.conv_cache[i],
-                self.pos_proj[i] if self.cache_projections else None, left
+                x,
+                st.k_cache[i],
+                st.v_cache[i],
+                st.conv_cache[i],
+                self.pos_proj[i] if self.cache_projections else None,
+                left,
             )
             ops.after_layer(x)  # layer i may run while the next one is built
         keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs

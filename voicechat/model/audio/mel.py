@@ -143,8 +143,11 @@ def _log_mel_frames(
     hop, n_fft = cfg.hop_length, cfg.n_fft
     half = n_fft // 2
     n = end - first
-    pos = (first * hop - half + shift) + hop * mx.arange(n, dtype=mx.int32)[:, None] \
+    pos = (
+        (first * hop - half + shift)
+        + hop * mx.arange(n, dtype=mx.int32)[:, None]
         + mx.arange(n_fft, dtype=mx.int32)[None, :]
+    )
     if cfg.pad_mode == "reflect":
         src = mx.where(pos < 0, -pos, pos)
         if final:
@@ -216,9 +219,7 @@ class StreamingLogMel:
         half = cfg.n_fft // 2
         self.reference_edge = bool(reference_edge)
         if not isinstance(lookahead_samples, int) or lookahead_samples < half:
-            raise ValueError(
-                f"lookahead_samples must be an int >= n_fft/2 = {half}, got {lookahead_samples!r}"
-            )
+            raise ValueError(f"lookahead_samples must be an int >= n_fft/2 = {half}, got {lookahead_samples!r}")
         self.cfg = cfg
         self.lookahead_samples = lookahead_samples
         self.lookbehind_frames = -(-(half + 1) // cfg.hop_length)
@@ -272,8 +273,16 @@ class StreamingLogMel:
         if end <= self.frames_emitted:
             return self._empty()
         out = _log_mel_frames(
-            self.buffer, self.buffer_start, self.samples_seen, self.frames_emitted, end, final,
-            self.cfg, self._window, self._fbank, *self._reference_edge(end, final),
+            self.buffer,
+            self.buffer_start,
+            self.samples_seen,
+            self.frames_emitted,
+            end,
+            final,
+            self.cfg,
+            self._window,
+            self._fbank,
+            *self._reference_edge(end, final),
         )
         self.frames_emitted = end
         keep_from = self.cfg.hop_length * max(end - self.lookbehind_frames, 0)

@@ -262,7 +262,9 @@ class RnntStream:
         if enc_frame.shape == (1, d):
             enc_frame = enc_frame[0]
         if enc_frame.shape != (d,):
-            raise ValueError(f"RnntStream.step: expected one encoder frame of shape ({d},), got {tuple(enc_frame.shape)}")
+            raise ValueError(
+                f"RnntStream.step: expected one encoder frame of shape ({d},), got {tuple(enc_frame.shape)}"
+            )
         st = self.state
         enc_proj = self.joint.project_encoder(enc_frame)
         new: list[int] = []
@@ -296,16 +298,19 @@ class RnntStream:
         # Rows (1, hidden) inside the loop (no per-product reshapes); the state keeps (hidden,).
         lstm = st.lstm if st.lstm is not None else self.decoder.initial_state()
         flat = [a.reshape(1, -1) for pair in lstm for a in pair]
-        update = ops.fused(("rnnt_masked_update", self.decoder.blank_id, len(flat)),
-                           lambda: functools.partial(_masked_update, self.decoder.blank_id))
+        update = ops.fused(
+            ("rnnt_masked_update", self.decoder.blank_id, len(flat)),
+            lambda: functools.partial(_masked_update, self.decoder.blank_id),
+        )
         active = mx.array(True)
         ids = []
         for _ in range(self.max_symbols):
             pred, proposed = self.decoder.predict_array(last, tuple(zip(flat[0::2], flat[1::2])))
             st.prediction_calls += 1
             k = mx.argmax(self.joint.logits(enc_proj, self.joint.project_prediction(pred)), axis=-1)[0]
-            active, emitted, last, *flat = update(active, k.astype(mx.int32), last,
-                                                  *[a for pair in proposed for a in pair], *flat)
+            active, emitted, last, *flat = update(
+                active, k.astype(mx.int32), last, *[a for pair in proposed for a in pair], *flat
+            )
             ids.append(emitted)
         st.last_token = last
         st.lstm = tuple((h.reshape(-1), c.reshape(-1)) for h, c in zip(flat[0::2], flat[1::2]))

@@ -82,6 +82,7 @@ class DepthwiseCausalConv1d(nn.Module):
 
     def taps(self, dtype) -> tuple[list[mx.array], mx.array | None]:
         """Per-tap weight columns (C,) and the bias (or None) in `dtype`, made once per weights."""
+
         def make(weight, bias=None):
             w = weight[:, :, 0].astype(dtype)  # (C, K)
             return [w[:, j] for j in range(self.kernel_size)], None if bias is None else bias.astype(dtype)
@@ -201,8 +202,10 @@ class MambaLayerState:
         """The layer's state from `state` / `meta_state`, of the shapes of `like` (a fresh one)."""
         conv, ssm = state["conv"], state["ssm"]
         if meta_state != "mamba" or conv.shape != like.conv.shape or ssm.shape != like.ssm.shape:
-            raise ValueError(f"Mamba state of shapes {conv.shape} / {ssm.shape}, the model "
-                             f"needs {like.conv.shape} / {like.ssm.shape}")
+            raise ValueError(
+                f"Mamba state of shapes {conv.shape} / {ssm.shape}, the model "
+                f"needs {like.conv.shape} / {like.ssm.shape}"
+            )
         return cls(conv, ssm)
 
     @property
@@ -232,9 +235,7 @@ class AttentionLayerState:
         if new_len > self.capacity:
             new_capacity = -(-new_len // KV_ALLOC_STEP) * KV_ALLOC_STEP
             pad_shape = (1, self.keys.shape[1], new_capacity - self.length, self.keys.shape[3])
-            self.keys = mx.concatenate(
-                [self.keys[:, :, : self.length], mx.zeros(pad_shape, self.keys.dtype)], axis=2
-            )
+            self.keys = mx.concatenate([self.keys[:, :, : self.length], mx.zeros(pad_shape, self.keys.dtype)], axis=2)
             self.values = mx.concatenate(
                 [self.values[:, :, : self.length], mx.zeros(pad_shape, self.values.dtype)], axis=2
             )
@@ -273,10 +274,17 @@ class AttentionLayerState:
         """The layer's cache from `state` / `meta_state`, with `like`'s heads and head size."""
         k, v = state["keys"], state["values"]
         kind, length = meta_state
-        if kind != "attention" or k.shape[:2] != like.keys.shape[:2] or k.shape[3] != like.keys.shape[3] \
-                or v.shape != k.shape or not 0 <= length <= k.shape[2]:
-            raise ValueError(f"K/V of shape {k.shape}, length {length}; the model needs "
-                             f"(1, {like.keys.shape[1]}, n, {like.keys.shape[3]})")
+        if (
+            kind != "attention"
+            or k.shape[:2] != like.keys.shape[:2]
+            or k.shape[3] != like.keys.shape[3]
+            or v.shape != k.shape
+            or not 0 <= length <= k.shape[2]
+        ):
+            raise ValueError(
+                f"K/V of shape {k.shape}, length {length}; the model needs "
+                f"(1, {like.keys.shape[1]}, n, {like.keys.shape[3]})"
+            )
         return cls(k, v, int(length))
 
     @property
@@ -347,7 +355,7 @@ class NemotronHState:
                     raise ValueError(f"language layer {i}: state stored for a layer without one")
                 layers.append(None)
                 continue
-            mine = {k[len(f"{i}."):]: v for k, v in state.items() if k.startswith(f"{i}.")}
+            mine = {k[len(f"{i}.") :]: v for k, v in state.items() if k.startswith(f"{i}.")}
             try:
                 layers.append(type(ref).from_state(mine, kind, ref))
             except ValueError as e:
@@ -394,8 +402,7 @@ class MambaStepShape:
     conv_bias: bool
 
 
-def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w,
-                     *taps_and_bias):
+def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias, a, d_skip, norm_w, *taps_and_bias):
     """One Mamba-2 position between in_proj and out_proj: split, causal conv + SiLU, dt, the
     recurrence, the gated grouped RMSNorm. -> (u, new conv rows, new SSM state).
 
@@ -408,7 +415,7 @@ def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias
     its heads without a repeat; the conv state is its K-1 rows; `a` and `d_skip` arrive shaped
     (G, rep, 1). The arithmetic is `_project` / `_gated_norm_out`'s, element for element."""
     d_inner, heads, head_dim, groups, state_size = dims.d_inner, dims.heads, dims.head_dim, dims.groups, dims.state_size
-    taps = taps_and_bias[:dims.conv_kernel]
+    taps = taps_and_bias[: dims.conv_kernel]
     conv_bias = taps_and_bias[dims.conv_kernel] if dims.conv_bias else None
     rep = heads // groups
     gs = groups * state_size
@@ -425,8 +432,10 @@ def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias
     y_state = (ssm5 @ c.reshape(1, groups, 1, state_size, 1)).reshape(1, groups, rep, head_dim)  # S_old·C
     y = cb * dtx + decay * y_state
     y = y + d_skip * x_h
-    ssm = dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size) \
+    ssm = (
+        dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size)
         + decay.reshape(1, groups, rep, 1, 1) * ssm5
+    )
     u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, dims.eps, norm_w)  # a group's channels = its heads
     # The newest row in the state's dtype (a no-op for float32 states).
     rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
@@ -500,10 +509,18 @@ class Mamba2Mixer(nn.Module):
         stored dtype as the reference computes it (bf16 in the published layout), or in float32
         without `reference_rounding`."""
         if self.reference_rounding:
-            return derived(self, "dt_bias_a_reference", (self.dt_bias, self.A_log),
-                           lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)))
-        return derived(self, "dt_bias_a_float32", (self.dt_bias, self.A_log),
-                       lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))))
+            return derived(
+                self,
+                "dt_bias_a_reference",
+                (self.dt_bias, self.A_log),
+                lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)),
+            )
+        return derived(
+            self,
+            "dt_bias_a_float32",
+            (self.dt_bias, self.A_log),
+            lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))),
+        )
 
     def _norm_weight(self) -> mx.array:
         return derived(self, "norm_weight", (self.norm.weight,), lambda w: w.astype(mx.float32))
@@ -528,15 +545,28 @@ class Mamba2Mixer(nn.Module):
         taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
         dt_bias, a = self._dt_bias_and_a()
         shape = (self.n_groups, self.num_heads // self.n_groups, 1)
-        a_g, d_g = derived(self, "a_D_grouped", (a, self.D),
-                           lambda a, d: (a.reshape(shape), d.astype(mx.float32).reshape(shape)))
-        dims = MambaStepShape(self._padding_columns(zxbcdt), self.d_inner, self.conv_dim, self.conv_kernel,
-                              self.num_heads, self.head_dim, self.n_groups, self.state_size, self.eps, self.dt_min,
-                              self.dt_max, conv_bias is not None)
+        a_g, d_g = derived(
+            self, "a_D_grouped", (a, self.D), lambda a, d: (a.reshape(shape), d.astype(mx.float32).reshape(shape))
+        )
+        dims = MambaStepShape(
+            self._padding_columns(zxbcdt),
+            self.d_inner,
+            self.conv_dim,
+            self.conv_kernel,
+            self.num_heads,
+            self.head_dim,
+            self.n_groups,
+            self.state_size,
+            self.eps,
+            self.dt_min,
+            self.dt_max,
+            conv_bias is not None,
+        )
         core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
-        u, *rows, state.ssm = core(zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(),
-                                   *taps, *extra)
+        u, *rows, state.ssm = core(
+            zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(), *taps, *extra
+        )
         state.conv_rows = rows
         return self.out_proj(u).astype(mx.float32)
 
@@ -585,7 +615,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -675,7 +705,8 @@ def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tup
 def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
     """(x + h, norm(x + h)) as one fused piece: a block's residual add and the next norm."""
     return ops.fused(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
-        x, h, norm.weight_as(x.dtype))
+        x, h, norm.weight_as(x.dtype)
+    )
 
 
 # --------------------------------------------------------------------------- model
@@ -691,8 +722,7 @@ class NemotronH(nn.Module):
     from a fresh state that is then discarded.
     """
 
-    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE,
-                 reference_rounding: bool = True):
+    def __init__(self, text_cfg: TextConfig, *, ssd_chunk_size: int = SSD_CHUNK_SIZE, reference_rounding: bool = True):
         super().__init__()
         if not isinstance(text_cfg, TextConfig):
             raise TypeError(f"NemotronH expects a TextConfig, got {type(text_cfg).__name__}")
@@ -702,8 +732,9 @@ class NemotronH(nn.Module):
         self.hidden_size = text_cfg.hidden_size
         self.ssd_chunk_size = ssd_chunk_size
         self.reference_rounding = bool(reference_rounding)
-        self.layers = [NemotronHBlock(text_cfg, t, reference_rounding=self.reference_rounding)
-                       for t in text_cfg.layer_types]
+        self.layers = [
+            NemotronHBlock(text_cfg, t, reference_rounding=self.reference_rounding) for t in text_cfg.layer_types
+        ]
         self.norm_f = RMSNorm(text_cfg.hidden_size, text_cfg.layer_norm_epsilon)
 
     @property
@@ -743,7 +774,7 @@ class NemotronH(nn.Module):
         if not self.reference_rounding:
             return self.sequence(x, state)
         x = self._check_input(x)
-        return mx.concatenate([self.step(x[:, t:t + 1], state) for t in range(x.shape[1])], axis=1)
+        return mx.concatenate([self.step(x[:, t : t + 1], state) for t in range(x.shape[1])], axis=1)
 
     def forward_uncached(self, x_all: mx.array) -> mx.array:
         """Recompute the whole history (1, T, hidden) from a fresh state ("no cache" mode)."""
@@ -782,8 +813,7 @@ class NemotronH(nn.Module):
             )
         if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size or x.shape[1] < 1:
             raise ValueError(
-                f"NemotronH input must have shape (1, L, {self.hidden_size}) with L >= 1, "
-                f"got {tuple(x.shape)}"
+                f"NemotronH input must have shape (1, L, {self.hidden_size}) with L >= 1, got {tuple(x.shape)}"
             )
         return x.astype(mx.float32)
 
@@ -791,15 +821,13 @@ class NemotronH(nn.Module):
         if not isinstance(state, NemotronHState):
             raise TypeError(f"state must be a NemotronHState (from make_state()), got {type(state).__name__}")
         kinds = [
-            "mlp" if s is None else "mamba" if isinstance(s, MambaLayerState) else "attention"
-            for s in state.layers
+            "mlp" if s is None else "mamba" if isinstance(s, MambaLayerState) else "attention" for s in state.layers
         ]
         if kinds != self.layer_types:
             raise ValueError(
                 f"state has layers {kinds}; this model's layers are {self.layer_types}: "
                 "use the state made by this model's make_state()"
             )
-
 
 
 def _length(x) -> int | None:

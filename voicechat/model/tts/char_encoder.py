@@ -85,9 +85,7 @@ class CharTable:
             if not isinstance(s, str) or isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
                 raise ValueError(f"CharTable.from_vocab: bad vocabulary entry {s!r}: {i!r} (expected str -> int >= 0)")
             if int(i) in by_id:
-                raise ValueError(
-                    f"CharTable.from_vocab: token id {int(i)} appears twice ({by_id[int(i)]!r} and {s!r})"
-                )
+                raise ValueError(f"CharTable.from_vocab: token id {int(i)} appears twice ({by_id[int(i)]!r} and {s!r})")
             by_id[int(i)] = s
         singles = [by_id[i] for i in sorted(by_id) if len(by_id[i]) == 1]
         if len(singles) != char_vocab_size - 1:

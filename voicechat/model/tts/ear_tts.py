@@ -149,7 +149,9 @@ class TextEmbeddingCache:
         return [int(t) for t in self._rows]
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: list, like: "TextEmbeddingCache | None" = None) -> "TextEmbeddingCache":
+    def from_state(
+        cls, state: dict, meta_state: list, like: "TextEmbeddingCache | None" = None
+    ) -> "TextEmbeddingCache":
         """A cache of `state`'s rows in `meta_state`'s order (`like`'s capacity, default 1024)."""
         cache = cls() if like is None else cls(like.max_entries)
         for token in meta_state:
@@ -175,7 +177,9 @@ class EarTtsState:
     int32 = the codes the next step embeds.
     """
 
-    def __init__(self, windows: list[int | None], num_kv_heads: int, head_dim: int, num_quantizers: int, mask_code: int):
+    def __init__(
+        self, windows: list[int | None], num_kv_heads: int, head_dim: int, num_quantizers: int, mask_code: int
+    ):
         self.windows = list(windows)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.num_quantizers, self.mask_code = num_quantizers, mask_code
@@ -313,17 +317,22 @@ class EarTtsState:
         keys = [state[f"{i}.keys"] for i in range(out.num_layers)]
         values = [state[f"{i}.values"] for i in range(out.num_layers)]
         for a in keys + values:
-            if a.ndim != 4 or a.shape[:2] != (2, out.num_kv_heads) or a.shape[3] != out.head_dim \
-                    or a.dtype != mx.float32:
-                raise ValueError(f"a TTS K/V buffer has shape {a.shape} {a.dtype}; the model needs "
-                                 f"(2, {out.num_kv_heads}, n, {out.head_dim}) float32")
+            if (
+                a.ndim != 4
+                or a.shape[:2] != (2, out.num_kv_heads)
+                or a.shape[3] != out.head_dim
+                or a.dtype != mx.float32
+            ):
+                raise ValueError(
+                    f"a TTS K/V buffer has shape {a.shape} {a.dtype}; the model needs "
+                    f"(2, {out.num_kv_heads}, n, {out.head_dim}) float32"
+                )
         ring_origin = [int(r) for r in meta_state["ring_origin"]]
         if len(ring_origin) != out.num_layers:
             raise ValueError(f"{len(ring_origin)} ring origins, the model has {out.num_layers} TTS layers")
         previous = state["previous_codes"]
         if previous.shape != (1, out.num_quantizers):
-            raise ValueError(f"previous codes of shape {previous.shape}, the model has "
-                             f"{out.num_quantizers} codebooks")
+            raise ValueError(f"previous codes of shape {previous.shape}, the model has {out.num_quantizers} codebooks")
         out.keys, out.values = keys, values
         out.ring_origin, out.offset = ring_origin, int(meta_state["offset"])
         out.previous_codes = previous
@@ -478,8 +487,12 @@ def _mog_sample_core(static: MogSampling, x, u, eps, mus, low_mat, proj):
     mu_k * std + proj_else(x) + std * eps * noise_scale. `proj` holds proj_logits,
     proj_logs, proj_else."""
     top_p, noise_scale, min_log_std = static.top_p, static.noise_scale, static.min_log_std
-    num_predictions, low_rank, log_of_softmax, mus_quant = (static.num_predictions, static.low_rank,
-                                                            static.log_of_softmax, static.mus_quant)
+    num_predictions, low_rank, log_of_softmax, mus_quant = (
+        static.num_predictions,
+        static.low_rank,
+        static.log_of_softmax,
+        static.mus_quant,
+    )
     proj_logits, proj_logs, proj_else = proj
     logits = apply(x, proj_logits)[None].astype(mx.float32)  # (1, 1, P)
     filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
@@ -554,14 +567,22 @@ class BackboneAttention(nn.Module):
         self.rope_base = float(cfg.rope_global_base_freq if is_global else cfg.rope_local_base_freq)
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
-    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array],
-                 input_norm: "BackboneRMSNorm") -> mx.array:
+    def __call__(
+        self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array], input_norm: "BackboneRMSNorm"
+    ) -> mx.array:
         """x (B, n, hidden) before the layer's `input_norm`; `rope` = rope_table(n, head_dim,
         self.rope_base, offset) of this step. -> the heads' output (B, n, H·D) before o_proj."""
         b, n, _ = x.shape
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, input_norm.eps, self.q_norm.eps, self.k_norm.eps)
-        q, k, v = ops.fused_linear("tts_qkv", _qkv_core, dims, (self.q_proj, self.k_proj, self.v_proj), x,
-                               [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()], rope)
+        q, k, v = ops.fused_linear(
+            "tts_qkv",
+            _qkv_core,
+            dims,
+            (self.q_proj, self.k_proj, self.v_proj),
+            x,
+            [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()],
+            rope,
+        )
         return self.attend(q, k, v, state, b, n)
 
     def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
@@ -592,9 +613,15 @@ class BackboneLayer(nn.Module):
         # Fixed shapes from here on: one fused piece.
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
-        return ops.fused_linear("tts_post_attention", _post_attention_core, tuple(n.eps for n in norms),
-                            (self.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), x, merged,
-                            [n.scale() for n in norms])
+        return ops.fused_linear(
+            "tts_post_attention",
+            _post_attention_core,
+            tuple(n.eps for n in norms),
+            (self.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj),
+            x,
+            merged,
+            [n.scale() for n in norms],
+        )
 
 
 class EarTtsBackbone(nn.Module):
@@ -603,8 +630,9 @@ class EarTtsBackbone(nn.Module):
     def __init__(self, cfg: TtsConfig, numerics: Numerics):
         super().__init__()
         self.layers = [BackboneLayer(cfg, i, numerics) for i in range(cfg.num_hidden_layers)]
-        self.norm = BackboneRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                                    numerics.backbone_norm_one_plus_w_in_weight_dtype)
+        self.norm = BackboneRMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, numerics.backbone_norm_one_plus_w_in_weight_dtype
+        )
 
     def __call__(self, x: mx.array, state: EarTtsState | None = None) -> mx.array:
         """x (2, n, hidden) -> (2, n, hidden). Without a state: positions 0..n-1 from scratch
@@ -642,7 +670,7 @@ class EarTtsBackbone(nn.Module):
                 del blocks[next(iter(blocks))]
             blocks[key] = block
         i = start - first
-        return block[0][:, :, i:i + 1], block[1][:, :, i:i + 1]
+        return block[0][:, :, i : i + 1], block[1][:, :, i : i + 1]
 
 
 # --------------------------------------------------------------------------- fusion, MoG
@@ -664,8 +692,9 @@ class GatedFusion(nn.Module):
         self.residual_scale = mx.zeros(())
         self.final_norm = OnePlusRMSNorm(hidden, eps)
 
-    def __call__(self, audio: mx.array, text: mx.array, num_quantizers: int, *,
-                 text_in_weight_dtype: bool = False) -> mx.array:
+    def __call__(
+        self, audio: mx.array, text: mx.array, num_quantizers: int, *, text_in_weight_dtype: bool = False
+    ) -> mx.array:
         if text_in_weight_dtype:
             g = mx.sigmoid(self.gate).astype(mx.float32)
             r = mx.sigmoid(self.residual_scale).astype(mx.float32)
@@ -708,11 +737,13 @@ class MogHead(nn.Module):
         blocks, final = self.mlp_stack[:-1], self.mlp_stack[-1]
         norms = [n for b in blocks for n in (b.pre_norm, b.post_norm)] + [final]
         mlps = [lin for b in blocks for lin in (b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj)]
-        return ops.fused_linear("mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x,
-                                [n.scale() for n in norms])
+        return ops.fused_linear(
+            "mog_trunk", _mog_trunk_core, tuple(n.eps for n in norms), mlps, x, [n.scale() for n in norms]
+        )
 
-    def sample_residual(self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float,
-                        log_of_softmax: bool = False) -> mx.array:
+    def sample_residual(
+        self, x: mx.array, rng: SessionRandom, *, top_p: float, noise_scale: float, log_of_softmax: bool = False
+    ) -> mx.array:
         """Guided features x (1, hidden) -> sampled latent (1, latent). Draws one uniform
         (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`. `log_of_softmax`: the
         component log-probabilities as log(softmax(·)) (the reference's rounding) instead of
@@ -723,10 +754,26 @@ class MogHead(nn.Module):
         quantized = isinstance(mus, nn.QuantizedLinear)
         mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
         mus_arrays = (mus.weight, mus.scales, mus.biases) if quantized else (mus.weight,)
-        static = MogSampling(float(top_p), float(noise_scale), self.min_log_std, self.num_predictions,
-                             self.low_rank, bool(log_of_softmax), mus_quant)
-        return ops.fused_linear("mog_sample", _mog_sample_core, static,
-                                (self.proj_logits, self.proj_logs, self.proj_else), x, u, eps, mus_arrays, self.low_mat)
+        static = MogSampling(
+            float(top_p),
+            float(noise_scale),
+            self.min_log_std,
+            self.num_predictions,
+            self.low_rank,
+            bool(log_of_softmax),
+            mus_quant,
+        )
+        return ops.fused_linear(
+            "mog_sample",
+            _mog_sample_core,
+            static,
+            (self.proj_logits, self.proj_logs, self.proj_else),
+            x,
+            u,
+            eps,
+            mus_arrays,
+            self.low_mat,
+        )
 
 
 # --------------------------------------------------------------------------- model
@@ -735,8 +782,9 @@ class MogHead(nn.Module):
 class EarTts(nn.Module):
     """`tts_model.tts_model`: parameter names as docs/model.md §2.3 (relative to that prefix)."""
 
-    def __init__(self, tts_cfg: TtsConfig, char_table: CharTable | None = None, *,
-                 numerics: Numerics | str = DEFAULT_NUMERICS):
+    def __init__(
+        self, tts_cfg: TtsConfig, char_table: CharTable | None = None, *, numerics: Numerics | str = DEFAULT_NUMERICS
+    ):
         super().__init__()
         cfg = tts_cfg
         numerics = numerics_from(numerics)
@@ -794,9 +842,7 @@ class EarTts(nn.Module):
             raise TypeError(f"char_table: expected a CharTable, got {type(table).__name__}")
         want = self.cfg.character_encoder.char_vocab_size
         if table.char_vocab_size != want:
-            raise ValueError(
-                f"char_table: built for char_vocab_size {table.char_vocab_size}, the model has {want}"
-            )
+            raise ValueError(f"char_table: built for char_vocab_size {table.char_vocab_size}, the model has {want}")
         self._char_table = table
 
     def _table(self) -> CharTable:
@@ -868,8 +914,9 @@ class EarTts(nn.Module):
 
     def embed_codes(self, codes: mx.array) -> mx.array:
         """embed_code(depthsum(codes)): (..., Q) -> (..., hidden); one compiled piece."""
-        return ops.fused_linear("embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes,
-                            self._depth_sum_arrays())
+        return ops.fused_linear(
+            "embed_codes", _embed_codes_core, (self.mask_code,), (self.embed_code,), codes, self._depth_sum_arrays()
+        )
 
     def _fuse(self, audio: mx.array, cond: mx.array) -> mx.array:
         """Audio side (n, hidden) and conditional text (n, hidden) -> fused backbone input
@@ -877,8 +924,9 @@ class EarTts(nn.Module):
         in_weight_dtype = self.numerics.text_side_in_weight_dtype
         null = self.null_emb if in_weight_dtype else self.null_emb.astype(mx.float32)
         text = mx.stack([cond, mx.broadcast_to(null, cond.shape)])  # dtypes promote, as in the reference
-        return self.gated_fusion_audio_text(audio[None], text, self.num_quantizers,
-                                            text_in_weight_dtype=in_weight_dtype)
+        return self.gated_fusion_audio_text(
+            audio[None], text, self.num_quantizers, text_in_weight_dtype=in_weight_dtype
+        )
 
     def warmup_inputs(self, prompt_codes, speaker_latent, pad_id: int) -> mx.array:
         """Fused backbone inputs (2, F, hidden) of the speaker-prompt warm-up (§8.5 steps 2–6)."""
@@ -889,12 +937,20 @@ class EarTts(nn.Module):
         # Positions before the first bos (F-1) take the speaker latent; bos_emb is added at F-1.
         audio = mx.concatenate([latent[0, : f - 1], code_emb[f - 1 :] + self.bos_emb.astype(mx.float32)], axis=0)
         mask = [False] * (f - 2) + [True, True]
-        text = self.embed_subword.embed_host([pad_id] * f, mask, self._table(),
-                                             in_weight_dtype=self.numerics.text_side_in_weight_dtype)
+        text = self.embed_subword.embed_host(
+            [pad_id] * f, mask, self._table(), in_weight_dtype=self.numerics.text_side_in_weight_dtype
+        )
         return self._fuse(audio, text)
 
-    def step_inputs(self, previous_codes: mx.array, text_token, *, eos_id: int, silence_codes,
-                    text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
+    def step_inputs(
+        self,
+        previous_codes: mx.array,
+        text_token,
+        *,
+        eos_id: int,
+        silence_codes,
+        text_cache: "TextEmbeddingCache | None" = None,
+    ) -> mx.array:
         """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3). `text_cache` keeps
         the character encoder's row of each host token id seen (a pure function of the id)."""
         token = self._check_token(text_token)
@@ -954,8 +1010,13 @@ class EarTts(nn.Module):
             feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
             c, u = feats[0:1], feats[1:2]
             guided = c + cfg.guidance_scale * (c - u)
-            residual = self.mog_head.sample_residual(guided, rng, top_p=cfg.top_p, noise_scale=cfg.noise_scale,
-                                                     log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax)
+            residual = self.mog_head.sample_residual(
+                guided,
+                rng,
+                top_p=cfg.top_p,
+                noise_scale=cfg.noise_scale,
+                log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax,
+            )
             codes, _ = self.quantize_pass(residual, done, count)
             ops.after_layer(codes)  # this pass may run while the next one is built
             assigned.append(codes)
@@ -967,7 +1028,7 @@ class EarTts(nn.Module):
         j* = argmin_j ‖e_j‖² − 2·residual·e_j, then residual −= e_j*.
         Returns ([(1,) int32 code per codebook], the remaining residual (1, latent))."""
         codes, residual = self.quantize_pass(residual, first, count)
-        return [codes[i:i + 1] for i in range(count)], residual
+        return [codes[i : i + 1] for i in range(count)], residual
 
     def quantize_pass(self, residual: mx.array, first: int, count: int) -> tuple[mx.array, mx.array]:
         """`quantize_residual` with the codes as one (count,) int32 array: what a MoG pass runs.
@@ -975,7 +1036,7 @@ class EarTts(nn.Module):
         one row gather (~7 dispatches: the codebooks are per-codebook arrays made once); where the
         CPU kernels serve it, the whole pass as one dispatch (`ops.rvq_pass`, the same bits)."""
         books_all, norms_all = self.rvq_books()
-        fused = ops.rvq_pass(residual, books_all[first:first + count], norms_all[first:first + count])
+        fused = ops.rvq_pass(residual, books_all[first : first + count], norms_all[first : first + count])
         if fused is not None:
             return fused
         books_t, books, all_norms = self.rvq_book_list()
@@ -990,7 +1051,7 @@ class EarTts(nn.Module):
 
         def make(books_t, norms):
             per_book = [books_t[q] for q in range(books_t.shape[0])]
-            out = per_book, [b.T for b in per_book], [norms[q:q + 1] for q in range(norms.shape[0])]
+            out = per_book, [b.T for b in per_book], [norms[q : q + 1] for q in range(norms.shape[0])]
             mx.eval(out)
             return out
 
@@ -1025,23 +1086,38 @@ class EarTts(nn.Module):
         self.backbone(x, state)  # outputs unused: only the caches matter
         state.previous_codes = self._check_codes(prompt_codes, "prompt_codes", allow_mask=True, check_values=False)[-1:]
 
-    def step_hidden(self, state: EarTtsState, text_token, *, eos_id: int, silence_codes,
-                    text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
+    def step_hidden(
+        self,
+        state: EarTtsState,
+        text_token,
+        *,
+        eos_id: int,
+        silence_codes,
+        text_cache: "TextEmbeddingCache | None" = None,
+    ) -> mx.array:
         """One backbone step over `state` -> (2, hidden) [conditional, unconditional].
         Advances the caches; does not touch state.previous_codes."""
         self._check_state(state)
-        x = self.step_inputs(state.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes,
-                             text_cache=text_cache)
+        x = self.step_inputs(
+            state.previous_codes, text_token, eos_id=eos_id, silence_codes=silence_codes, text_cache=text_cache
+        )
         return self.backbone(x, state)[:, -1]
 
-    def step(self, state: EarTtsState, text_token, rng: SessionRandom, *, eos_id: int, silence_codes,
-             text_cache: "TextEmbeddingCache | None" = None) -> mx.array:
+    def step(
+        self,
+        state: EarTtsState,
+        text_token,
+        rng: SessionRandom,
+        *,
+        eos_id: int,
+        silence_codes,
+        text_cache: "TextEmbeddingCache | None" = None,
+    ) -> mx.array:
         """One TTS step (§8.6) -> codes (Q,) int32, lazy: no host sync except a one-time value
         check of a silence_codes array not seen before. The new codes become state.previous_codes."""
         if not isinstance(rng, SessionRandom):
             raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
-        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes,
-                                  text_cache=text_cache)
+        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes, text_cache=text_cache)
         codes = self.generate_codes(hidden, rng)
         state.previous_codes = codes[None]
         return codes

@@ -18,8 +18,9 @@ def one_plus_scale(weight: mx.array, one_plus_in_weight_dtype: bool = False) -> 
     return 1.0 + weight.astype(mx.float32)
 
 
-def one_plus_rms_norm(x: mx.array, weight: mx.array, eps: float, *, one_plus_in_weight_dtype: bool = False,
-                      scale: mx.array | None = None) -> mx.array:
+def one_plus_rms_norm(
+    x: mx.array, weight: mx.array, eps: float, *, one_plus_in_weight_dtype: bool = False, scale: mx.array | None = None
+) -> mx.array:
     """Gemma RMSNorm: x / sqrt(mean(x²) + eps) · (1 + w).
 
     `one_plus_in_weight_dtype` rounds 1 + w to the weight dtype first (what the

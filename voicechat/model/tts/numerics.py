@@ -71,8 +71,9 @@ def numerics_from(value) -> Numerics:
     if isinstance(value, Numerics):
         return value
     if not isinstance(value, str):
-        raise TypeError(f"numerics: expected one of {', '.join(repr(k) for k in NUMERICS)}, "
-                        f"got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"numerics: expected one of {', '.join(repr(k) for k in NUMERICS)}, got {type(value).__name__} {value!r}"
+        )
     if value not in NUMERICS:
         raise ValueError(f"numerics: expected one of {', '.join(repr(k) for k in NUMERICS)}, got {value!r}")
     return NUMERICS[value]

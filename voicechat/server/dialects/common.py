@@ -63,8 +63,11 @@ def wants_ga(msg: dict) -> bool:
 
 def openai_error(code: str, message: str, client_event_id=None, key: str = "event_id") -> dict:
     """OpenAI's error event: `error {type, code, message}` (+ the client event's id when it had one)."""
-    err = {"type": "server_error" if code in ("internal_error", "server_busy") else "invalid_request_error",
-           "code": code, "message": message}
+    err = {
+        "type": "server_error" if code in ("internal_error", "server_busy") else "invalid_request_error",
+        "code": code,
+        "message": message,
+    }
     if isinstance(client_event_id, str):
         err[key] = client_event_id
     return {"type": "error", "error": err}

@@ -42,9 +42,19 @@ GA_RATES = (24000,)  # GA's audio/pcm is 24 kHz only (its schema); Live also has
 FRAME_MS = 80
 
 # Every GA client event (openai.types.realtime.RealtimeClientEvent).
-CLIENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
-                "output_audio_buffer.clear", "response.create", "response.cancel", "conversation.item.create",
-                "conversation.item.delete", "conversation.item.retrieve", "conversation.item.truncate")
+CLIENT_TYPES = (
+    "session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+    "response.create",
+    "response.cancel",
+    "conversation.item.create",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
+    "conversation.item.truncate",
+)
 
 
 def public_model_name(name: str) -> str:
@@ -66,16 +76,24 @@ def parse_format(fmt, where: str, rates=GA_RATES) -> int | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise P.ProtocolError("invalid_audio_format", f"{where} must be an object like "
-                              f"{{\"type\": \"audio/pcm\", \"rate\": 24000}}, got {type(fmt).__name__}")
+        raise P.ProtocolError(
+            "invalid_audio_format",
+            f'{where} must be an object like {{"type": "audio/pcm", "rate": 24000}}, got {type(fmt).__name__}',
+        )
     t = fmt.get("type", "audio/pcm")
     if t != "audio/pcm":
-        raise P.ProtocolError("unsupported_audio_format", f"{where}.type {t!r} is not served; this server speaks "
-                              f"\"audio/pcm\" (PCM16 little-endian mono) at {_hz(rates)}")
+        raise P.ProtocolError(
+            "unsupported_audio_format",
+            f"{where}.type {t!r} is not served; this server speaks "
+            f'"audio/pcm" (PCM16 little-endian mono) at {_hz(rates)}',
+        )
     rate = fmt.get("rate", 24000)
     if isinstance(rate, bool) or rate not in rates:
-        raise P.ProtocolError("invalid_sample_rate", f"{where}.rate {rate!r} is not served; audio/pcm at {_hz(rates)} "
-                              "(resampled with soxr to and from the model's rates, never read at another rate)")
+        raise P.ProtocolError(
+            "invalid_sample_rate",
+            f"{where}.rate {rate!r} is not served; audio/pcm at {_hz(rates)} "
+            "(resampled with soxr to and from the model's rates, never read at another rate)",
+        )
     return int(rate)
 
 
@@ -86,20 +104,24 @@ def _hz(rates) -> str:
 def decode_pcm(msg: dict, key: str = "audio") -> np.ndarray:
     audio = msg.get(key)
     if not isinstance(audio, str):
-        raise P.ProtocolError("invalid_audio", f"'{key}' must be a base64 string of PCM16 little-endian samples, "
-                              f"got {type(audio).__name__}")
+        raise P.ProtocolError(
+            "invalid_audio",
+            f"'{key}' must be a base64 string of PCM16 little-endian samples, got {type(audio).__name__}",
+        )
     try:
         raw = base64.b64decode(audio, validate=True)
     except ValueError as e:
         raise P.ProtocolError("invalid_audio", f"'{key}' is not valid base64 ({e})") from None
     if len(raw) % 2:
-        raise P.ProtocolError("invalid_audio", f"'{key}' decodes to {len(raw)} bytes, an odd number; PCM16 needs "
-                              "2 bytes per sample")
+        raise P.ProtocolError(
+            "invalid_audio", f"'{key}' decodes to {len(raw)} bytes, an odd number; PCM16 needs 2 bytes per sample"
+        )
     return np.frombuffer(raw, dtype="<i2")
 
 
 class GaMapper:
     """Session events (voicechat.events) -> GA server events (without event_id), frame by frame."""
+
     def __init__(self, *, model_rate: int, client_rate: int, silence_codes, options, text_only: bool = False):
         self.model_rate = model_rate
         self.client_rate = client_rate
@@ -141,8 +163,9 @@ class GaMapper:
         u = self.user
         if u is not None and not u["started"]:
             u["started"] = True
-            out.append({"type": "input_audio_buffer.speech_started", "audio_start_ms": u["start_ms"],
-                        "item_id": u["id"]})
+            out.append(
+                {"type": "input_audio_buffer.speech_started", "audio_start_ms": u["start_ms"], "item_id": u["id"]}
+            )
 
     def close_user(self, end_ms: int, out: list, *, committed: bool = True) -> str | None:
         u = self.user
@@ -151,24 +174,42 @@ class GaMapper:
         self.user = None
         if u["started"]:
             out.append({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": end_ms, "item_id": u["id"]})
-        item = {"id": u["id"], "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
-                "content": [{"type": "input_audio", "transcript": u["text"]}]}
+        item = {
+            "id": u["id"],
+            "object": "realtime.item",
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_audio", "transcript": u["text"]}],
+        }
         prev = self.remember(item)
         if committed:
             out.append({"type": "input_audio_buffer.committed", "item_id": u["id"], "previous_item_id": prev})
         out.append({"type": "conversation.item.added", "item": item, "previous_item_id": prev})
-        out.append({"type": "conversation.item.input_audio_transcription.completed", "item_id": u["id"],
-                    "content_index": 0, "transcript": u["text"],
-                    "usage": {"type": "duration", "seconds": round(max(end_ms - u["start_ms"], 0) / 1000.0, 3)}})
+        out.append(
+            {
+                "type": "conversation.item.input_audio_transcription.completed",
+                "item_id": u["id"],
+                "content_index": 0,
+                "transcript": u["text"],
+                "usage": {"type": "duration", "seconds": round(max(end_ms - u["start_ms"], 0) / 1000.0, 3)},
+            }
+        )
         out.append({"type": "conversation.item.done", "item": item, "previous_item_id": prev})
         return u["id"]
 
     # -- responses
 
     def _response_obj(self, r: dict, status: str) -> dict:
-        obj = {"id": r["id"], "object": "realtime.response", "status": status, "conversation_id": "conv_voicechat",
-               "output": [it for it in r["output"]], "output_modalities": ["text"] if self.text_only else ["audio"],
-               "metadata": None}
+        obj = {
+            "id": r["id"],
+            "object": "realtime.response",
+            "status": status,
+            "conversation_id": "conv_voicechat",
+            "output": [it for it in r["output"]],
+            "output_modalities": ["text"] if self.text_only else ["audio"],
+            "metadata": None,
+        }
         if status == "cancelled":
             obj["status_details"] = {"type": "cancelled", "reason": r.get("reason", "client_cancelled")}
         return obj
@@ -180,18 +221,39 @@ class GaMapper:
         self.requested_at = None
         out.append({"type": "response.created", "response": self._response_obj(r, "in_progress")})
         if audio:
-            item = {"id": _id("item"), "object": "realtime.item", "type": "message", "role": "assistant",
-                    "status": "in_progress", "content": []}
+            item = {
+                "id": _id("item"),
+                "object": "realtime.item",
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             idx = len(r["output"])
             r["output"].append(item)
             r["audio_item"] = {"item": item, "index": idx, "transcript": "", "segments": [], "samples": 0}
             prev = self.remember(item)
-            out.append({"type": "response.output_item.added", "response_id": r["id"], "output_index": idx,
-                        "item": dict(item, content=[])})
+            out.append(
+                {
+                    "type": "response.output_item.added",
+                    "response_id": r["id"],
+                    "output_index": idx,
+                    "item": dict(item, content=[]),
+                }
+            )
             out.append({"type": "conversation.item.added", "item": dict(item, content=[]), "previous_item_id": prev})
-            out.append({"type": "response.content_part.added", "response_id": r["id"], "item_id": item["id"],
-                        "output_index": idx, "content_index": 0, "part": {"type": self._part_type(), "transcript": ""}
-                        if not self.text_only else {"type": "text", "text": ""}})
+            out.append(
+                {
+                    "type": "response.content_part.added",
+                    "response_id": r["id"],
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "content_index": 0,
+                    "part": {"type": self._part_type(), "transcript": ""}
+                    if not self.text_only
+                    else {"type": "text", "text": ""},
+                }
+            )
         return r
 
     def _audio_ms(self, a: dict) -> int:
@@ -214,8 +276,13 @@ class GaMapper:
         if a is None or self.text_only or samples.size == 0:
             return
         a["samples"] += int(samples.size)
-        out.append({"type": "response.output_audio.delta", **self._ids(r, a),
-                    "delta": base64.b64encode(P.pcm16(samples).tobytes()).decode("ascii")})
+        out.append(
+            {
+                "type": "response.output_audio.delta",
+                **self._ids(r, a),
+                "delta": base64.b64encode(P.pcm16(samples).tobytes()).decode("ascii"),
+            }
+        )
 
     def close_response(self, out: list, status: str = "completed", *, truncate_ms: int | None = None) -> None:
         r = self.resp
@@ -243,8 +310,9 @@ class GaMapper:
             item["status"] = item_status
             self.segments[item["id"]] = a["segments"]
             out.append({"type": "response.content_part.done", **ids, "part": part})
-            out.append({"type": "response.output_item.done", "response_id": r["id"], "output_index": a["index"],
-                        "item": item})
+            out.append(
+                {"type": "response.output_item.done", "response_id": r["id"], "output_index": a["index"], "item": item}
+            )
             out.append({"type": "conversation.item.done", "item": item})
         out.append({"type": "response.done", "response": self._response_obj(r, status)})
 
@@ -252,18 +320,33 @@ class GaMapper:
         own = self.resp is None
         r = self.resp if not own else self.open_response(out, audio=False)
         args = json.dumps(e.arguments, separators=(",", ":"))
-        item = {"id": _id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
-                "call_id": e.call_id, "name": e.name, "arguments": ""}
+        item = {
+            "id": _id("item"),
+            "object": "realtime.item",
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": e.call_id,
+            "name": e.name,
+            "arguments": "",
+        }
         idx = len(r["output"])
         r["output"].append(item)
         prev = self.remember(item)
         ids = {"response_id": r["id"], "item_id": item["id"], "output_index": idx}
-        out.append({"type": "response.output_item.added", "response_id": r["id"], "output_index": idx,
-                    "item": dict(item)})
+        out.append(
+            {"type": "response.output_item.added", "response_id": r["id"], "output_index": idx, "item": dict(item)}
+        )
         out.append({"type": "conversation.item.added", "item": dict(item), "previous_item_id": prev})
         out.append({"type": "response.function_call_arguments.delta", **ids, "call_id": e.call_id, "delta": args})
-        out.append({"type": "response.function_call_arguments.done", **ids, "call_id": e.call_id, "name": e.name,
-                    "arguments": args})
+        out.append(
+            {
+                "type": "response.function_call_arguments.done",
+                **ids,
+                "call_id": e.call_id,
+                "name": e.name,
+                "arguments": args,
+            }
+        )
         item.update(status="completed", arguments=args)
         out.append({"type": "response.output_item.done", "response_id": r["id"], "output_index": idx, "item": item})
         out.append({"type": "conversation.item.done", "item": item})
@@ -290,8 +373,9 @@ class GaMapper:
             return False
         if item_id in self.segments:  # a finished assistant item: its stored transcript is what was played
             text = "".join(d for ms, d in self.segments[item_id] if ms < audio_end_ms)
-            item["content"] = [dict(c, transcript=text) if c.get("type") == "output_audio" else c
-                               for c in item.get("content", [])]
+            item["content"] = [
+                dict(c, transcript=text) if c.get("type") == "output_audio" else c for c in item.get("content", [])
+            ]
             item["status"] = "incomplete"
         return True
 
@@ -343,8 +427,14 @@ class GaMapper:
                 self._open_user(f, out)
             self.user["text"] += d.delta
             self.user["last"] = f
-            out.append({"type": "conversation.item.input_audio_transcription.delta", "item_id": self.user["id"],
-                        "content_index": 0, "delta": d.delta})
+            out.append(
+                {
+                    "type": "conversation.item.input_audio_transcription.delta",
+                    "item_id": self.user["id"],
+                    "content_index": 0,
+                    "delta": d.delta,
+                }
+            )
         if self.resp is None and self.user is not None:
             self._speech_started(out)
         text = "".join(text_deltas)
@@ -399,17 +489,30 @@ class GaDialect(Dialect):
 
     def session_obj(self) -> dict:
         s = self.effective or {"instructions": self.instructions, "tools": self.tools}
-        return {"type": "realtime", "object": "realtime.session", "id": self.conn.session_id,
-                "model": public_model_name(self.conn.model_name),
-                "output_modalities": ["text"] if self.text_only else ["audio"],
-                "instructions": s["instructions"] or "",
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.in_rate},
-                                    "turn_detection": {"type": "server_vad", "create_response": True,
-                                                       "interrupt_response": True,
-                                                       "silence_duration_ms": self.options.silence_frames * FRAME_MS}},
-                          "output": {"format": {"type": "audio/pcm", "rate": self.out_rate}}},
-                "tools": [dict(t, type="function") for t in s["tools"]], "tool_choice": "auto",
-                "max_output_tokens": "inf", "expires_at": self.created_at + 3600}
+        return {
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": self.conn.session_id,
+            "model": public_model_name(self.conn.model_name),
+            "output_modalities": ["text"] if self.text_only else ["audio"],
+            "instructions": s["instructions"] or "",
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcm", "rate": self.in_rate},
+                    "turn_detection": {
+                        "type": "server_vad",
+                        "create_response": True,
+                        "interrupt_response": True,
+                        "silence_duration_ms": self.options.silence_frames * FRAME_MS,
+                    },
+                },
+                "output": {"format": {"type": "audio/pcm", "rate": self.out_rate}},
+            },
+            "tools": [dict(t, type="function") for t in s["tools"]],
+            "tool_choice": "auto",
+            "max_output_tokens": "inf",
+            "expires_at": self.created_at + 3600,
+        }
 
     def connected(self) -> None:
         self.send({"type": "session.created", "session": self.session_obj()})
@@ -420,8 +523,10 @@ class GaDialect(Dialect):
         t = msg["type"]
         h = getattr(self, "_on_" + t.replace(".", "_"), None) if t in CLIENT_TYPES else None
         if h is None:
-            raise P.ProtocolError("unknown_type", f"unknown event type {t!r}; OpenAI Realtime GA client events are: "
-                                  + ", ".join(CLIENT_TYPES))
+            raise P.ProtocolError(
+                "unknown_type",
+                f"unknown event type {t!r}; OpenAI Realtime GA client events are: " + ", ".join(CLIENT_TYPES),
+            )
         return h(msg)  # an awaitable where the handler admits audio
 
     async def _on_session_update(self, msg):
@@ -449,7 +554,7 @@ class GaDialect(Dialect):
                 raise P.ProtocolError("invalid_session", f"session.tools: {e}") from None
         mods = s.get("output_modalities")
         if mods is not None and (not isinstance(mods, list) or not set(mods) <= {"audio", "text"} or not mods):
-            raise P.ProtocolError("invalid_session", "session.output_modalities must be [\"audio\"] or [\"text\"]")
+            raise P.ProtocolError("invalid_session", 'session.output_modalities must be ["audio"] or ["text"]')
         # All checked: apply.
         if in_rate is not None and in_rate != self.in_rate:
             await self._flush_input()
@@ -469,20 +574,30 @@ class GaDialect(Dialect):
             self.instructions, self.tools = instructions, list(tools)
         elif instructions != self.effective["instructions"] or list(tools) != self.effective["tools"]:
             # The model prefilled its prompt (and tools) when the audio started: later changes cannot reach it.
-            log.warning("session %s: instructions / tools changed after the audio started; the session keeps "
-                        "the ones it opened with", self.conn.session_id)
+            log.warning(
+                "session %s: instructions / tools changed after the audio started; the session keeps "
+                "the ones it opened with",
+                self.conn.session_id,
+            )
         self.send({"type": "session.updated", "session": self.session_obj()})
 
     def _open(self) -> None:
 
         self.opened = True
         self.effective = {"instructions": self.instructions, "tools": list(self.tools)}
-        self.mapper = GaMapper(model_rate=self.model_rate, client_rate=self.out_rate,
-                               silence_codes=self.conn.model_info.get("silence_codes", []), options=self.options,
-                               text_only=self.text_only)
-        self.conn.open_session(SessionParams(
-            system_prompt=self.instructions or None,
-            tools=[dict(t, type="function") for t in normalize_tools(self.tools)] or None))
+        self.mapper = GaMapper(
+            model_rate=self.model_rate,
+            client_rate=self.out_rate,
+            silence_codes=self.conn.model_info.get("silence_codes", []),
+            options=self.options,
+            text_only=self.text_only,
+        )
+        self.conn.open_session(
+            SessionParams(
+                system_prompt=self.instructions or None,
+                tools=[dict(t, type="function") for t in normalize_tools(self.tools)] or None,
+            )
+        )
 
     async def _flush_input(self) -> None:
         held = self.inp.flush()
@@ -509,8 +624,13 @@ class GaDialect(Dialect):
         m = self.mapper
         item_id = m.close_user(m.frame * FRAME_MS, out) if m is not None else None
         if item_id is None:
-            out.append({"type": "input_audio_buffer.committed", "item_id": _id("item"),
-                        "previous_item_id": m.last_item_id if m else None})
+            out.append(
+                {
+                    "type": "input_audio_buffer.committed",
+                    "item_id": _id("item"),
+                    "previous_item_id": m.last_item_id if m else None,
+                }
+            )
         return out
 
     def _on_input_audio_buffer_clear(self, msg):
@@ -519,8 +639,11 @@ class GaDialect(Dialect):
 
     def _on_output_audio_buffer_clear(self, msg):
         out: list = []
-        rid = self.mapper.resp["id"] if self.mapper and self.mapper.resp else \
-            (self.mapper.last_response_id if self.mapper else None)
+        rid = (
+            self.mapper.resp["id"]
+            if self.mapper and self.mapper.resp
+            else (self.mapper.last_response_id if self.mapper else None)
+        )
         if self.mapper is not None:
             self.mapper.cancel(out, "turn_detected")
         for p in out:
@@ -551,11 +674,11 @@ class GaDialect(Dialect):
         if item["type"] == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str):
-                raise P.ProtocolError("invalid_item", "a function_call_output item needs string 'call_id' and "
-                                      "'output'")
+                raise P.ProtocolError("invalid_item", "a function_call_output item needs string 'call_id' and 'output'")
             if not self.opened:
-                raise P.ProtocolError("invalid_tool_result", f"no tool call {call_id!r} is pending: the session "
-                                      "has not started")
+                raise P.ProtocolError(
+                    "invalid_tool_result", f"no tool call {call_id!r} is pending: the session has not started"
+                )
             self.conn.submit(SubmitToolResult(call_id, output))
         # Other items (text messages) are kept in the conversation; the model hears audio only.
         prev = None
@@ -594,8 +717,7 @@ class GaDialect(Dialect):
             raise P.ProtocolError("item_not_found", f"no conversation item {item_id!r} to truncate")
         for p in out:
             self.send(p)
-        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": ci,
-                   "audio_end_ms": ms})
+        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": ci, "audio_end_ms": ms})
 
     # -- worker items
 
@@ -610,6 +732,12 @@ class GaDialect(Dialect):
                 self.opened, self.failed = False, True
                 self.conn.configured = True
                 self.inp = StreamResampler(self.in_rate, P.INPUT_SAMPLE_RATE)
-                await self.conn.send_now([self.error_payload(code, message + "; the audio is dropped until a "
-                                                             "session.update with settings the model accepts")])
+                await self.conn.send_now(
+                    [
+                        self.error_payload(
+                            code,
+                            message + "; the audio is dropped until a session.update with settings the model accepts",
+                        )
+                    ]
+                )
                 self.conn.count_error(code)

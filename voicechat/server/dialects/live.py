@@ -23,8 +23,14 @@ from voicechat.server.messages import Commit, FrameEvents, SessionOpened, Sessio
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 
 LIVE_RATES = (16000, 24000)
-SUPPORTED = ("session.start", "session.update", "session.input_audio.append", "session.input_audio.mute",
-             "session.input_audio.unmute", "session.close")
+SUPPORTED = (
+    "session.start",
+    "session.update",
+    "session.input_audio.append",
+    "session.input_audio.mute",
+    "session.input_audio.unmute",
+    "session.close",
+)
 
 
 class LiveDialect(Dialect):
@@ -48,9 +54,14 @@ class LiveDialect(Dialect):
         return openai_error(code, message, client_event_id, key="client_event_id")
 
     def resource(self) -> dict:
-        return {"id": self.conn.session_id, "expires_at": int(self.started_at) + 3600, "model": self.model,
-                "status": "active", "instructions": self.instructions,
-                "audio": {"format": {"type": "audio/pcm", "rate": self.rate}}}
+        return {
+            "id": self.conn.session_id,
+            "expires_at": int(self.started_at) + 3600,
+            "model": self.model,
+            "status": "active",
+            "instructions": self.instructions,
+            "audio": {"format": {"type": "audio/pcm", "rate": self.rate}},
+        }
 
     # -- client events
 
@@ -60,8 +71,11 @@ class LiveDialect(Dialect):
         if t == "session.start":
             return self._start(msg, cid)
         if t not in SUPPORTED:
-            raise P.ProtocolError("unsupported_event", f"{t!r} is not supported by this server (a full-duplex speech "
-                                  "model without delegation); supported: " + ", ".join(SUPPORTED))
+            raise P.ProtocolError(
+                "unsupported_event",
+                f"{t!r} is not supported by this server (a full-duplex speech "
+                "model without delegation); supported: " + ", ".join(SUPPORTED),
+            )
         if not self.conn.configured:  # after session.start the commands queue behind the session's opening
             raise P.ProtocolError("session_not_started", f"send session.start before {t}")
         if t == "session.input_audio.append":
@@ -123,8 +137,10 @@ class LiveDialect(Dialect):
     def _audio_delta(self, samples: np.ndarray) -> dict | None:
         if samples.size == 0:
             return None
-        return {"type": "session.output_audio.delta",
-                "delta": base64.b64encode(P.pcm16(samples).tobytes()).decode("ascii")}
+        return {
+            "type": "session.output_audio.delta",
+            "delta": base64.b64encode(P.pcm16(samples).tobytes()).decode("ascii"),
+        }
 
     def map_events(self, events) -> list:
         out: list = []
@@ -132,8 +148,11 @@ class LiveDialect(Dialect):
             match e:
                 case UserTranscriptDelta() | AssistantTextDelta() if e.delta:
                     f = int(e.frame_index)
-                    t = "session.input_transcript.delta" if isinstance(e, UserTranscriptDelta) else \
-                        "session.output_transcript.delta"
+                    t = (
+                        "session.input_transcript.delta"
+                        if isinstance(e, UserTranscriptDelta)
+                        else "session.output_transcript.delta"
+                    )
                     out.append({"type": t, "delta": e.delta, "start_ms": f * FRAME_MS, "end_ms": (f + 1) * FRAME_MS})
                 case Audio():
                     d = self._audio_delta(self.out.push(e.samples))
@@ -153,8 +172,9 @@ class LiveDialect(Dialect):
                 await self.conn.send_now(self.map_events(events))
             case SessionOpened():
                 self.started = True
-                await self.conn.send_now([self._with_cid({"type": "session.started", "session": self.resource()},
-                                                         self._cid)])
+                await self.conn.send_now(
+                    [self._with_cid({"type": "session.started", "session": self.resource()}, self._cid)]
+                )
             case SessionRefused(code=code, message=message):
                 self.conn.configured = False  # another session.start may follow
                 self.conn.count_error(code)
@@ -163,8 +183,9 @@ class LiveDialect(Dialect):
     async def finishing(self, end: str) -> None:
         if self.closing:
             usage = {"seconds": float(round(self.conn.received_samples / P.INPUT_SAMPLE_RATE))}
-            await self.conn.send_now([{"type": "session.closed", "reason": "close_requested",
-                                       "session": self.resource(), "usage": usage}])
+            await self.conn.send_now(
+                [{"type": "session.closed", "reason": "close_requested", "session": self.resource(), "usage": usage}]
+            )
 
     def timeout_message(self, code: str, message: str) -> str:
         if code == "session_update_timeout":

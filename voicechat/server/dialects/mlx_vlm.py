@@ -39,17 +39,27 @@ class MlxVlmDialect(Dialect):
 
     def connected(self) -> None:
         c, info, lim = self.conn, self.conn.model_info, self.conn.limits
-        self.send({"type": "session.created", "session": {
-            "id": c.session_id, "state": "configuring", "model": c.model_name,
-            "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
-            "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
-            "limits": {"max_message_bytes": lim.max_message_bytes,
-                       "max_session_audio_seconds": lim.max_session_audio_seconds,
-                       "max_session_seconds": lim.max_session_seconds,
-                       "max_prompt_tokens": lim.max_prompt_tokens,
-                       "session_update_timeout": lim.session_update_timeout,
-                       "idle_timeout": lim.idle_timeout,
-                       "max_queued_audio_seconds": lim.max_queued_audio_seconds}}})
+        self.send(
+            {
+                "type": "session.created",
+                "session": {
+                    "id": c.session_id,
+                    "state": "configuring",
+                    "model": c.model_name,
+                    "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
+                    "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
+                    "limits": {
+                        "max_message_bytes": lim.max_message_bytes,
+                        "max_session_audio_seconds": lim.max_session_audio_seconds,
+                        "max_session_seconds": lim.max_session_seconds,
+                        "max_prompt_tokens": lim.max_prompt_tokens,
+                        "session_update_timeout": lim.session_update_timeout,
+                        "idle_timeout": lim.idle_timeout,
+                        "max_queued_audio_seconds": lim.max_queued_audio_seconds,
+                    },
+                },
+            }
+        )
 
     # -- client messages
 
@@ -66,8 +76,10 @@ class MlxVlmDialect(Dialect):
             return
         if t == P.SESSION_UPDATE:
             if c.configured:
-                raise P.ProtocolError("session_already_configured",
-                                      "session.update may be sent once, before audio; this session is configured")
+                raise P.ProtocolError(
+                    "session_already_configured",
+                    "session.update may be sent once, before audio; this session is configured",
+                )
             if wants_ga(msg):  # an OpenAI Realtime GA client that did not name a model in the URL
                 await c.switch_dialect("ga").handle_msg(msg)
                 return
@@ -98,24 +110,42 @@ class MlxVlmDialect(Dialect):
         match out:
             case FrameEvents(events=events, compute_ms=compute_ms, lag_ms=lag_ms):
                 rate = self.output_rate
-                await c.send_now([P.event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag_ms)
-                                  if isinstance(e, Audio) else P.event_payload(e, rate) for e in events])
+                await c.send_now(
+                    [
+                        P.event_payload(e, rate, compute_ms=compute_ms, lag_ms=lag_ms)
+                        if isinstance(e, Audio)
+                        else P.event_payload(e, rate)
+                        for e in events
+                    ]
+                )
             case Committed():
                 await c.send_now([{"type": "input_audio_buffer.committed"}])
             case ToolOutputSent(frame_index=f, call_id=call_id, output=output):  # the page shows it
-                await c.send_now([{"type": "response.function_call.output", "frame_index": f, "call_id": call_id,
-                                   "output": output}])
+                await c.send_now(
+                    [{"type": "response.function_call.output", "frame_index": f, "call_id": call_id, "output": output}]
+                )
             case SessionOpened(info=info):
                 s = c.session_params
-                await c.send_now([{"type": "session.updated", "session": {
-                    "id": c.session_id, "state": "ready", "model": c.model_name,
-                    "system_prompt": s.system_prompt, "seed": s.seed,
-                    "max_streaming_seconds": s.max_streaming_seconds,
-                    "frame_samples": info["frame_samples"],
-                    "output_frame_samples": info["output_frame_samples"],
-                    "num_codebooks": info["num_codebooks"],
-                    "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
-                    "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict()}}])
+                await c.send_now(
+                    [
+                        {
+                            "type": "session.updated",
+                            "session": {
+                                "id": c.session_id,
+                                "state": "ready",
+                                "model": c.model_name,
+                                "system_prompt": s.system_prompt,
+                                "seed": s.seed,
+                                "max_streaming_seconds": s.max_streaming_seconds,
+                                "frame_samples": info["frame_samples"],
+                                "output_frame_samples": info["output_frame_samples"],
+                                "num_codebooks": info["num_codebooks"],
+                                "input_audio_format": P.AudioFormat(info["input_sample_rate"]).as_dict(),
+                                "output_audio_format": P.AudioFormat(info["output_sample_rate"]).as_dict(),
+                            },
+                        }
+                    ]
+                )
             case SessionRefused(code=code, message=message):
                 c.configured = False  # the client may try another session.update
                 c.count_error(code)
