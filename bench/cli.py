@@ -210,9 +210,10 @@ def cmd_bench(args) -> int:
             print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
         return 0
 
-    from .runner import BenchOptions, Progress, run_bench
     from voicechat.io.audio_input import resolve_input_path
     from voicechat.io.progress import set_quiet
+
+    from .runner import BenchOptions, Progress, run_bench
 
     if args.quiet:
         set_quiet(True)

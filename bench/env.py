@@ -8,7 +8,7 @@ import os
 import platform
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -125,7 +125,7 @@ def environment(checkpoints: list[dict] | None = None, *, date: datetime | None 
     from voicechat.runtime import ExecutionPolicy
     from voicechat.runtime.kernels import ISA_NAMES, extension, unavailable_reason
 
-    date = date or datetime.now(timezone.utc)
+    date = date or datetime.now(UTC)
     try:
         metal = bool(mx.metal.is_available())
     except Exception:  # pragma: no cover - MLX builds without the metal module

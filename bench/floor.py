@@ -39,8 +39,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from voicechat.runtime import ExecutionPolicy
-from voicechat.runtime.kernels import float32_matmul
-from voicechat.runtime.kernels import quantized_matmul as cpu_qmv_matmul
+from voicechat.runtime.kernels import float32_matmul, quantized_matmul as cpu_qmv_matmul
 from voicechat.runtime.linear import resident_arrays, secondary_stream
 from voicechat.streaming.engine import STAGES
 
@@ -52,7 +51,7 @@ class StageBytes:
     """Bytes one frame reads in one stage, split by weight format (plus float32 state traffic)."""
 
     stage: str
-    by_format: dict[str, float] = field(default_factory=lambda: {f: 0.0 for f in FORMATS})
+    by_format: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FORMATS, 0.0))
     state_bytes: float = 0.0  # float32 recurrent state read + written per frame (Mamba SSM)
 
     @property
@@ -361,7 +360,7 @@ def resident_bytes_by_stage(model) -> dict[str, int]:
     modules (voicechat.model.derived.derived, numpy float32 copies of voicechat.runtime.host_products included;
     views excluded): `voicechat.runtime.linear.resident_arrays`. Arrays outside the five stages
     (speaker latents, control codes) go to "other"; "total" is the sum."""
-    out = {s: 0 for s in (*STAGES, "other")}
+    out = dict.fromkeys((*STAGES, "other"), 0)
     for path, a in resident_arrays(model):
         out[_stage_of(path + ".") or "other"] += a.nbytes
     out["total"] = sum(out.values())

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
 from voicechat.streaming.engine import STAGES
 
 STAGE_COLORS = {"perception": "#4C72B0", "rnnt": "#8172B3", "language": "#DD8452", "tts": "#55A868", "codec": "#C44E52"}

@@ -17,6 +17,7 @@ import glob
 
 import numpy as np
 import pandas as pd
+
 from voicechat.streaming.engine import STAGES
 
 

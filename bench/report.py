@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
 from voicechat.streaming.engine import STAGES as FRAME_STAGES
 
 STAGES = (*FRAME_STAGES, "total")
@@ -417,7 +418,7 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                 else ""
             )
             + (
-                f". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
+                ". Quantized matrix-vector products through `cpu_qmv` (`VOICECHAT_CPU_QMV`; MLX's bits): "
                 + (
                     f"on ({mlx.get('voicechat_cpu_qmv_isa')})"
                     if mlx["voicechat_cpu_qmv"]

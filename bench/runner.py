@@ -22,11 +22,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+
 from voicechat.streaming.engine import STAGES
 
 STAGE_KEYS = tuple(f"{stage}_ms" for stage in (*STAGES, "total"))
@@ -520,7 +521,11 @@ def run_bench(
                             label=label,
                         )
                     rec = {
-                        **{"checkpoint": spec, "backend": name, "input": inp["name"], "phase": phase, "run": r},
+                        "checkpoint": spec,
+                        "backend": name,
+                        "input": inp["name"],
+                        "phase": phase,
+                        "run": r,
                         **rec,
                     }
                     run_rows.append(rec)

@@ -59,9 +59,9 @@ from .families import (
     compare_codes,
     compare_frames,
     compare_ids,
+    compare_logits_per_frame,
     compare_text,
     compare_token_frames,
-    compare_logits_per_frame,
     compare_token_lists,
     compare_value,
     logits_per_frame,
@@ -1196,7 +1196,7 @@ def run_parity(
         "system_prompt": system_prompt or "",
         "chunk_samples": chunk_samples,
         "versions": ver,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "elapsed_s": round(time.perf_counter() - t0, 2),
         "command": " ".join(sys.argv) if sys.argv and sys.argv[0].endswith("voicechat") else None,
     }
@@ -1378,7 +1378,7 @@ def run_matrix(
         "system_prompt": system_prompt or "",
         "chunk_samples": chunk_samples,
         "versions": ver,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "elapsed_s": round(time.perf_counter() - t0, 2),
         "command": " ".join(sys.argv) if sys.argv and sys.argv[0].endswith("voicechat") else None,
     }

@@ -166,7 +166,7 @@ class FamilyResult:
         return {k: _jsonable(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FamilyResult":
+    def from_dict(cls, d: dict) -> FamilyResult:
         d = dict(d)
         for k in ("observed", "tolerance", "margin"):
             if d.get(k) in ("inf", "-inf", "nan"):
@@ -705,7 +705,7 @@ def compare_aligned_audio(
     delay: int,
     skip: int,
     samples_per_frame: int,
-    tol_name: "str | Tolerance",
+    tol_name: str | Tolerance,
     end: int | None = None,
     note: str = "",
 ) -> FamilyResult:

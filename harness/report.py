@@ -37,7 +37,7 @@ class ParityReport:
         return not any(r.status == FAIL for r in self.rows)
 
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in (PASS, FAIL, DOCUMENTED, NOT_AVAILABLE)}
+        out = dict.fromkeys((PASS, FAIL, DOCUMENTED, NOT_AVAILABLE), 0)
         for r in self.rows:
             out[r.status] += 1
         return out
@@ -84,7 +84,7 @@ class ParityReport:
         return json.dumps(self.as_dict(), indent=2, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "ParityReport":
+    def from_json(cls, text: str) -> ParityReport:
         d = json.loads(text)
         return cls(
             header=d["header"],

@@ -98,7 +98,7 @@ def run_server_parity(
         "system_prompt": system_prompt or "",
         "chunk_samples": 1280,
         "versions": versions(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "elapsed_s": round(time.perf_counter() - t0, 2),
     }
     return ParityReport(header=header, rows=rows)

@@ -78,7 +78,7 @@ class Spec:
         ctl = "ctl-in" if self.control_inside else "ctl-out"
         return f"{self.depth}-q{self.num_quantizers}x{self.codebook_size}-{ctl}-{self.dtype}-{q}-{self.sampling}"
 
-    def with_(self, **kw) -> "Spec":
+    def with_(self, **kw) -> Spec:
         return replace(self, **kw)
 
 
@@ -706,7 +706,7 @@ def write(folder, spec: Spec, n_shards: int = 3) -> Path:
     for i, group in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         mx.save_safetensors(str(folder / fname), {n: tensors[n] for n in group}, metadata={"format": "mlx"})
-        weight_map.update({n: fname for n in group})
+        weight_map.update(dict.fromkeys(group, fname))
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
     )

@@ -329,8 +329,9 @@ def test_cli_exit_status_and_errors(monkeypatch, tiny_ckpt_4bit, wav_path, tmp_p
 
 
 def test_frame_weight_bytes_by_an_independent_count(tiny_model_4bit, tiny_ckpt_8bit):
-    import voicechat
     from mlx.utils import tree_flatten
+
+    import voicechat
 
     params = dict(tree_flatten(tiny_model_4bit.parameters()))
     b = frame_weight_bytes(tiny_model_4bit)
@@ -375,7 +376,7 @@ def test_measure_bandwidth_rejects_bad_sizes():
 # -- micro-benchmarks of the per-frame stage functions (timings are not asserted)
 
 
-@pytest.fixture()
+@pytest.fixture
 def warm_session(tiny_model_4bit, question_wav):
     """A streaming session after two frames, so every stage is past its position-0 special case."""
     s = tiny_model_4bit.create_streaming_session()
@@ -487,8 +488,7 @@ def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
     than without (one copy, not two), and 2 per bias element its copy widened; counted from the
     layers' shapes and dtypes, not from what `resident_bytes` counts."""
     import voicechat
-    from bench.floor import resident_bytes_by_stage
-    from bench.floor import _stage_of
+    from bench.floor import _stage_of, resident_bytes_by_stage
 
     resident, layers = {}, {}
     for copies in ("0", "1"):

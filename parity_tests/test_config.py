@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from voicechat.model.config import VoiceChatConfig, dump_config, parse_config_text
 from voicechat.errors import ConfigError
+from voicechat.model.config import VoiceChatConfig, dump_config, parse_config_text
 from voicechat.synthetic.presets import PRESETS, preset_dict
 
 

@@ -9,8 +9,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mlx.utils import tree_map as nn_tree_map
+from mlx.utils import tree_flatten, tree_map as nn_tree_map
 
 from voicechat.model.audio.conformer import (
     ConformerStream,

@@ -20,8 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.runtime import ExecutionPolicy
-from voicechat.runtime import kernels as cpu_qmv
+from voicechat.runtime import ExecutionPolicy, kernels as cpu_qmv
 from voicechat.runtime.kernels import BITS, GROUP_SIZES, ISA_NAMES, platform_served, quantized_matmul
 
 from .runtime_util import bound_policy, default_policy, running
@@ -68,7 +67,7 @@ def test_extension_is_used_where_it_should_be():
     CI requires it (VOICECHAT_REQUIRE_CPU_QMV=1) a broken build fails here instead of going slow."""
     m = _module()
     assert cpu_qmv.unavailable_reason() is None
-    assert m.MLX_VERSION == mx.__version__
+    assert mx.__version__ == m.MLX_VERSION
     policy = default_policy()  # this (CPU) device's, as `voicechat.load` chooses it
     assert policy.cpu_kernels and policy.bf16_transposed
     with running(policy):

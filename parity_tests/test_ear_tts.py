@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from voicechat.synthetic.presets import preset_config
 from voicechat.model.tts import ear_tts as ear_tts_module
 from voicechat.model.tts.char_encoder import FLAG_TABLE_VOCAB, CharTable
 from voicechat.model.tts.ear_tts import EarTts, EarTtsState, mog_pass_schedule, replace_control_codes
-from voicechat.model.tts.rng import SessionRandom
 from voicechat.model.tts.numerics import FLOAT32, NUMERICS, REFERENCE, numerics_from
+from voicechat.model.tts.rng import SessionRandom
+from voicechat.synthetic.presets import preset_config
 
 F32_TOL = 1e-4
 EOS, PAD = 2, 12

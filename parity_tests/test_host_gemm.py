@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from voicechat.model.audio.codec import Codec, erf_rational
+from voicechat.runtime import ExecutionPolicy, host_products as host_gemm
 from voicechat.synthetic.presets import preset_config
-from voicechat.runtime import ExecutionPolicy
-from voicechat.runtime import host_products as host_gemm
 
 from .runtime_util import bound_policy, default_policy, running
 
@@ -175,13 +174,11 @@ def test_one_blas_thread_limits_and_restores():
 
     before = blas_threads()
     assert before, "numpy's BLAS should be visible to threadpoolctl"
-    with running(host_products=True):
-        with host_gemm.one_blas_thread(bound_policy().host_products):
-            assert blas_threads() == [1] * len(before)
+    with running(host_products=True), host_gemm.one_blas_thread(bound_policy().host_products):
+        assert blas_threads() == [1] * len(before)
     assert blas_threads() == before
-    with running(host_products=False):
-        with host_gemm.one_blas_thread(bound_policy().host_products):
-            assert blas_threads() == before
+    with running(host_products=False), host_gemm.one_blas_thread(bound_policy().host_products):
+        assert blas_threads() == before
 
 
 def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():

@@ -169,7 +169,7 @@ def test_quantized_model_computes_what_its_dense_twin_does(tmp_path, clip):
                 t[p + ".weight"], t.pop(p + ".scales"), t.pop(p + ".biases"), group_size=64, bits=spec.bits
             )
         mx.save_safetensors(str(dfolder / shard), t)
-        weight_map.update({k: shard for k in t})
+        weight_map.update(dict.fromkeys(t, shard))
     (dfolder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     cfg = json.loads((qfolder / "config.json").read_text())
     cfg.pop("quantization"), cfg.pop("quantization_config")

@@ -20,8 +20,8 @@ import pytest
 import soundfile as sf
 import soxr
 
-from voicechat.io.audio_input import read_audio_file, resolve_input_path
 from voicechat.cli.generate import to_pcm16
+from voicechat.io.audio_input import read_audio_file, resolve_input_path
 from voicechat.samples import sample_path
 
 

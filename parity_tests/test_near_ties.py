@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.synthetic import checkpoint as synthetic
 from voicechat.model.audio.codec import ResidualVectorQuantizer
+from voicechat.synthetic import checkpoint as synthetic
 from voicechat.synthetic.presets import preset_config
 
 from . import independent_writer

@@ -25,9 +25,7 @@ import numpy as np
 import pytest
 
 import voicechat
-from voicechat.runtime import ENV_VARS, ExecutionPolicy
-from voicechat.runtime import compiled, overlap
-from voicechat.runtime import linear as parallel
+from voicechat.runtime import ENV_VARS, ExecutionPolicy, compiled, linear as parallel
 from voicechat.runtime.kernels import platform_served, unavailable_reason
 from voicechat.runtime.linear import (
     MIN_SPLIT_MACS,
@@ -456,9 +454,8 @@ def test_policy_is_fixed_and_bound_per_thread(monkeypatch):
         thread.start()
         thread.join()
         assert seen["policy"] is UNBOUND  # not this thread's runtime
-        with pytest.raises(RuntimeError, match="inside"):
-            with running(policy, cpu_streams=1):
-                raise RuntimeError("inside")
+        with pytest.raises(RuntimeError, match="inside"), running(policy, cpu_streams=1):
+            raise RuntimeError("inside")
         assert bound_policy() is policy
     assert bound_policy() is UNBOUND
     assert ExecutionPolicy.for_device().compiled is False  # the environment, read again by for_device

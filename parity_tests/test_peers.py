@@ -59,8 +59,8 @@ def runs(vlm4, clip):
 
 def _expected_quantized(bits):
     from voicechat.model.voicechat import VoiceChatNetwork
-    from voicechat.synthetic.presets import preset_config
     from voicechat.synthetic.checkpoint import language_path_modules
+    from voicechat.synthetic.presets import preset_config
 
     return set(language_path_modules(VoiceChatNetwork(preset_config("tiny")))) if bits else set()
 

@@ -22,10 +22,9 @@ FRAMES = 14
 @pytest.fixture(scope="module", params=[4, 8])
 def real_model(request, tmp_path_factory):
     """small16 at 4 / 8 bits: the published layout at the real depth and frame geometry."""
-    from voicechat.synthetic.checkpoint import write_checkpoint
-
-    from voicechat.synthetic.toolcall import SPECIAL_COUNT
     from voicechat.io.tokenizer import write_synthetic_tokenizer
+    from voicechat.synthetic.checkpoint import write_checkpoint
+    from voicechat.synthetic.toolcall import SPECIAL_COUNT
 
     path = write_checkpoint(
         tmp_path_factory.mktemp(f"small16_{request.param}bit"), "small16", bits=request.param, progress=False
@@ -257,7 +256,7 @@ def test_state_of_another_model_is_refused_in_memory(tiny_model, tiny_model_4bit
     assert s.prompt_positions == state.prompt_positions
 
 
-@pytest.fixture()
+@pytest.fixture
 def saved(tiny_model, tmp_path):
     state = tiny_model.prepare_prompt("Be brief.", seed=4)
     return state, state.save(tmp_path / "state.safetensors")
@@ -468,6 +467,7 @@ def _write_v1(state, path):
     """A prompt-state file exactly as the writer before `state` / `meta_state` wrote it (format
     version 1; the writer's code, frozen here): the layout every later reader must read."""
     import hashlib
+
     import mlx.core as mx
 
     from voicechat._version import __version__

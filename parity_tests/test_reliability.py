@@ -5,8 +5,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import voicechat
 
@@ -153,8 +152,7 @@ def test_ten_minute_session(tiny_model):
     # Only the designed-to-grow caches grow: LLM attention K/V and TTS global-layer K/V (+ offsets).
     for k in grown:
         assert (
-            k.startswith("llm.")
-            and (k.endswith(".keys") or k.endswith(".values"))
+            (k.startswith("llm.") and (k.endswith(".keys") or k.endswith(".values")))
             or k.startswith("tts.layers.")
             or k in ("tts.offset",)
         ), k

@@ -172,7 +172,6 @@ def _checkpoints():
 
 @pytest.fixture(scope="module", params=list(_checkpoints()))
 def checkpoint(request, tmp_path_factory):
-    import voicechat.synthetic.checkpoint
 
     return _checkpoints()[request.param](tmp_path_factory.mktemp(request.param))
 

@@ -46,17 +46,15 @@ def unb64(s) -> np.ndarray:
 
 
 def ga_validate(raw: dict):
-    from pydantic import TypeAdapter
-
     from openai.types.realtime import RealtimeServerEvent
+    from pydantic import TypeAdapter
 
     return TypeAdapter(RealtimeServerEvent).validate_python(raw)
 
 
 def live_validate(raw: dict):
-    from pydantic import TypeAdapter
-
     from openai.types.live import ServerEvent
+    from pydantic import TypeAdapter
 
     return TypeAdapter(ServerEvent).validate_python(raw)
 

@@ -817,12 +817,11 @@ def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
 
 
 def test_tls(tiny_ckpt, tmp_path):
+    import shutil
     import ssl
     import subprocess
 
     from voicechat.server.runner import ServerThread, make_state
-
-    import shutil
 
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a self-signed certificate")

@@ -4,30 +4,27 @@ wire, `session.updated` without a prefill for a cached prompt, the bytes in /met
 
 from __future__ import annotations
 
-import asyncio
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
 
 from voicechat.server.client import run_stream_audio, to_pcm16
 
-from .server_util import Raw, run, stop_server, wait_released  # noqa: E402
-from .test_server import _expected_events, _wire_events  # noqa: E402
+from .server_util import Raw, run, stop_server, wait_released
+from .test_server import _expected_events, _wire_events
 
 # ~580 prompt positions at the tiny preset: a prefill long enough to tell from a cached start.
 LONG = " ".join(["You are a patient assistant for a hardware store; answer in one short sentence."] * 12)
 
 
 def _start(ckpt, **kw):
+    from voicechat.server.limits import ServerLimits
     from voicechat.server.metrics import ServerMetrics
     from voicechat.server.prompt_cache import PromptStates
     from voicechat.server.runner import ServerThread, make_state
-
-    from voicechat.server.limits import ServerLimits
 
     metrics = ServerMetrics()
     prompts = PromptStates(metrics=metrics, announce=False, **kw)

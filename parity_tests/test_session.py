@@ -10,7 +10,6 @@ import voicechat
 from voicechat.errors import ContextLimitError, SessionClosedError, WrongThreadError
 from voicechat.streaming.profiler import FrameTiming, Profile, percentile
 from voicechat.synthetic.checkpoint import write_checkpoint
-from voicechat.model.tts.ear_tts import replace_control_codes
 
 
 def run_stream(model, audio, push=1280, **kw):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from voicechat.model.audio.codec import Codec
-from voicechat.synthetic.presets import preset_config
 from voicechat.streaming.speech_output import AudioChunk, ChunkedSpeechOutput, iter_chunks
+from voicechat.synthetic.presets import preset_config
 
 TOL = 1e-5
 

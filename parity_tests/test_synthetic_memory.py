@@ -7,9 +7,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 import voicechat.synthetic.checkpoint as synthetic
-from mlx.utils import tree_flatten
 from voicechat.model.voicechat import VoiceChatNetwork
 from voicechat.synthetic.presets import preset_config
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None, what: str = "") -> bool | None:

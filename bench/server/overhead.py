@@ -39,9 +39,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import voicechat
-    from voicechat.synthetic.checkpoint import resolve_model_arg
-
     from voicechat.server.client import run_stream_audio
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     pcm = sample_pcm16(args.audio)
     ckpt = resolve_model_arg(args.model)

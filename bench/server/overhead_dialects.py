@@ -48,7 +48,7 @@ async def _ga(url, pcm24, chunk):
                 left = deadline - time.perf_counter() if got is None else 0.003
                 try:
                     e = json.loads(await asyncio.wait_for(ws.recv(), max(left, 0.0)))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 if e["type"] == "error":
                     raise RuntimeError(e)
@@ -80,7 +80,7 @@ async def _live(url, pcm16, n):
             while True:
                 try:
                     e = json.loads(await asyncio.wait_for(ws.recv(), 10))
-                except asyncio.TimeoutError:  # soxr emitted nothing for this frame: not timed
+                except TimeoutError:  # soxr emitted nothing for this frame: not timed
                     t0 = None
                     break
                 if e["type"] == "session.output_audio.delta":
@@ -121,11 +121,10 @@ def main(argv=None) -> int:
     import soxr
 
     import voicechat
-    from voicechat.synthetic.checkpoint import resolve_model_arg
-
     from voicechat.server.client import run_stream_audio, to_pcm16
     from voicechat.server.compare import free_port, start_process
     from voicechat.server.resample import StreamResampler
+    from voicechat.synthetic.checkpoint import resolve_model_arg
 
     pcm = sample_pcm16(args.audio)
     ckpt = resolve_model_arg(args.model)

@@ -36,7 +36,6 @@ def main(argv=None) -> int:
     import soundfile as sf
 
     from voicechat.samples import sample_path
-
     from voicechat.server.client import run_stream_audio
     from voicechat.server.compare import free_port, start_process, stop_process
 

@@ -877,11 +877,10 @@ def _float32_norm(self, x):
 
 
 @contextmanager
-def departures_undone(backend: "MlxAudioBackend", names=CODE_DEPARTURES):
+def departures_undone(backend: MlxAudioBackend, names=CODE_DEPARTURES):
     """For the duration of the block, mlx-audio computes as mlx-vlm does at the named places (in memory;
     everything restored afterwards)."""
-    from mlx_audio.sts.models.nemotron_voicechat import t5gemma as ma_t5gemma
-    from mlx_audio.sts.models.nemotron_voicechat import tts as ma_tts
+    from mlx_audio.sts.models.nemotron_voicechat import t5gemma as ma_t5gemma, tts as ma_tts
 
     unknown = set(names) - set(DEPARTURES)
     if unknown:

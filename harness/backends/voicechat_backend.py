@@ -418,8 +418,8 @@ class VoiceChatBackend(Backend):
         if given); the cached run picks the ids by argmax as the runtime does and
         the recompute is fed the same inputs (teacher forcing).
         """
-        from voicechat.streaming.generate import offline_perception
         from voicechat.model.tts.rng import SessionRandom
+        from voicechat.streaming.generate import offline_perception
 
         model = self._require()
         cfg = model.config

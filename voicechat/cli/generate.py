@@ -112,8 +112,8 @@ def run_generate(args) -> int:
 
 
 def _generate(args, audio_path, tools, runner) -> int:
-    from voicechat.io.audio_input import read_audio_file
     from voicechat.errors import ContextLimitError
+    from voicechat.io.audio_input import read_audio_file
     from voicechat.streaming.model import load
     from voicechat.streaming.prompt_state import PromptState
     from voicechat.synthetic.checkpoint import resolve_model_arg

@@ -337,7 +337,6 @@ def run_client(args) -> int:
     import soundfile as sf
 
     from voicechat.io.audio_input import read_audio_file
-
     from voicechat.server.client import run_stream_audio
 
     audio = read_audio_file(args.audio, 16000)

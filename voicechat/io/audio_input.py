@@ -24,6 +24,7 @@ import numbers
 from pathlib import Path
 
 import numpy as np
+
 from voicechat.samples import NAMES, sample_path
 
 _INT_SCALE = {np.dtype(np.int16): 1.0 / 32768.0, np.dtype(np.int32): 1.0 / 2147483648.0}

@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from voicechat.model.config import VoiceChatConfig
 from voicechat.errors import CheckpointError
+from voicechat.model.config import VoiceChatConfig
 
 PREPROCESSOR_PREFIX = "stt_model.perception.preprocessor."
 PERCEPTION_PREFIX = "stt_model.perception."
@@ -54,8 +54,7 @@ def is_raw_layout(weights: dict) -> bool:
         for k in weights
     )
     mlx_names = any(
-        k.startswith(LSTM_PREFIX)
-        and (k.endswith(".Wx") or k.endswith(".Wh"))
+        (k.startswith(LSTM_PREFIX) and (k.endswith(".Wx") or k.endswith(".Wh")))
         or k == "tts_model.control_codes"
         or "prvq.variance_list" in k
         for k in weights
@@ -274,7 +273,7 @@ def write_shards(raw: dict, folder: Path, n_shards: int = 2, metadata: dict | No
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         mx.save_safetensors(str(folder / fname), {k: raw[k] for k in names}, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in names})
+        weight_map.update(dict.fromkeys(names, fname))
     index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return weight_map

@@ -14,18 +14,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from voicechat.io.checkpoint import is_raw_layout, nonfinite_tensors, quantization_plan, read_safetensors, sanitize
-from voicechat.model.config import VoiceChatConfig, load_config
 from voicechat.errors import CheckpointError
-from voicechat.model.ops import stored_transposed
+from voicechat.io.checkpoint import (
+    is_raw_layout,
+    nonfinite_tensors,
+    quantization_plan,
+    read_safetensors,
+    sanitize,
+    unsanitize,
+    write_shards,
+)
 from voicechat.io.progress import bar
-from voicechat.runtime import ExecutionPolicy, prepare
-from voicechat.runtime.prepare import before_reading
 from voicechat.io.tokenizer import TextTokenizer
+from voicechat.model.config import VoiceChatConfig, dump_config, load_config
+from voicechat.model.ops import stored_transposed
 from voicechat.model.tts.numerics import numerics_from
 from voicechat.model.voicechat import VoiceChatNetwork
-from voicechat.io.checkpoint import unsanitize, write_shards
-from voicechat.model.config import dump_config
+from voicechat.runtime import ExecutionPolicy, prepare
+from voicechat.runtime.prepare import before_reading
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
 ALLOW_PATTERNS = [

@@ -25,12 +25,11 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-
 
 # --------------------------------------------------------------------------- composing states
 

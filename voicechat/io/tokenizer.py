@@ -38,7 +38,7 @@ class TextTokenizer:
         self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "TextTokenizer":
+    def from_file(cls, path: str | Path) -> TextTokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"

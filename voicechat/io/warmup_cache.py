@@ -30,9 +30,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from voicechat._version import __version__
 from voicechat.environment import cache_home, env_flag
 from voicechat.io.states import load_state, nest, part, rebuild, save_state
-from voicechat._version import __version__
 from voicechat.model.ops import stored_transposed
 
 ENV_VAR = "VOICECHAT_WARMUP_CACHE"

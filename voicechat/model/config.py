@@ -257,7 +257,7 @@ class AudioConfig:
     max_symbols: int = 10
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "AudioConfig":
+    def from_dict(cls, d: dict | None) -> AudioConfig:
         d = dict(d or {})
         return cls(
             preprocessor=_from_dict(PreprocessorConfig, d.pop("preprocessor", None), "audio_config.preprocessor"),
@@ -331,7 +331,7 @@ class TtsConfig:
     mog_head: MogHeadConfig = field(default_factory=MogHeadConfig)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "TtsConfig":
+    def from_dict(cls, d: dict | None) -> TtsConfig:
         d = dict(d or {})
         ce = _from_dict(CharEncoderConfig, d.pop("character_encoder", None), "tts_config.character_encoder")
         mog = _from_dict(MogHeadConfig, d.pop("mog_head", None), "tts_config.mog_head")
@@ -428,7 +428,7 @@ class VoiceChatConfig:
     base_tokenizer_revision: Any = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VoiceChatConfig":
+    def from_dict(cls, d: dict) -> VoiceChatConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
         d = dict(d)

@@ -12,7 +12,7 @@ bit-identical to computing it per call.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.nn as nn
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -17,12 +17,12 @@ decides whether they run compiled; its `cpu_kernels` whether the norms take the 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 
-from voicechat.runtime import kernels as cpu_qmv
 from voicechat.model.ops import structure
+from voicechat.runtime import kernels as cpu_qmv
 from voicechat.runtime.policy import ExecutionPolicy
 
 _compiled: dict = {}

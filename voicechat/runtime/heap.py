@@ -24,7 +24,6 @@ import platform
 import sys
 import threading
 
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 TRIM_THRESHOLD_BYTES = 1 << 30
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit

@@ -250,12 +250,12 @@ def _load():
                 if _built_module(folder) is None:
                     _build(folder)
                 module = _import(_built_module(folder))
-                if module.MLX_VERSION != mx.__version__:
+                if mx.__version__ != module.MLX_VERSION:
                     raise RuntimeError(f"built for MLX {module.MLX_VERSION}, running {mx.__version__}")
                 reason = self_check(module)
                 if reason is not None:
                     module = None
-            except Exception as e:  # noqa: BLE001 - reported below, MLX's kernel used instead
+            except Exception as e:
                 module, reason = None, f"{type(e).__name__}: {e}"
         _state["module"], _state["reason"] = module, reason
         return module

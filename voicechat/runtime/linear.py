@@ -426,7 +426,7 @@ def prepare_linears(
         layer.__dict__["_float32_copies"] = copies
         dtype = layer["weight"].dtype
         if not layer._replaced() and (
-            copies and dtype in (mx.bfloat16, mx.float16) or bf16_transposed and dtype == mx.bfloat16
+            (copies and dtype in (mx.bfloat16, mx.float16)) or (bf16_transposed and dtype == mx.bfloat16)
         ):
             # Every other layer's copy on the second CPU stream: the two run at once when
             # evaluated (load at the published shapes: ~3.2 GB of bf16 W.T's).

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import mlx.core as mx
 
@@ -99,7 +99,7 @@ class ExecutionPolicy:
     # -- the policies a device gets
 
     @classmethod
-    def for_device(cls, device=None, environ: Mapping[str, str] | None = None) -> "ExecutionPolicy":
+    def for_device(cls, device=None, environ: Mapping[str, str] | None = None) -> ExecutionPolicy:
         """The default policy for `device` (default: MLX's default device), with the environment
         variables of `ENV_VARS` (read here, once) overriding its fields. On a CPU device the
         CPU kernels are used where they build and pass their check; where they do not, one
@@ -156,17 +156,17 @@ class ExecutionPolicy:
         )
 
     @classmethod
-    def serial(cls) -> "ExecutionPolicy":
+    def serial(cls) -> ExecutionPolicy:
         """One CPU stream, nothing compiled, every product in MLX, nothing evaluated ahead: the
         model's operations as MLX runs them (`voicechat-serial` in the harness and the bench)."""
         return cls(name="serial", float32_copies=None)
 
     @classmethod
-    def gpu(cls) -> "ExecutionPolicy":
+    def gpu(cls) -> ExecutionPolicy:
         """What a GPU device gets (`for_device(mx.gpu)` without environment overrides)."""
         return cls.for_device(mx.gpu, environ={})
 
-    def replace(self, **changes) -> "ExecutionPolicy":
+    def replace(self, **changes) -> ExecutionPolicy:
         """A copy with `changes` (named "custom" unless a name is given)."""
         changes.setdefault("name", "custom")
         return dataclasses.replace(self, **changes)

@@ -15,12 +15,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from voicechat.model import ops
+from voicechat.model.audio.codec import ConvNeXtBlock
+from voicechat.model.audio.conformer import ConvModule
 from voicechat.runtime import heap
 from voicechat.runtime.execution import Runtime
 from voicechat.runtime.linear import prepare_linears, replace_weight_transposed, resident_bytes, transposed_dtype
 from voicechat.runtime.policy import ExecutionPolicy
-from voicechat.model.audio.codec import ConvNeXtBlock
-from voicechat.model.audio.conformer import ConvModule
 
 
 @dataclass

@@ -424,7 +424,7 @@ class RealtimeConnection:
         while (left := deadline - time.monotonic()) > 0:
             try:
                 out = await asyncio.wait_for(self.channel.outbox.get(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if isinstance(out, Closed):
                 return
@@ -492,7 +492,7 @@ class RealtimeConnection:
                 deadline, reason = connected_at + lim.max_session_seconds, "session_time_limit"
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 ch.outbox.put_nowait(
                     TimedOut(
                         reason,

@@ -220,7 +220,7 @@ async def stream_audio(
             pass  # the server ended the session (cancel, error, limit); the receiver has its last events
         try:
             await asyncio.wait_for(recv_task, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             recv_task.cancel()
         result.close_code = c.ws.close_code
         if not result.end:

@@ -14,9 +14,10 @@ import json
 import sys
 import time
 from collections import OrderedDict
+
+from voicechat.streaming.prompt_state import PromptState
 from voicechat.streaming.timeline import session_prompt
 from voicechat.tools.channel import normalize_tools
-from voicechat.streaming.prompt_state import PromptState
 
 
 class PromptStates:

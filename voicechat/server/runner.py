@@ -142,7 +142,7 @@ class ServerThread:
     def http(self) -> str:
         return f"http{'s' if self.tls else ''}://{self.host}:{self.port}"
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.thread.start()
         import time
 

@@ -28,9 +28,7 @@ class MessageRefused(ValueError):
 
 def check_size(text, max_bytes: int) -> None:
     # A str of n characters has between n and 4n UTF-8 bytes: only the undecided range is encoded.
-    if isinstance(text, (bytes, bytearray)):
-        size = len(text)
-    elif len(text) > max_bytes:
+    if isinstance(text, (bytes, bytearray)) or len(text) > max_bytes:
         size = len(text)
     elif 4 * len(text) <= max_bytes:
         return

@@ -18,13 +18,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from voicechat.errors import ContextLimitError
-
+from voicechat.errors import ContextLimitError, PrefillStoppedError, VoiceChatError
 from voicechat.events import Audio, ToolCall
 from voicechat.server.messages import (
     AppendAudio,
@@ -47,7 +47,6 @@ from voicechat.server.messages import (
     ToolOutputSent,
 )
 from voicechat.streaming.profiler import percentile
-from voicechat.errors import PrefillStoppedError, VoiceChatError
 
 log = logging.getLogger("voicechat.server")
 
@@ -144,7 +143,7 @@ class ModelWorker:
 
     # -- network side
 
-    def start(self) -> "ModelWorker":
+    def start(self) -> ModelWorker:
         self._thread.start()
         return self
 

@@ -19,10 +19,10 @@ import time
 
 import mlx.core as mx
 
+from voicechat.errors import SessionClosedError, WrongThreadError
+from voicechat.io.audio_input import as_mono_float32, check_sample_rate
 from voicechat.model.audio.conformer import ConformerStream
 from voicechat.model.audio.mel import StreamingLogMel
-from voicechat.io.audio_input import as_mono_float32, check_sample_rate
-from voicechat.errors import SessionClosedError, WrongThreadError
 
 
 class AsrStreamSession:

@@ -18,8 +18,8 @@ Where the frame waits:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np

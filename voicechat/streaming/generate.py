@@ -20,21 +20,20 @@ samples (K+1: the centred last mel frame completes one more encoder frame).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
 
-from voicechat.model.audio.mel import log_mel
-from voicechat.model.audio.rnnt import greedy_decode
 from voicechat.io.audio_input import load_audio
 from voicechat.io.progress import progress
+from voicechat.model.audio.mel import log_mel
+from voicechat.model.audio.rnnt import greedy_decode
+from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
 from voicechat.streaming.speech_output import AudioChunk, ChunkedSpeechOutput
-from voicechat.streaming.timeline import Timeline
-from voicechat.model.tts.ear_tts import replace_control_codes
-from voicechat.streaming.timeline import session_prompt
+from voicechat.streaming.timeline import Timeline, session_prompt
 from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
 
 

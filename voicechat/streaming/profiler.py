@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
 from voicechat.streaming.engine import STAGES as FRAME_STAGES
 
 STAGES = (*FRAME_STAGES, "total")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from voicechat._version import __version__
 from voicechat.errors import PromptStateError
 from voicechat.io.states import load_state, save_state
 from voicechat.streaming.prompt_identity import check_file
-from voicechat._version import __version__
 
 FORMAT = "voicechat-prompt-state"
 FORMAT_VERSION = 1

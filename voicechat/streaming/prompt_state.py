@@ -38,15 +38,13 @@ import mlx.core as mx
 
 from voicechat.errors import PromptStateError
 from voicechat.io.states import nest, part, rebuild
+from voicechat.model.tts.ear_tts import TextEmbeddingCache
+from voicechat.model.tts.rng import SessionRandom
 from voicechat.streaming import prompt_file
 from voicechat.streaming.prompt_file import FORMAT_VERSION
 from voicechat.streaming.prompt_identity import check_model, checkpoint_identity, numerics_identity
-from voicechat.streaming.timeline import session_prompt
-from voicechat.streaming.timeline import Timeline
+from voicechat.streaming.timeline import Timeline, TimelineState, session_prompt
 from voicechat.tools.channel import normalize_tools
-from voicechat.model.tts.ear_tts import TextEmbeddingCache
-from voicechat.model.tts.rng import SessionRandom
-from voicechat.streaming.timeline import TimelineState
 
 
 class _Unset:
@@ -154,7 +152,7 @@ class PromptState:
         }
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: dict, like) -> "PromptState":
+    def from_state(cls, state: dict, meta_state: dict, like) -> PromptState:
         """The state from `state` / `meta_state` for the model `like` (its fresh timeline state
         gives the shapes; a "checkpoint" in `meta_state`, as files have, is kept as the identity)."""
 
@@ -263,7 +261,7 @@ class PromptState:
         return prompt_file.write(path, self.state, self.meta_state, checkpoint=checkpoint, numerics=self._numerics)
 
     @classmethod
-    def load(cls, path, model) -> "PromptState":
+    def load(cls, path, model) -> PromptState:
         """Read a state written by `save` for `model`. PromptStateError (nothing is used) for a missing,
         truncated or corrupt file, another format version, checkpoint or numerics setting."""
         arrays, meta = prompt_file.read(path, model)

@@ -13,15 +13,12 @@ that created it (MLX streams are per thread); use from another thread raises `Wr
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from voicechat.model.audio.rnnt import RnntTranscript
-from voicechat.io.audio_input import as_mono_float32, check_sample_rate
 from voicechat.errors import ContextLimitError, SessionClosedError, WrongThreadError
 from voicechat.events import (
     AssistantTextDelta,
@@ -32,12 +29,14 @@ from voicechat.events import (
     FunctionDelta,
     UserTranscriptDelta,
 )
-from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
-from voicechat.streaming.profiler import FrameTiming, Profile
+from voicechat.io.audio_input import as_mono_float32, check_sample_rate
+from voicechat.io.tokenizer import IncrementalDecoder
+from voicechat.model.audio.rnnt import RnntTranscript
 from voicechat.streaming.engine import ConversationState, FrameEngine, FrameOutputs
+from voicechat.streaming.profiler import FrameTiming, Profile
 from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
 from voicechat.streaming.timeline import session_prompt
-from voicechat.io.tokenizer import IncrementalDecoder
+from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ chunk_frames) holds offline samples [k c r - d, (k+1) c r - d) clipped at 0
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np

@@ -50,7 +50,7 @@ class TimelineState:
         self.prev_function = mx.array(pad_id, dtype=mx.int32)
         self.position = 0
 
-    def copy(self) -> "TimelineState":
+    def copy(self) -> TimelineState:
         other = TimelineState.__new__(TimelineState)
         other.llm = self.llm.copy() if self.llm is not None else None
         other.llm_inputs = list(self.llm_inputs)
@@ -98,7 +98,7 @@ class TimelineState:
         return meta
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: dict, like: "TimelineState") -> "TimelineState":
+    def from_state(cls, state: dict, meta_state: dict, like: TimelineState) -> TimelineState:
         """The timeline's state from `state` / `meta_state`; `like` (a fresh one of the same model
         and mode) gives its parts' shapes."""
         other = cls.__new__(cls)

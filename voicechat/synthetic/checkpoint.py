@@ -39,14 +39,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from voicechat.io.checkpoint import unsanitize
-from voicechat.model.config import VoiceChatConfig
-from voicechat.synthetic.presets import preset_dict
-from voicechat.io.tokenizer import write_synthetic_tokenizer
-from voicechat.model.voicechat import VoiceChatNetwork
-from voicechat.io.progress import bar
 from voicechat.environment import cache_home
-from voicechat.synthetic.presets import PRESETS
+from voicechat.io.checkpoint import unsanitize
+from voicechat.io.progress import bar
+from voicechat.io.tokenizer import write_synthetic_tokenizer
+from voicechat.model.config import VoiceChatConfig
+from voicechat.model.voicechat import VoiceChatNetwork
+from voicechat.synthetic.presets import PRESETS, preset_dict
 
 GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
@@ -375,8 +374,8 @@ def write_checkpoint(
     script = None
     n_special = 20
     if preset == "toolcall":  # tiny, with a language path that spells one call (voicechat/synthetic/toolcall.py)
-        from voicechat.synthetic.toolcall import SPECIAL_COUNT, ToolcallScript, toolcall_overrides
         from voicechat.io.tokenizer import build_synthetic_tokenizer
+        from voicechat.synthetic.toolcall import SPECIAL_COUNT, ToolcallScript, toolcall_overrides
 
         if tool is None:
             raise ValueError("the toolcall preset needs tool=NAME (and arguments=JSON object)")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+
 from voicechat.tools.channel import MARKER_IDS, TOOL_NAME
 
 SPEECH_WORDS = 4
@@ -134,11 +135,10 @@ def toolcall_tensors(cfg, tokenizer, script: ToolcallScript, names) -> dict[str,
     out = script.design(t.vocab_size, t.hidden_size)
     out["stt_model.llm.norm_f.weight"] = np.ones((t.hidden_size,), np.float32)
     for name, shape in names:
-        if name.startswith("stt_model.llm.layers.") and name.endswith(
-            (".mixer.out_proj.weight", ".mixer.o_proj.weight", ".mixer.down_proj.weight")
-        ):
-            out[name] = np.zeros(shape, np.float32)
-        elif name.startswith("stt_model.perception.proj."):
+        if (
+            name.startswith("stt_model.llm.layers.")
+            and name.endswith((".mixer.out_proj.weight", ".mixer.o_proj.weight", ".mixer.down_proj.weight"))
+        ) or name.startswith("stt_model.perception.proj."):
             out[name] = np.zeros(shape, np.float32)
     return out
 

@@ -183,7 +183,7 @@ class FunctionChannel:
         self.sotc, self.eotc, self.eotr = m["sotc"], m["eotc"], m["eotr"]
         self.names = {t["name"] for t in self.tools}
 
-    def copy(self) -> "FunctionChannel":
+    def copy(self) -> FunctionChannel:
         other = FunctionChannel.__new__(FunctionChannel)
         other.__dict__.update(self.__dict__)
         other.tokens, other.forced = list(self.tokens), list(self.forced)

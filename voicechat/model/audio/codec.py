@@ -139,7 +139,7 @@ class StreamingGeometry:
     warmup_samples: int
 
     @classmethod
-    def from_config(cls, cfg: CodecConfig) -> "StreamingGeometry":
+    def from_config(cls, cfg: CodecConfig) -> StreamingGeometry:
         n_fft, hop = cfg.n_fft, cfg.hop_length
         if (n_fft - hop) % 2:
             raise ValueError(
@@ -462,7 +462,7 @@ class CodecState:
         self.samples_emitted = samples_emitted
         self.flushed = flushed
 
-    def copy(self) -> "CodecState":
+    def copy(self) -> CodecState:
         # mx.arrays are immutable values: sharing them between copies is safe.
         return CodecState(
             self.block_histories,

@@ -30,11 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from voicechat.model.config import AudioConfig, EncoderConfig, PreprocessorConfig
 from voicechat.model import ops
-from voicechat.model.ops import norm_params, structure
-from voicechat.model.derived import derived
 from voicechat.model.audio.mel import as_waveform, log_mel
+from voicechat.model.config import AudioConfig, EncoderConfig, PreprocessorConfig
+from voicechat.model.derived import derived
+from voicechat.model.ops import norm_params, structure
 
 _MASK_VALUE = -1e30  # additive mask on the position term (docs/model.md §5.1)
 
@@ -471,7 +471,7 @@ class ConformerState:
         self.v_cache = [mx.zeros((0, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
         self.conv_cache = [mx.zeros((c, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
 
-    def copy(self) -> "ConformerState":
+    def copy(self) -> ConformerState:
         other = object.__new__(ConformerState)
         other.cfg = self.cfg
         other.mel_cache = self.mel_cache
@@ -668,7 +668,7 @@ class PerceptionFallback:
         self.audio = mx.zeros((0,), dtype=mx.float32)
         self.frames_pushed = 0
 
-    def copy(self) -> "PerceptionFallback":
+    def copy(self) -> PerceptionFallback:
         other = object.__new__(PerceptionFallback)
         other.__dict__.update(self.__dict__)
         return other

@@ -236,7 +236,7 @@ class StreamingLogMel:
         self.frames_emitted = 0
         self.closed = False
 
-    def copy(self) -> "StreamingLogMel":
+    def copy(self) -> StreamingLogMel:
         other = object.__new__(StreamingLogMel)
         other.__dict__.update(self.__dict__)  # mx arrays are immutable: sharing is safe
         return other

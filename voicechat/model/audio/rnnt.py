@@ -16,10 +16,10 @@ docs/model.md §6.3); the joint has vocab_size + 1 outputs.
 
 from __future__ import annotations
 
-import math
 import functools
+import math
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -213,7 +213,7 @@ class RnntState:
         self.frames = 0
         self.prediction_calls = 0
 
-    def copy(self) -> "RnntState":
+    def copy(self) -> RnntState:
         other = object.__new__(RnntState)
         other.__dict__.update(self.__dict__)
         other.tokens = list(self.tokens)
@@ -386,7 +386,7 @@ class RnntTranscript:
         self._body = ""  # decoded text so far, left-stripped, not right-stripped
         self.text = ""
 
-    def copy(self) -> "RnntTranscript":
+    def copy(self) -> RnntTranscript:
         other = object.__new__(RnntTranscript)
         other.__dict__.update(self.__dict__)
         return other

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from voicechat.model.config import TextConfig
 from voicechat.model import ops
+from voicechat.model.config import TextConfig
 from voicechat.model.derived import derived
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
@@ -176,7 +176,7 @@ class MambaLayerState:
     def conv_rows(self, rows: list[mx.array]) -> None:
         self._conv, self._rows = None, list(rows)
 
-    def copy(self) -> "MambaLayerState":
+    def copy(self) -> MambaLayerState:
         return MambaLayerState(mx.array(self.conv), mx.array(self.ssm))
 
     def reset(self) -> None:
@@ -198,7 +198,7 @@ class MambaLayerState:
         return "mamba"
 
     @classmethod
-    def from_state(cls, state: dict, meta_state, like: "MambaLayerState") -> "MambaLayerState":
+    def from_state(cls, state: dict, meta_state, like: MambaLayerState) -> MambaLayerState:
         """The layer's state from `state` / `meta_state`, of the shapes of `like` (a fresh one)."""
         conv, ssm = state["conv"], state["ssm"]
         if meta_state != "mamba" or conv.shape != like.conv.shape or ssm.shape != like.ssm.shape:
@@ -244,7 +244,7 @@ class AttentionLayerState:
         self.length = new_len
         return self.keys[:, :, :new_len], self.values[:, :, :new_len]
 
-    def copy(self) -> "AttentionLayerState":
+    def copy(self) -> AttentionLayerState:
         # New array objects: slice assignment rebinds the object it is applied to,
         # so sharing objects would let one copy's update leak into the other.
         return AttentionLayerState(mx.array(self.keys), mx.array(self.values), self.length)
@@ -270,7 +270,7 @@ class AttentionLayerState:
         return ["attention", self.length]
 
     @classmethod
-    def from_state(cls, state: dict, meta_state, like: "AttentionLayerState") -> "AttentionLayerState":
+    def from_state(cls, state: dict, meta_state, like: AttentionLayerState) -> AttentionLayerState:
         """The layer's cache from `state` / `meta_state`, with `like`'s heads and head size."""
         k, v = state["keys"], state["values"]
         kind, length = meta_state
@@ -302,7 +302,7 @@ class NemotronHState:
         self.layers = layers
         self.offset = offset
 
-    def copy(self) -> "NemotronHState":
+    def copy(self) -> NemotronHState:
         return NemotronHState([None if s is None else s.copy() for s in self.layers], self.offset)
 
     def reset(self) -> None:
@@ -342,7 +342,7 @@ class NemotronHState:
         return {"offset": self.offset, "layers": [None if s is None else s.meta_state for s in self.layers]}
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: dict, like: "NemotronHState") -> "NemotronHState":
+    def from_state(cls, state: dict, meta_state: dict, like: NemotronHState) -> NemotronHState:
         """The stack's state from `state` / `meta_state`; `like` (the model's fresh state) gives
         each layer's kind and shapes."""
         kinds = meta_state["layers"]
@@ -702,7 +702,7 @@ def _add_rms_norm(eps: float, x: mx.array, h: mx.array, weight: mx.array) -> tup
     return y, ops.rms_norm(y, weight, eps)
 
 
-def add_rms_norm(x: mx.array, h: mx.array, norm: "RMSNorm") -> tuple[mx.array, mx.array]:
+def add_rms_norm(x: mx.array, h: mx.array, norm: RMSNorm) -> tuple[mx.array, mx.array]:
     """(x + h, norm(x + h)) as one fused piece: a block's residual add and the next norm."""
     return ops.fused(("add_rms_norm", norm.eps), lambda: functools.partial(_add_rms_norm, norm.eps))(
         x, h, norm.weight_as(x.dtype)

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from voicechat.model.config import CharEncoderConfig
 from voicechat.model.tts.layers import GeluGatedMLP, OnePlusRMSNorm, repeat_kv_heads
@@ -69,7 +69,7 @@ class CharTable:
         self.device_lengths = mx.array(np.array([len(s) for s in sequences], dtype=np.int32))
 
     @classmethod
-    def from_vocab(cls, vocab: dict[str, int], char_vocab_size: int, num_tokens: int | None = None) -> "CharTable":
+    def from_vocab(cls, vocab: dict[str, int], char_vocab_size: int, num_tokens: int | None = None) -> CharTable:
         """Build from `tokenizer.get_vocab()` (token string -> id, added tokens included).
 
         `num_tokens` (default max id + 1) sizes the table; give the LLM

@@ -28,27 +28,27 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from voicechat.model import ops
 from voicechat.model.config import TtsConfig
+from voicechat.model.derived import derived
+from voicechat.model.ops import apply
 from voicechat.model.tts.char_encoder import CharAwareSubwordEncoder, CharTable
-from voicechat.model.tts.numerics import DEFAULT_NUMERICS, Numerics, numerics_from
 from voicechat.model.tts.layers import (
     GeluGatedMLP,
-    gated_mlp,
     OnePlusRMSNorm,
     as_int_array,
     check_value_range,
+    gated_mlp,
     is_integer_dtype,
     one_plus_rms_norm,
     one_plus_scale,
 )
+from voicechat.model.tts.numerics import DEFAULT_NUMERICS, Numerics, numerics_from
 from voicechat.model.tts.rng import SessionRandom
-from voicechat.model.derived import derived
-from voicechat.model import ops
-from voicechat.model.ops import apply
 
 KV_ALLOC_STEP = 256  # K/V buffers grow in multiples of this many positions
 GUMBEL_EPS = 1e-8  # the reference's guards: -log(-log(U + eps) + eps)
@@ -149,9 +149,7 @@ class TextEmbeddingCache:
         return [int(t) for t in self._rows]
 
     @classmethod
-    def from_state(
-        cls, state: dict, meta_state: list, like: "TextEmbeddingCache | None" = None
-    ) -> "TextEmbeddingCache":
+    def from_state(cls, state: dict, meta_state: list, like: TextEmbeddingCache | None = None) -> TextEmbeddingCache:
         """A cache of `state`'s rows in `meta_state`'s order (`like`'s capacity, default 1024)."""
         cache = cls() if like is None else cls(like.max_entries)
         for token in meta_state:
@@ -193,7 +191,7 @@ class EarTtsState:
         self.offset = 0
         self.previous_codes = mx.full((1, self.num_quantizers), self.mask_code, dtype=mx.int32)
 
-    def copy(self) -> "EarTtsState":
+    def copy(self) -> EarTtsState:
         # Buffers are only ever replaced (mx.slice_update returns new arrays), so sharing is safe.
         other = EarTtsState.__new__(EarTtsState)
         other.__dict__.update(self.__dict__)
@@ -308,7 +306,7 @@ class EarTtsState:
         return {"offset": self.offset, "ring_origin": list(self.ring_origin), "windows": list(self.windows)}
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: dict, like: "EarTtsState") -> "EarTtsState":
+    def from_state(cls, state: dict, meta_state: dict, like: EarTtsState) -> EarTtsState:
         """The state from `state` / `meta_state`, checked against `like` (the model's fresh state:
         its windows, heads, head size and codebooks)."""
         if list(meta_state["windows"]) != list(like.windows):
@@ -372,7 +370,7 @@ class EarTtsHistory:
     previous_codes: mx.array  # (1, Q) int32: what the next step embeds
     steps: list = field(default_factory=list)  # (previous_codes, text_token, eos_id, silence_codes) per step
 
-    def copy(self) -> "EarTtsHistory":
+    def copy(self) -> EarTtsHistory:
         return EarTtsHistory(self.prompt_codes, self.speaker_latent, self.pad_id, self.previous_codes, list(self.steps))
 
 
@@ -568,7 +566,7 @@ class BackboneAttention(nn.Module):
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
     def __call__(
-        self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array], input_norm: "BackboneRMSNorm"
+        self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array], input_norm: BackboneRMSNorm
     ) -> mx.array:
         """x (B, n, hidden) before the layer's `input_norm`; `rope` = rope_table(n, head_dim,
         self.rope_base, offset) of this step. -> the heads' output (B, n, H·D) before o_proj."""
@@ -949,7 +947,7 @@ class EarTts(nn.Module):
         *,
         eos_id: int,
         silence_codes,
-        text_cache: "TextEmbeddingCache | None" = None,
+        text_cache: TextEmbeddingCache | None = None,
     ) -> mx.array:
         """Fused backbone input (2, 1, hidden) of one step (§8.6 steps 1–3). `text_cache` keeps
         the character encoder's row of each host token id seen (a pure function of the id)."""
@@ -1093,7 +1091,7 @@ class EarTts(nn.Module):
         *,
         eos_id: int,
         silence_codes,
-        text_cache: "TextEmbeddingCache | None" = None,
+        text_cache: TextEmbeddingCache | None = None,
     ) -> mx.array:
         """One backbone step over `state` -> (2, hidden) [conditional, unconditional].
         Advances the caches; does not touch state.previous_codes."""
@@ -1111,7 +1109,7 @@ class EarTts(nn.Module):
         *,
         eos_id: int,
         silence_codes,
-        text_cache: "TextEmbeddingCache | None" = None,
+        text_cache: TextEmbeddingCache | None = None,
     ) -> mx.array:
         """One TTS step (§8.6) -> codes (Q,) int32, lazy: no host sync except a one-time value
         check of a silence_codes array not seen before. The new codes become state.previous_codes."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from voicechat.model import ops
-from voicechat.model.ops import apply
 from voicechat.model.derived import derived
+from voicechat.model.ops import apply
 
 
 def one_plus_scale(weight: mx.array, one_plus_in_weight_dtype: bool = False) -> mx.array:

@@ -79,7 +79,7 @@ class SessionRandom:
         self.draws += 2
         return u, n
 
-    def copy(self) -> "SessionRandom":
+    def copy(self) -> SessionRandom:
         other = SessionRandom.__new__(SessionRandom)
         other.seed, other._key, other.draws = self.seed, self._key, self.draws
         return other
@@ -100,7 +100,7 @@ class SessionRandom:
         return {"seed": self.seed, "draws": self.draws}
 
     @classmethod
-    def from_state(cls, state: dict, meta_state: dict, like=None) -> "SessionRandom":
+    def from_state(cls, state: dict, meta_state: dict, like=None) -> SessionRandom:
         """The stream at `state`'s key after `meta_state`'s draws (`like` is not needed)."""
         other = cls(int(meta_state["seed"]))
         other._key, other.draws = state["key"], int(meta_state["draws"])

@@ -20,7 +20,6 @@ the worker's outputs (voicechat.server.messages) as its own server events.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 
 from voicechat.server.validation import MessageRefused, parse_json_object
