@@ -56,7 +56,8 @@ def add_bench_parser(subparsers) -> None:
         default=None,
         help="implementation to run (repeatable; default voicechat); voicechat-serial = this project under "
         "ExecutionPolicy.serial() (one CPU stream, nothing compiled, no CPU kernels, no overlapped evaluation); "
-        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm and mlx-audio need the peers extra",
+        "voicechat-gpu-policy = under the policy a GPU device gets, run on this device; mlx-vlm and mlx-audio "
+        "need the peers extra",
     )
     p.add_argument("--runs", type=int, default=3, help="measured runs per checkpoint x backend x input (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted (default 1)")

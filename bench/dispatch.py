@@ -125,7 +125,7 @@ def count_dispatches():
 
 def _per_frame(frames: list[tuple[Counter, Counter]], drop_first: int) -> tuple[dict, dict]:
     """Mean per-frame dispatches and syncs by stage from cumulative snapshots after each frame."""
-    deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(frames[1:], frames[:-1])][drop_first:]
+    deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(frames[1:], frames[:-1], strict=True)][drop_first:]
     if not deltas:
         raise ValueError("no frames left to count after the dropped ones")
     n = len(deltas)

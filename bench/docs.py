@@ -45,8 +45,10 @@ def markers(section: str | None = None) -> tuple[str, str]:
     if not section.isidentifier():
         raise ValueError(f"section name must be a word (letters, digits, _), got {section!r}")
     return (
-        f"<!-- BEGIN GENERATED {section}: voicechat bench --update-docs RUN_DIR --section {section}; "
-        f"do not edit by hand -->",
+        (
+            f"<!-- BEGIN GENERATED {section}: voicechat bench --update-docs RUN_DIR --section {section}; "
+            f"do not edit by hand -->"
+        ),
         f"<!-- END GENERATED {section} -->",
     )
 
@@ -77,10 +79,7 @@ def update_docs(run_dir: Path, docs_path: Path, section: str | None = None) -> b
     missing from the page is appended). Returns True if it changed."""
     docs_path = Path(docs_path)
     begin, end = markers(section)
-    if docs_path.exists():
-        text = docs_path.read_text()
-    else:
-        text = DEFAULT_PAGE.format(begin=BEGIN, end=END)
+    text = docs_path.read_text() if docs_path.exists() else DEFAULT_PAGE.format(begin=BEGIN, end=END)
     if section is not None and begin not in text and end not in text:
         text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
     b, e = text.find(begin), text.find(end)

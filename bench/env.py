@@ -41,7 +41,7 @@ def _cpu_model() -> str:
     if sys.platform == "darwin":
         try:
             return subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5, check=True
             ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
@@ -76,7 +76,9 @@ def git_revision(repo: Path | None = None) -> str | None:
     """`git rev-parse HEAD` of the source tree (read-only), or None outside a git checkout."""
     repo = repo or Path(__file__).resolve().parents[1]
     try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return (r.stdout.strip() or None) if r.returncode == 0 else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -250,13 +251,13 @@ def _measure_bandwidth(
     # runtime's float32 copies, voicechat.runtime.linear.linear); the faster is the rate.
     w = mx.random.normal((rows_for(4.0), cols), key=key)
     mx.eval(w, x32)
-    s_view = _best_seconds(lambda: _rows_split(policy, lambda m: x32 @ m.T, w), reps)
+    s_view = _best_seconds(partial(_rows_split, policy, lambda m: x32 @ m.T, w), reps)
     halves_t = _transposed_halves(w, policy)
-    s_t = _best_seconds(lambda: _halves_product(policy, x32, halves_t, mx.matmul), reps)
+    s_t = _best_seconds(partial(_halves_product, policy, x32, halves_t, mx.matmul), reps)
     s, kernel = (s_t, "f32 x f32 matmul, W.T contiguous") if s_t <= s_view else (s_view, "f32 x f32 matmul")
     entry = {}
     if policy.cpu_kernels:  # the runtime's float32 product where it serves (same bits as MLX's)
-        s_k = _best_seconds(lambda: _halves_product(policy, x32, halves_t), reps)
+        s_k = _best_seconds(partial(_halves_product, policy, x32, halves_t), reps)
         entry = {"gbps_cpu_qmv": w.nbytes / s_k / 1e9}
         if s_k < s:
             s, kernel = s_k, "voicechat cpu_qmv float32, W.T contiguous"
@@ -276,10 +277,10 @@ def _measure_bandwidth(
     w = mx.random.normal((rows_for(2.0), cols), key=key).astype(mx.bfloat16)
     xb = x32.astype(mx.bfloat16)
     mx.eval(w, xb)
-    s_bb = _best_seconds(lambda: _rows_split(policy, lambda m: xb @ m.T, w), reps)
-    s_bf = _best_seconds(lambda: _rows_split(policy, lambda m: x32 @ m.T, w), reps)
+    s_bb = _best_seconds(partial(_rows_split, policy, lambda m, xb=xb: xb @ m.T, w), reps)
+    s_bf = _best_seconds(partial(_rows_split, policy, lambda m: x32 @ m.T, w), reps)
     halves_t = _transposed_halves(w.astype(mx.float32), policy)
-    s_copy = _best_seconds(lambda: _halves_product(policy, x32, halves_t), reps)
+    s_copy = _best_seconds(partial(_halves_product, policy, x32, halves_t), reps)
     del halves_t
     s, kernel = min(
         (s_bb, "bf16 x bf16 matmul"), (s_bf, "bf16 weights x f32 activations"), (s_copy, "float32 copy, W.T contiguous")
@@ -304,9 +305,10 @@ def _measure_bandwidth(
         mx.eval(q, sc, bi)
         nbytes = q.nbytes + sc.nbytes + bi.nbytes
         s_mlx = _best_seconds(
-            lambda: _rows_split(
+            partial(
+                _rows_split,
                 policy,
-                lambda a, b, c: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits),
+                lambda a, b, c, bits=bits: mx.quantized_matmul(x32, a, b, c, transpose=True, group_size=64, bits=bits),
                 q,
                 sc,
                 bi,
@@ -317,9 +319,10 @@ def _measure_bandwidth(
         entry = {}
         if policy.cpu_kernels:  # the runtime's kernel where it serves (same bits as MLX's)
             s_qmv = _best_seconds(
-                lambda: _rows_split(
+                partial(
+                    _rows_split,
                     policy,
-                    lambda a, b, c: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits, enabled=True),
+                    lambda a, b, c, bits=bits: cpu_qmv_matmul(x32, a, b, c, group_size=64, bits=bits, enabled=True),
                     q,
                     sc,
                     bi,

@@ -71,7 +71,7 @@ def plot_frame_times(frames: pd.DataFrame, env: dict, path: Path) -> None:
     drop = env["method"]["drop_first"]
     fig, axes = plt.subplots(len(ckpts), 1, figsize=(10, 3.2 * len(ckpts) + 1.4), sharex=True, squeeze=False)
     handles = {}
-    for ax, ck in zip(axes[:, 0], ckpts):
+    for ax, ck in zip(axes[:, 0], ckpts, strict=True):
         for be in env["method"]["backends"]:
             f = frames[(frames.checkpoint == ck) & (frames.backend == be)]
             if not len(f):
@@ -114,17 +114,17 @@ def plot_stage_p50(summary: pd.DataFrame, env: dict, path: Path) -> None:
     for st in STAGES:
         v = ok[f"{st}_p50_ms"].astype(float).fillna(0).values
         ax.bar(x, v, bottom=bottom, color=STAGE_COLORS[st], width=0.6, label=st, edgecolor="white", linewidth=0.5)
-        for xi, b, h in zip(x, bottom, v):
+        for xi, b, h in zip(x, bottom, v, strict=True):
             if h > 0.06 * max(1e-9, float((ok[[f"{s}_p50_ms" for s in STAGES]].sum(axis=1)).max())):
                 ax.text(xi, b + h / 2, f"{h:.0f}", ha="center", va="center", fontsize=8, color="white")
         bottom += v
     totals = ok.total_p50_ms.astype(float).values
     ax.scatter(x, totals, marker="D", color="black", zorder=3, s=22, label="p50 of the whole frame")
-    for xi, b, t in zip(x, bottom, totals):
+    for xi, b, t in zip(x, bottom, totals, strict=True):
         ax.text(xi, max(b, t) * 1.02, f"{t:.0f} ms\n= {t / FRAME_MS:.2f} × 80 ms", ha="center", va="bottom", fontsize=8)
     ax.axhline(FRAME_MS, color="black", linestyle="--", linewidth=1.1, label="80 ms real-time budget")
     ax.set_xticks(x)
-    ax.set_xticklabels([f"{c}\n{b}" for c, b in zip(ok.checkpoint, ok.backend)], fontsize=9)
+    ax.set_xticklabels([f"{c}\n{b}" for c, b in zip(ok.checkpoint, ok.backend, strict=True)], fontsize=9)
     ax.set_ylabel("p50 time per frame (ms)")
     ax.set_ylim(
         0,
@@ -196,7 +196,7 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
     colors = _backend_colors(env)
     fig, axes = plt.subplots(1, len(ckpts), figsize=(6.2 * len(ckpts), 5.0), squeeze=False, sharey=True)
     width = 0.8 / (1 + len(backends))
-    for ax, ck in zip(axes[0], ckpts):
+    for ax, ck in zip(axes[0], ckpts, strict=True):
         f = floor[floor.checkpoint == ck]
         x = np.arange(len(stages))
         first = f[f.backend == f.backend.iloc[0]].set_index("stage")
@@ -213,7 +213,7 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
                 continue
             vals = [g.measured_p50_ms.get(s, np.nan) for s in stages]
             ax.bar(x - 0.4 + width * (i + 1.5), vals, width, color=colors[be], label=f"{be}: measured p50")
-            for xi, s in zip(x, stages):
+            for xi, s in zip(x, stages, strict=True):
                 r = g.p50_over_floor.get(s, np.nan)
                 if np.isfinite(r):
                     ax.text(

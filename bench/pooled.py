@@ -46,8 +46,10 @@ def pooled(folders: list[str]) -> dict:
 def table(before: dict, after: dict) -> str:
     keys = [k for k in before if k not in ("folders", "frames")]
     lines = [
-        f"| | before ({before['folders']} runs, {before['frames']} frames) | "
-        f"after ({after['folders']} runs, {after['frames']} frames) | after / before |",
+        (
+            f"| | before ({before['folders']} runs, {before['frames']} frames) | "
+            f"after ({after['folders']} runs, {after['frames']} frames) | after / before |"
+        ),
         "|---|---:|---:|---:|",
     ]
     for k in keys:

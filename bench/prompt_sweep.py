@@ -95,7 +95,7 @@ def run_prompt_sweep(
         if progress:
             print(f"[prompt sweep] {msg}", flush=True)
 
-    lengths = sorted(set(int(n) for n in lengths))
+    lengths = sorted({int(n) for n in lengths})
     folder = Path(resolve_model_arg(checkpoint))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def _read(run_dir: Path) -> tuple[dict, list[dict]]:
     head = lines[0].split(",")
     rows = []
     for line in lines[1:]:
-        d = dict(zip(head, line.split(",")))
+        d = dict(zip(head, line.split(","), strict=True))
         rows.append({k: (v if k == "checkpoint" else float(v)) for k, v in d.items()})
     return env, rows
 
@@ -188,18 +188,26 @@ def render_prompt_sweep(run_dir: Path, *, level: int = 1, title: str | None = No
     out = [
         f"{h} {title or 'Prompt states: session start per prompt length'}",
         "",
-        f"- **Machine:** {m['cpu']}, {m.get('usable_cpus')} usable CPU cores, {m.get('memory_gib')} GiB RAM; "
-        f"{m['platform']}",
-        f"- **Software:** MLX {env['mlx']['version']} on `{env['mlx']['default_device']}`, voicechat-mlx at git "
-        f"`{(env.get('git_revision') or '?')[:12]}`; numerics `{sw['numerics']}`",
-        f"- **Date:** {env['date']} (UTC); {sw['runs']} run(s) per length, medians shown; the sweep took "
-        f"{sw['seconds'] / 60:.1f} min",
+        (
+            f"- **Machine:** {m['cpu']}, {m.get('usable_cpus')} usable CPU cores, {m.get('memory_gib')} GiB RAM; "
+            f"{m['platform']}"
+        ),
+        (
+            f"- **Software:** MLX {env['mlx']['version']} on `{env['mlx']['default_device']}`, voicechat-mlx at git "
+            f"`{(env.get('git_revision') or '?')[:12]}`; numerics `{sw['numerics']}`"
+        ),
+        (
+            f"- **Date:** {env['date']} (UTC); {sw['runs']} run(s) per length, medians shown; the sweep took "
+            f"{sw['seconds'] / 60:.1f} min"
+        ),
         "",
-        "Per prompt length in positions ([bos] + tokens + [eos]): *from scratch* = "
-        "`create_streaming_session(system_prompt=...)` (it prefills), *prepare* = `model.prepare_prompt(...)`, "
-        "*from state* = `create_streaming_session(prompt_state=state)`; the first frame of each of those two "
-        "sessions; *steady frame* = median of frames 3-12 of a session (the target: a session from a state "
-        "within one steady frame); the state's bytes (`state.nbytes`), its file's, and saving / loading it.",
+        (
+            "Per prompt length in positions ([bos] + tokens + [eos]): *from scratch* = "
+            "`create_streaming_session(system_prompt=...)` (it prefills), *prepare* = `model.prepare_prompt(...)`, "
+            "*from state* = `create_streaming_session(prompt_state=state)`; the first frame of each of those two "
+            "sessions; *steady frame* = median of frames 3-12 of a session (the target: a session from a state "
+            "within one steady frame); the state's bytes (`state.nbytes`), its file's, and saving / loading it."
+        ),
         "",
     ]
     out.append(

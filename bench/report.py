@@ -206,7 +206,7 @@ def summarize(frames: pd.DataFrame, runs: pd.DataFrame, floor: pd.DataFrame, env
             row["total_p50_over_floor"] = (
                 row["total_p50_ms"] / row["floor_ms"] if row["floor_ms"] and row["floor_ms"] > 0 else math.nan
             )
-            errors = sorted(set(str(e) for e in failed.error if str(e)))
+            errors = sorted({str(e) for e in failed.error if str(e)})
             row["errors"] = " | ".join(errors)
             rows.append(row)
     # Ratios against the first backend given for the checkpoint that has results ("baseline").
@@ -329,7 +329,8 @@ def _short(h) -> str:
 def _ckpt_label(info: dict) -> str:
     if info.get("synthetic"):
         b = info.get("bits")
-        return f"`{info['spec']}` (synthetic, preset {info.get('preset')}, {f'{b}-bit' if b else 'bf16'}, seed {info.get('seed')})"
+        width = f"{b}-bit" if b else "bf16"
+        return f"`{info['spec']}` (synthetic, preset {info.get('preset')}, {width}, seed {info.get('seed')})"
     q = info.get("quantization") or {}
     return f"`{info['spec']}` ({q.get('bits')}-bit)" if q.get("bits") else f"`{info['spec']}`"
 

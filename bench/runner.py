@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -641,7 +642,7 @@ def _dispatch_rows(
                 rows = count_voicechat(b.model, wave, frames=frames, drop_first=drop_first)
         else:  # mlx-vlm
             rows = count_mlx_vlm(
-                lambda: b.session.create_streaming_session(seed=0), wave, frames=frames, drop_first=drop_first
+                partial(b.session.create_streaming_session, seed=0), wave, frames=frames, drop_first=drop_first
             )
     finally:
         b.close()

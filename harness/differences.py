@@ -133,8 +133,10 @@ DIFFERENCES: dict[str, DocumentedDifference] = {
             pinned_by=(
                 "parity_tests/test_peers_mlx_audio_departures.py::test_each_departure_is_necessary",
                 "parity_tests/test_peers_mlx_audio_departures.py::test_all_departures_undone_equal_codes",
-                "parity_tests/test_peers_mlx_audio.py::"
-                "test_4bit_language_path_equal_codes_differ_until_the_departures_are_undone",
+                (
+                    "parity_tests/test_peers_mlx_audio.py::"
+                    "test_4bit_language_path_equal_codes_differ_until_the_departures_are_undone"
+                ),
             ),
         ),
         DocumentedDifference(

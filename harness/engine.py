@@ -902,8 +902,10 @@ def _apply_mlx_audio(
                 p
                 for p in (
                     r.note,
-                    "with mlx-audio's departures undone the codes still differ at "
-                    f"frame {None if k is None else k + skip}",
+                    (
+                        "with mlx-audio's departures undone the codes still differ at "
+                        f"frame {None if k is None else k + skip}"
+                    ),
                 )
                 if p
             )

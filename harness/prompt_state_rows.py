@@ -38,7 +38,7 @@ def _states(session) -> dict[str, bytes]:
 
 
 def _first_diff(a: list, b: list) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))

@@ -122,8 +122,10 @@ class ParityReport:
         verdict = "PASS" if self.ok else "FAIL"
         lines += [
             "",
-            f"**Result: {verdict}** ({len(self.rows)} rows: {c[PASS]} pass, {c[FAIL]} fail, "
-            f"{c[DOCUMENTED]} documented difference, {c[NOT_AVAILABLE]} not available)",
+            (
+                f"**Result: {verdict}** ({len(self.rows)} rows: {c[PASS]} pass, {c[FAIL]} fail, "
+                f"{c[DOCUMENTED]} documented difference, {c[NOT_AVAILABLE]} not available)"
+            ),
             "",
         ]
         lines += self._matrix_markdown()
@@ -149,7 +151,7 @@ class ParityReport:
         notes = [(i, r) for i, r in enumerate(self.rows, 1) if r.note]
         if notes:
             lines += ["", "<details><summary>Row notes</summary>", ""]
-            for i, r in notes:
+            for _i, r in notes:
                 lines.append(f"- {r.family} / {r.comparison} / {r.metric}: {_cell(r.note)}")
             lines += ["", "</details>"]
         used = sorted({r.tolerance_name for r in self.rows if r.tolerance_name})
@@ -190,8 +192,10 @@ class ParityReport:
         lines = [
             "Matrix: " + ", ".join(m["implementations"]),
             "",
-            "| pair | agrees | rows | fail | documented | first failing (family / path / frame / field) | "
-            "first documented difference |",
+            (
+                "| pair | agrees | rows | fail | documented | first failing (family / path / frame / field) | "
+                "first documented difference |"
+            ),
             "|---|---|---|---|---|---|---|",
         ]
         for tag, p in m["pairs"].items():
@@ -226,12 +230,16 @@ class ParityReport:
             }
             lines += [
                 "",
-                f"<details><summary>Per-frame logits, {path}: max abs vs {against} "
-                f"(text {_num(worst['text'])}, function {_num(worst['function'])}) with "
-                f"{against}'s top-2 gap</summary>",
+                (
+                    f"<details><summary>Per-frame logits, {path}: max abs vs {against} "
+                    f"(text {_num(worst['text'])}, function {_num(worst['function'])}) with "
+                    f"{against}'s top-2 gap</summary>"
+                ),
                 "",
-                "| frame | text max abs | ref text top-2 gap | text id | function max abs "
-                "| ref function top-2 gap | function id |",
+                (
+                    "| frame | text max abs | ref text top-2 gap | text id | function max abs "
+                    "| ref function top-2 gap | function id |"
+                ),
                 "|---|---|---|---|---|---|---|",
             ]
             for f in frames:

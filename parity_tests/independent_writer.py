@@ -413,11 +413,11 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
     P, J, R = a["decoder"]["pred_hidden"], a["joint"]["joint_hidden"], a["decoder"]["vocab_size"]
     add("stt_model.rnnt_decoder.prediction.embed.weight", (R + 1, P), "embed")
     for k in range(a["decoder"]["pred_rnn_layers"]):
-        l = "stt_model.rnnt_decoder.prediction.dec_rnn.lstm."
-        add(l + f"weight_ih_l{k}", (4 * P, P), "lstm")
-        add(l + f"weight_hh_l{k}", (4 * P, P), "lstm")
-        add(l + f"bias_ih_l{k}", (4 * P,), "bias")
-        add(l + f"bias_hh_l{k}", (4 * P,), "bias")
+        lstm = "stt_model.rnnt_decoder.prediction.dec_rnn.lstm."
+        add(lstm + f"weight_ih_l{k}", (4 * P, P), "lstm")
+        add(lstm + f"weight_hh_l{k}", (4 * P, P), "lstm")
+        add(lstm + f"bias_ih_l{k}", (4 * P,), "bias")
+        add(lstm + f"bias_hh_l{k}", (4 * P,), "bias")
     add("stt_model.rnnt_joint.enc.weight", (J, a["joint"]["encoder_hidden"]), "linear")
     add("stt_model.rnnt_joint.enc.bias", (J,), "bias")
     add("stt_model.rnnt_joint.pred.weight", (J, P), "linear")
@@ -426,7 +426,7 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
     add("stt_model.rnnt_joint.joint_net.2.bias", (R + 1,), "bias")
 
     # ---- EAR-TTS
-    Ht, It, L = s["hidden_size"], s["intermediate_size"], s["latent_size"]
+    Ht, L = s["hidden_size"], s["latent_size"]  # the backbone's MLP widths come from each block's config
     Q, C = s["num_quantizers"], s["codebook_size"]
     tp = "tts_model.tts_model."
 
@@ -527,7 +527,7 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
     n = 0
     add(cp + f"encoder.layers.{n}.weight", (chans[0], stft, 1), "conv")
     n += 1
-    for si, (ch_, rate) in enumerate(zip(chans, c["downsample_rates"])):
+    for si, (ch_, rate) in enumerate(zip(chans, c["downsample_rates"], strict=True)):
         for _ in range(b):
             convnext(cp + f"encoder.layers.{n}.", ch_)
             n += 1
@@ -535,7 +535,7 @@ def inventory(cfg: dict) -> list[tuple[str, tuple, str]]:
         add(cp + f"encoder.layers.{n}.weight", (nxt, ch_, rate), "conv")
         n += 1
     n, src = 0, c["latent_dim"]
-    for ch_, rate in zip(reversed(chans), reversed(c["downsample_rates"])):
+    for ch_, rate in zip(reversed(chans), reversed(c["downsample_rates"]), strict=True):
         add(cp + f"decoder.layers.{n}.weight", (src, ch_, rate), "convt")
         n += 1
         for _ in range(b):

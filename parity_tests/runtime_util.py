@@ -35,7 +35,7 @@ def bound_policy() -> ExecutionPolicy:
 # The policies every identity test runs: this device's, MLX's own kernels on one stream, and the
 # one a GPU device gets (run on this device, so Apple Silicon's branches run in CI).
 POLICIES = {
-    "device": lambda: default_policy(),
+    "device": default_policy,
     "serial": ExecutionPolicy.serial,
     "gpu": ExecutionPolicy.gpu,
 }

@@ -83,7 +83,7 @@ class Raw:
 
     async def ping_ok(self) -> bool:
         await self.send({"type": "session.ping"})
-        e, _ = await self.until("session.pong")
+        _e, _ = await self.until("session.pong")
         return True
 
 

@@ -134,7 +134,7 @@ def test_runs_csv_records_every_run_and_the_failure(bench_run):
     assert list(runs.columns) == RUN_COLUMNS
     assert len(runs) == (WARMUP + RUNS) * 2
     # interleaved: within each run the backends take turns in the given order
-    assert list(zip(runs.phase, runs.run, runs.backend)) == [
+    assert list(zip(runs.phase, runs.run, runs.backend, strict=True)) == [
         ("warmup", 1, "voicechat"),
         ("warmup", 1, "flaky"),
         ("measured", 1, "voicechat"),
@@ -193,7 +193,7 @@ def test_floor_csv_and_env_json(bench_run):
     assert list(floor.columns) == FLOOR_COLUMNS
     assert len(floor) == 2 * len(STAGES)  # per backend x stage (5 stages + total)
     assert (floor.floor_ms > 0).all()
-    for be, f in floor.groupby("backend"):
+    for _be, f in floor.groupby("backend"):
         f = f.set_index("stage")
         parts = f.loc[list(STAGES[:-1])]
         assert math.isclose(f.loc["total", "floor_ms"], parts.floor_ms.sum(), rel_tol=1e-9)
@@ -508,7 +508,7 @@ def test_resident_bytes_follow_the_float32_copies(tiny_ckpt, monkeypatch):
         del model
     grown = {}
     for path, (n, dtype, nb, bias_dtype) in layers["1"].items():
-        n0, dtype0, _, bias_dtype0 = layers["0"].get(path, (n, None, nb, None))
+        _n0, dtype0, _, bias_dtype0 = layers["0"].get(path, (n, None, nb, None))
         if dtype != mx.float32:
             continue
         extra = 0

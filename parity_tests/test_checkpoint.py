@@ -282,7 +282,7 @@ def test_index_names_missing_shard(tmp_path, tiny_ckpt):
     f = _copy(tiny_ckpt, tmp_path / "c")
     shard = sorted(f.glob("*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(CheckpointError, match="shard.*do not exist"):
+    with pytest.raises(CheckpointError, match=r"shard.*do not exist"):
         voicechat.load(f)
 
 
@@ -333,5 +333,5 @@ def test_pickle_only_folder_rejected(tmp_path, tiny_ckpt):
     f.mkdir()
     shutil.copy(tiny_ckpt / "config.json", f / "config.json")
     (f / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         voicechat.load(f)

@@ -64,7 +64,7 @@ def test_streamed_text_equals_offline(model, runs):
 
 
 def test_wav_length(model, runs, five_seconds):
-    _, s, events = runs
+    _, _s, events = runs
     ratio = model.config.codec_config.waveform_to_token_ratio
     frames = int(np.ceil(len(five_seconds) / model.config.frame_samples))
     audio = [e for e in events if e.kind == "audio"]

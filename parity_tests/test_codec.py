@@ -77,7 +77,7 @@ def test_parameter_names_and_shapes(codec):
     expected = {}
     # Decoder: upsamplers at indices divisible by b + 1, final 1x1 conv at S (b + 1).
     in_ch = cfg.latent_dim
-    for s, (rate, ch) in enumerate(zip(reversed(cfg.downsample_rates), dec_widths)):
+    for s, (rate, ch) in enumerate(zip(reversed(cfg.downsample_rates), dec_widths, strict=True)):
         expected[f"decoder.layers.{s * (b + 1)}.weight"] = (ch, rate, in_ch)
         for j in range(1, b + 1):
             n = s * (b + 1) + j
@@ -86,7 +86,7 @@ def test_parameter_names_and_shapes(codec):
     expected[f"decoder.layers.{S * (b + 1)}.weight"] = (cfg.stft_channels, 1, in_ch)
     # Encoder: 1x1 conv, then per stage b blocks and a strided conv (last one to latent_dim).
     expected["encoder.layers.0.weight"] = (enc_widths[0], 1, cfg.stft_channels)
-    for s, (rate, ch) in enumerate(zip(cfg.downsample_rates, enc_widths)):
+    for s, (rate, ch) in enumerate(zip(cfg.downsample_rates, enc_widths, strict=True)):
         for j in range(1, b + 1):
             expected.update(_convnext_shapes(f"encoder.layers.{s * (b + 1) + j}", ch, k))
         out_ch = enc_widths[s + 1] if s + 1 < S else cfg.latent_dim
@@ -172,7 +172,7 @@ def test_flush_tail_uses_no_future_frames(tiny):
     _, tail_a = _stream(tiny, codes)
     steps_b, _ = _stream(tiny, np.concatenate([codes, _random_codes(tiny, 2, seed=4)]))
     steps_a, _ = _stream(tiny, codes)
-    assert all(np.array_equal(a, b) for a, b in zip(steps_a, steps_b))
+    assert all(np.array_equal(a, b) for a, b in zip(steps_a, steps_b, strict=True))
     full = np.array(tiny.decode(codes))
     np.testing.assert_allclose(tail_a, full[-tiny.lead_in :], rtol=0, atol=TOL)
 
@@ -191,7 +191,7 @@ def test_state_copy_reset_arrays(tiny):
     branch = state.copy()
     a = [np.array(tiny.decode_step(row, state)) for row in codes[3:]]
     b = [np.array(tiny.decode_step(row, branch)) for row in codes[3:]]
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert state.frames_decoded == branch.frames_decoded == 6
     for name, arr in state.arrays().items():
         assert np.array_equal(np.array(arr), np.array(branch.arrays()[name])), name
@@ -336,7 +336,7 @@ def test_bad_codes_raise(tiny):
         tiny.decode(good[None])
     with pytest.raises(ValueError, match="at least one frame"):
         tiny.decode(good[:0])
-    with pytest.raises(TypeError, match="mx.array or numpy"):
+    with pytest.raises(TypeError, match=r"mx\.array or numpy"):
         tiny.decode(good.tolist())
 
     state = tiny.make_state()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +61,12 @@ def _quantized(rng, n, k, group, bits, dtype):
 
 def _reference(x, w, scales, biases, group, bits):
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits)
+
+
+def _recorded(log: list, name: str, fn, *a, **k):
+    """fn(*a, **k), noting `name` in `log` first."""
+    log.append(name)
+    return fn(*a, **k)
 
 
 def test_extension_is_used_where_it_should_be():
@@ -466,9 +473,7 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bi
         module, "float32_matmul", lambda *a, **k: calls["float32_matmul"].append(1) or real_f32(*a, **k)
     )
     for name in ("rms_norm", "layer_norm", "rvq_pass"):
-        monkeypatch.setattr(
-            module, name, lambda *a, _r=getattr(module, name), _n=name, **k: calls["norms"].append(_n) or _r(*a, **k)
-        )
+        monkeypatch.setattr(module, name, partial(_recorded, calls["norms"], name, getattr(module, name)))
     policies = {
         "kernels": default_policy(),
         "mlx": ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_QMV": "0"}),
@@ -509,8 +514,8 @@ def test_streams_are_identical_with_and_without_the_kernel(module, tiny_ckpt_4bi
 def test_the_policy_decides_and_is_fixed_once_chosen(module, monkeypatch):
     """The kernels are on by default for a CPU device on Linux x86-64 (where they load) and off for
     a GPU one; `VOICECHAT_CPU_QMV` overrides that when the policy is chosen (`for_device`), and
-    only then: the runtime bound on this thread hands its policy's `cpu_kernels` to the kernels, whatever the environment
-    says afterwards, and is the previous binding's again after a nested one."""
+    only then: the runtime bound on this thread hands its policy's `cpu_kernels` to the kernels, whatever the
+    environment says afterwards, and is the previous binding's again after a nested one."""
     assert ExecutionPolicy.for_device(mx.cpu, environ={}).cpu_kernels is True
     assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False
     assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "1"}).cpu_kernels is True
@@ -577,9 +582,9 @@ def test_unavailable_kernel_warns_by_default_and_raises_when_forced(monkeypatch)
         assert ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "0"}).cpu_kernels is False  # silent
     with pytest.raises(RuntimeError, match="cannot be used here: no compiler here"):
         ExecutionPolicy(name="forced", cpu_kernels=True)
-    with pytest.raises(RuntimeError, match="VOICECHAT_CPU_QMV=1.*cannot be used: no compiler here"):
+    with pytest.raises(RuntimeError, match=r"VOICECHAT_CPU_QMV=1.*cannot be used: no compiler here"):
         ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "1"})
-    with pytest.raises(ValueError, match="VOICECHAT_CPU_QMV must be 0 or 1.*'yes'"):
+    with pytest.raises(ValueError, match=r"VOICECHAT_CPU_QMV must be 0 or 1.*'yes'"):
         ExecutionPolicy.for_device(mx.cpu, environ={"VOICECHAT_CPU_QMV": "yes"})
 
 

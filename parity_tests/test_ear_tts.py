@@ -608,7 +608,7 @@ def test_rvq_norm_flag(model, cfg):
     assert norm_err > 0
     rs = np.random.RandomState(5)
     flips = 0
-    for i in range(200):
+    for _i in range(200):
         a, b = rs.choice(cfg.codebook_size, size=2, replace=False)
         # Midpoints between two codewords: near ties, where the rounding matters.
         r = 0.5 * (books[0, a] + books[0, b]) + 0.05 * rs.randn(cfg.latent_size)

@@ -292,7 +292,7 @@ def test_primitives_fail_where_expected():
         CODEC, "x", "s", delayed, ref, delay=4, skip=0, samples_per_frame=10, tol_name="codec_abs"
     )
     assert row.status == FAIL and row.first_failing_frame == (57 + 4) // 10
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="family must be one of"):
         compare_codes("no such family", "x", "codes", a, a)
 
 

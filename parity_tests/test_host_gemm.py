@@ -52,7 +52,7 @@ def test_policy_field_env_var_and_binding(monkeypatch):
     """`host_products` is on by default exactly for a CPU device; `VOICECHAT_HOST_GEMM` overrides it
     when the policy is chosen (a bad value names the variable), a policy's field takes only a
     bool, and the runtime bound on this thread hands its policy's field to the products (off with none)."""
-    with pytest.raises(ValueError, match="VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
+    with pytest.raises(ValueError, match=r"VOICECHAT_HOST_GEMM must be 0 or 1.*got 'on'"):
         ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "on"})
     assert ExecutionPolicy.for_device(environ={"VOICECHAT_HOST_GEMM": "0"}).host_products is False
     assert ExecutionPolicy.for_device(mx.gpu, environ={"VOICECHAT_HOST_GEMM": "1"}).host_products is True
@@ -60,7 +60,7 @@ def test_policy_field_env_var_and_binding(monkeypatch):
     assert ExecutionPolicy.for_device(mx.cpu, environ={}).host_products is True
     assert ExecutionPolicy.for_device(mx.gpu, environ={}).host_products is False
     assert default_policy().host_products is (mx.default_device().type == mx.DeviceType.cpu)
-    with pytest.raises(TypeError, match="ExecutionPolicy.host_products must be True or False, got 1"):
+    with pytest.raises(TypeError, match=r"ExecutionPolicy\.host_products must be True or False, got 1"):
         default_policy(host_products=1)
     monkeypatch.setenv("VOICECHAT_HOST_GEMM", "0")  # read when a policy is chosen, not while it runs
     with running(host_products=True):

@@ -33,7 +33,7 @@ def _expected_length(n: int, rate: int, target: int = 16000) -> int:
 
 def _cli(*args, **kw):
     return subprocess.run(
-        [sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True, timeout=300, **kw
+        [sys.executable, "-m", "voicechat.cli", *args], capture_output=True, text=True, timeout=300, check=False, **kw
     )
 
 
@@ -298,7 +298,7 @@ def test_bench_cli_audio_defaults_and_names(monkeypatch, tmp_path):
         raise ValueError("stop here")  # the CLI turns it into exit status 2
 
     monkeypatch.setattr(bench.runner, "run_bench", fake_run_bench)
-    monkeypatch.setattr(voicechat.io.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.setitem(voicechat.io.progress._state, "quiet", False)  # --quiet below must not leak to other tests
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "-m", "ckpt", "--quiet", "--out", str(tmp_path / "a")]) == 2
     assert (
@@ -318,7 +318,7 @@ def test_base_install_without_serve_extra(monkeypatch, tmp_path, tiny_ckpt, caps
     import voicechat.io.progress
     from voicechat.cli.main import main
 
-    monkeypatch.setattr(voicechat.io.progress, "_quiet", False)  # --quiet below must not leak to other tests
+    monkeypatch.setitem(voicechat.io.progress._state, "quiet", False)  # --quiet below must not leak to other tests
     monkeypatch.setitem(sys.modules, "voicechat.cli.serve", None)  # its import now raises ImportError
     assert main(["generate", "-m", str(tiny_ckpt), "--output-audio", str(tmp_path / "o.wav"), "--quiet"]) == 0
     assert sf.info(tmp_path / "o.wav").subtype == "PCM_16"

@@ -179,7 +179,7 @@ def test_bad_input_raises():
     # a refused push changes nothing
     s.push(_noise(0.1))
     before = (s.samples_seen, s.frames_emitted, {k: np.array(v) for k, v in s.arrays().items()})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="NaN"):
         s.push(bad)
     assert (s.samples_seen, s.frames_emitted) == before[:2]
     for k, v in s.arrays().items():

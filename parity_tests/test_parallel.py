@@ -295,7 +295,7 @@ def test_cpu_streams_validation(monkeypatch):
     `for_device` read); the bound runtime's policy decides, not the environment."""
     with pytest.raises(ValueError, match=r"ExecutionPolicy.cpu_streams must be 1 or 2.*got 3"):
         ExecutionPolicy(name="three", cpu_streams=3)
-    with pytest.raises(ValueError, match="VOICECHAT_CPU_STREAMS must be 1 or 2.*'four'"):
+    with pytest.raises(ValueError, match=r"VOICECHAT_CPU_STREAMS must be 1 or 2.*'four'"):
         ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_STREAMS": "four"})
     one = ExecutionPolicy.for_device(environ={"VOICECHAT_CPU_STREAMS": "1"})
     assert one.cpu_streams == 1

@@ -184,7 +184,7 @@ def test_decoded_codes_are_the_raw_codes_with_control_codes_replaced(runs):
 def test_codes_are_not_trivially_equal(runs):
     """The comparison has power: codes vary over frames and codebooks, and the float32 option gives
     different codes."""
-    vo, _, mo, _ = runs["prompt"]
+    _vo, _, mo, _ = runs["prompt"]
     assert len({tuple(r) for r in mo.codes.tolist()}) > mo.codes.shape[0] // 2
     assert len(set(mo.codes.ravel().tolist())) > 8
     if "float32" in runs:

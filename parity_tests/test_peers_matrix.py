@@ -150,7 +150,7 @@ def test_ids_and_codes_identical(row_runs, row, mode):
         diff = _first_difference(ours_codes, ref_codes)
         if diff is not None:
             frame, books = diff
-            n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes, ref_codes))
+            n_diff = sum(not np.array_equal(a, b) for a, b in zip(ours_codes, ref_codes, strict=True))
             pytest.fail(
                 f"{what} differ first at frame {frame + first}, codebooks {books[:8]}"
                 f"{'...' if len(books) > 8 else ''} ({n_diff} of {ours_codes.shape[0]} frames differ)"

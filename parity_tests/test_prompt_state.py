@@ -186,7 +186,7 @@ def test_state_holds_no_copy_of_the_model(real_model):
     empty = real_model.prepare_prompt("")
     assert empty.prompt_positions == 0
     warm = real_model._warm_tts
-    assert all(a is b for a, b in zip(empty._timeline.tts.keys, warm.keys))
+    assert all(a is b for a, b in zip(empty._timeline.tts.keys, warm.keys, strict=True))
     tts_warm = sum(a.nbytes for a in warm.keys + warm.values)
     # Counted: the fresh language state (zeros), the random key and the ids; not the warm-up.
     assert 0 <= empty.nbytes - empty._timeline.llm.nbytes < 1024 < tts_warm < state.nbytes
@@ -439,7 +439,7 @@ def test_bench_prompt_sweep(tiny_ckpt, tmp_path):
     )
     lines = (out / "prompt_sweep.csv").read_text().splitlines()
     assert len(lines) == 1 + 2 * 2 and lines[0].startswith("checkpoint,positions,run,")
-    rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
+    rows = [dict(zip(lines[0].split(","), line.split(","), strict=True)) for line in lines[1:]]
     assert [int(r["positions"]) for r in rows] == [5, 5, 19, 19]
     assert all(float(r["state_bytes"]) > 0 and float(r["prepare_s"]) > 0 for r in rows)
     page = tmp_path / "perf.md"

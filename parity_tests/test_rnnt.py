@@ -118,7 +118,7 @@ def test_special_ids_drive_decoder_but_are_not_returned():
     everything = greedy_decode(dec, joint, enc, MAX_SYMBOLS)
     visible = greedy_decode(dec, joint, enc, MAX_SYMBOLS, skip_ids=text.special_ids)
     assert visible == [t for t in everything if t not in text.special_ids]
-    s, per_frame = _stream_all(dec, joint, enc, skip_ids=text.special_ids)
+    s, _per_frame = _stream_all(dec, joint, enc, skip_ids=text.special_ids)
     assert s.state.tokens == visible
 
 
@@ -151,7 +151,7 @@ def test_prediction_runs_once_per_symbol_not_per_frame():
 
     dec2, joint2, enc2 = _models(blank_bias=1e9)  # all blank
     dec2.calls = 0
-    s2, per_frame2 = _stream_all(dec2, joint2, enc2[:50])
+    _s2, per_frame2 = _stream_all(dec2, joint2, enc2[:50])
     assert all(not f for f in per_frame2) and dec2.calls == 1
 
 
@@ -222,6 +222,6 @@ def test_on_device_loop_makes_the_host_loops_decisions(blank_bias, max_symbols):
     )
     got = {k: np.array(v) for k, v in device.state.arrays().items()}
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+    device.step_on_device(enc[0])
     with pytest.raises(RuntimeError, match="not finished"):
-        device.step_on_device(enc[0])
         device.step_on_device(enc[1])

@@ -239,7 +239,7 @@ def test_two_models_with_different_policies_share_a_process(tiny_ckpt_4bit, ques
     alone = {name: _stream(m, wave, None)[0] for name, m in models.items()}
     sessions = {name: m.create_streaming_session(seed=0) for name, m in models.items()}
     for start in range(0, wave.shape[0], 1280):
-        for name, s in sessions.items():
+        for s in sessions.values():
             s.push_audio(wave[start : start + 1280])
     for name, s in sessions.items():
         s.flush()

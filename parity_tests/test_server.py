@@ -82,7 +82,7 @@ def test_streamed_events_equal_in_process_session(server, tiny_model, question_w
     assert r.end == "response.done" and r.close_code == 1000 and not r.errors
     got = _wire_events(r)
     assert [e["type"] for e in got] == [e["type"] for e in expected]
-    for g, x in zip(got, expected):
+    for g, x in zip(got, expected, strict=True):
         assert g == x, (g["type"], g["frame_index"])
     assert r.frames == -(-pcm.size // 1280)
     # The tail follows the last frame and carries the codec's held-back samples: nothing lost.
@@ -128,7 +128,7 @@ def test_session_messages_and_fields(server, tiny_model):
             types = [x["type"] for x in seen]
             assert types[0] == "input_audio_buffer.committed" and "response.audio.delta" not in types
             assert e["frame_index"] == 2  # pad_partial=False: the 100 samples are dropped, as asked
-            code, rest = await c.closed()
+            code, _rest = await c.closed()
             assert code == 1000
             ids = [x["event_id"] for x in [created, upd, *deltas, *seen]]
             assert len(set(ids)) == len(ids)

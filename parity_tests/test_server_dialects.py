@@ -719,13 +719,13 @@ def test_mapping_speech_stretches_barge_in_and_truncate():
     # ... the client played 40 ms of it and truncates: reported transcript up to there, response cancelled.
     trunc: list = []
     assert m.truncate(item, 40, trunc)
-    done = [e for e in trunc if e["type"] == "response.done"][0]["response"]
+    done = next(e for e in trunc if e["type"] == "response.done")["response"]
     assert done["id"] == second and done["status"] == "cancelled"
     assert done["output"][0]["content"][0]["transcript"] == "Again" and done["output"][0]["status"] == "incomplete"
     # The model still speaks: not reported until its stretch ends (3 silent frames), then a new response may open.
     more = _run_from(m, len(script), [(True, None, "x")] + [(False, None, None)] * 3 + [(True, None, "New")])
     assert [e["type"] for e in more].count("response.created") == 1
-    assert [e for e in more if e["type"] == "response.output_audio_transcript.delta"][0]["delta"] == "New"
+    assert next(e for e in more if e["type"] == "response.output_audio_transcript.delta")["delta"] == "New"
 
 
 def _run_from(m, f0, script):
@@ -791,7 +791,7 @@ def test_serve_mcp_runs_the_tools_for_a_simple_client(toolcall, tmp_path):
 def test_mapping_truncate_of_a_finished_item_keeps_what_was_played():
     m = _mapper()
     out = _run(m, [(True, None, "One"), (True, None, " two")] + [(False, None, None)] * 3)
-    item = [e for e in out if e["type"] == "response.output_item.done"][0]["item"]
+    item = next(e for e in out if e["type"] == "response.output_item.done")["item"]
     assert item["content"][0]["transcript"] == "One two"
     assert m.truncate(item["id"], 40, [])  # " two" came with the second frame, after ~74 ms of audio
     assert m.items[item["id"]]["content"][0]["transcript"] == "One" and m.items[item["id"]]["status"] == "incomplete"
@@ -807,9 +807,9 @@ def test_mapping_text_only_modality_sends_text_events_and_no_audio():
         ga_validate(dict(e, event_id="evt"))
     assert "response.output_audio.delta" not in types and "response.output_audio_transcript.delta" not in types
     assert "".join(e["delta"] for e in out if e["type"] == "response.output_text.delta") == "Hi!"
-    done = [e for e in out if e["type"] == "response.output_text.done"][0]
+    done = next(e for e in out if e["type"] == "response.output_text.done")
     assert done["text"] == "Hi!"
-    assert [e for e in out if e["type"] == "response.done"][0]["response"]["output_modalities"] == ["text"]
+    assert next(e for e in out if e["type"] == "response.done")["response"]["output_modalities"] == ["text"]
 
 
 def test_one_session_slot_is_shared_by_the_dialects(server):
@@ -873,7 +873,7 @@ def test_openai_dialects_refuse_hostile_json_and_stay_usable(server, path):
                 ok = await c.recv()
             return first, errors, ok
 
-    first, errors, ok = run(go())
+    _first, errors, ok = run(go())
     wait_released(server)
     assert all(e["type"] == "error" and e["error"]["code"] == "invalid_json" for e in errors[: len(HOSTILE)]), errors
     assert errors[-1]["type"] == "error" and errors[-1]["error"]["code"] == "message_too_large", errors[-1]

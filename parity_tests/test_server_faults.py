@@ -87,7 +87,7 @@ def test_every_route_of_the_app_is_guarded(make_server):
     assert "/v1/realtime" in ws_paths and "/healthz" in http_paths
     key = {"Authorization": "Bearer s3cret"}
     for path in ws_paths:
-        up = lambda **h: http_raw(port, path, h, upgrade=True)[0]  # noqa: E731
+        up = lambda path=path, **h: http_raw(port, path, h, upgrade=True)[0]  # noqa: E731
         assert up(Host="evil.example", **key) == 421, path
         assert up(Host=f"127.0.0.1:{port}", Origin="https://evil.example", **key) == 403, path
         assert up(Host=f"127.0.0.1:{port}", Origin="null", **key) == 403, path
@@ -559,7 +559,7 @@ def test_voicechat_client_exits_nonzero_on_an_error_event(make_server, question_
     )
     events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
     assert events[-1]["type"] == "response.done"  # the session ended normally...
-    assert [e["error"]["code"] for e in events if e["type"] == "error"][0] == "session_audio_limit"
+    assert next(e["error"]["code"] for e in events if e["type"] == "error") == "session_audio_limit"
     assert rc == 1  # ...but audio was refused: not a success
 
 

@@ -1,5 +1,6 @@
 """The streaming session (api.md): chunking, lifecycle, event invariance, parity with offline generate."""
 
+import itertools
 import threading
 
 import mlx.core as mx
@@ -95,7 +96,7 @@ def test_events_and_audio_shapes(tiny_model, question_wav):
     text = [e for e in ev if e.kind == "assistant_text_delta"]
     assert text and text[-1].text == s.text.text
     assert "".join(e.delta for e in text) == text[-1].text or any(
-        not e.text.startswith(p.text) for p, e in zip(text, text[1:])
+        not e.text.startswith(p.text) for p, e in itertools.pairwise(text)
     )
 
 
@@ -267,7 +268,7 @@ def test_frame_records_are_the_sessions_own_values(tiny_model, question_wav):
     s, events = run_stream(tiny_model, question_wav, on_frame=records.append)
     audio = [e for e in events if e.kind == "audio"]
     assert [r.frame_index for r in records] == list(range(len(audio))) and len(records) == len(s.text_ids)
-    for r, e in zip(records, audio):
+    for r, e in zip(records, audio, strict=True):
         assert r.text_id == s.text_ids[r.frame_index] == int(np.argmax(r.text_logits))
         assert r.function_id == s.function_ids[r.frame_index] == int(np.argmax(r.function_logits))
         assert np.array_equal(r.samples, e.samples)
@@ -298,7 +299,7 @@ def test_frame_records_without_perception_cache_and_bad_observer(wide_window_mod
 
 def _same_events(a, b):
     assert [type(e) for e in a] == [type(e) for e in b]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         if hasattr(x, "samples"):
             assert x.frame_index == y.frame_index and np.array_equal(x.samples, y.samples)
         else:

@@ -63,7 +63,7 @@ def test_multibyte_character_split_across_tokens(tok):
 def test_random_sequences_equal_full_decode(tok):
     rng = random.Random(0)
     n = tok.vocab_size
-    for trial in range(30):
+    for _trial in range(30):
         ids = [
             rng.choice([rng.randrange(n), rng.randrange(20, 276), rng.choice(sorted(SKIP))])
             for _ in range(rng.randrange(1, 60))

@@ -65,7 +65,7 @@ def test_mcp_time_server_lists_and_calls(time_server):
 
 
 def test_mcp_bad_command_reports_stderr():
-    with pytest.raises(RuntimeError, match="(?s)did not start.*stderr ends with:\nboom"):
+    with pytest.raises(RuntimeError, match=r"(?s)did not start.*stderr ends with:\nboom"):
         McpToolRunner([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"], startup_timeout=20)
 
 
@@ -74,8 +74,10 @@ def test_mcp_close_reaps_the_server():
 
     r = McpToolRunner(TIME_SERVER)
     r.close()
-    out = subprocess.run(["pgrep", "-f", "mcp_server_time --local-timezone UTC"], capture_output=True, text=True)
-    alive = [p for p in out.stdout.split()]
+    out = subprocess.run(
+        ["pgrep", "-f", "mcp_server_time --local-timezone UTC"], capture_output=True, text=True, check=False
+    )
+    alive = list(out.stdout.split())
     # Only the module-scoped fixture's server (if it is running) may remain.
     assert len(alive) <= 1, out.stdout
 

@@ -256,7 +256,7 @@ def test_toolcall_preset_streamed_timeline(toolcall_model):
     n = _script_len(toolcall_model)
     wave = np.zeros(1280 * 200, np.float32)
     submit_after = n + 5
-    s, events, records = _stream(toolcall_model, submit_after, wave)
+    _s, events, records = _stream(toolcall_model, submit_after, wave)
     calls = [e for e in events if e.kind == "tool_call"]
     assert len(calls) == 1 and calls[0].frame_index == n < 100
     assert calls[0].name == TOOLCALL_TOOL and calls[0].arguments == TOOLCALL_ARGUMENTS

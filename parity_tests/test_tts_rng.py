@@ -64,7 +64,7 @@ def test_matches_global_generator(seed):
     expected = global_draws(seed)
     got = session_draws(SessionRandom(seed))
     assert len(got) == len(DRAWS) == 20
-    for i, (a, b) in enumerate(zip(expected, got)):
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype, i
         assert mx.array_equal(a, b).item(), f"draw {i} {DRAWS[i]} differs"
 
@@ -89,7 +89,7 @@ def test_global_state_untouched():
 def test_different_seeds_differ():
     a = session_draws(SessionRandom(0))
     b = session_draws(SessionRandom(1))
-    assert not any(mx.array_equal(x, y).item() for x, y in zip(a, b))
+    assert not any(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
 
 
 def test_copy_reset_and_counters():
@@ -132,7 +132,7 @@ def test_uniform_then_normal_is_the_global_stream(seed, compiled):
         for u_shape, n_shape in shapes * 2:
             got += list(rng.uniform_then_normal(u_shape, n_shape))
     mx.eval(got)
-    assert all(g.shape == e.shape and g.dtype == mx.float32 for g, e in zip(got, expected))
-    assert all(mx.array_equal(g, e).item() for g, e in zip(got, expected))
+    assert all(g.shape == e.shape and g.dtype == mx.float32 for g, e in zip(got, expected, strict=True))
+    assert all(mx.array_equal(g, e).item() for g, e in zip(got, expected, strict=True))
     assert np.array_equal(np.array(rng.arrays()["key"]), want_key)
     assert rng.draws == 2 * len(shapes) * 2

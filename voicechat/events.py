@@ -39,6 +39,7 @@ class Audio:
     samples: np.ndarray  # float32, exactly one output frame (1764 at 22050 Hz)
     audio_codes: np.ndarray  # int32, num_quantizers: the decoded codes (after control-code replacement)
     kind: str = field(default="audio", init=False)
+    __hash__ = None  # equal by value, arrays included: not hashable
 
     def __eq__(self, other):
         return (
@@ -54,6 +55,7 @@ class AudioTail:
     frame_index: int
     samples: np.ndarray  # float32, the codec's held-back tail
     kind: str = field(default="audio_tail", init=False)
+    __hash__ = None  # equal by value, arrays included: not hashable
 
     def __eq__(self, other):
         return (

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                 stderr=subprocess.DEVNULL,
             )
             servers["mlx_vlm_server"] = (proc, port)
-        for name, (proc, port) in servers.items():
+        for name, (_proc, port) in servers.items():
             health = "health" if name == "mlx_vlm_server" else "healthz"
             for _ in range(600):
                 try:
@@ -99,9 +99,9 @@ def main(argv=None) -> int:
         rmc = {k: [] for k in servers}
         warm = model.create_streaming_session()
         warm.push_audio(pcm[: n * 10])
-        for r in range(args.rounds):
+        for _r in range(args.rounds):
             inproc += push_times_ms(model, whole, n)[args.drop_first :]
-            for name, (proc, port) in servers.items():
+            for name, (_proc, port) in servers.items():
                 res = run_stream_audio(
                     f"ws://127.0.0.1:{port}/v1/realtime", whole, lockstep=True, chunk_samples=n, model=ckpt
                 )
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
                 if name != "mlx_vlm_server":  # its events carry no compute time
                     comp[name] += [e["compute_ms"] for e in deltas[args.drop_first : len(rts)]]
                     rmc[name] += [
-                        a - e["compute_ms"] for a, e in zip(rts[args.drop_first :], deltas[args.drop_first :])
+                        a - e["compute_ms"]
+                        for a, e in zip(rts[args.drop_first :], deltas[args.drop_first :], strict=False)
                     ]
         out = {
             "model": args.model,

@@ -5,7 +5,8 @@
 One `voicechat serve` process; round by round, interleaved: (a) the in-process session pushed one
 frame at a time (wall time of each `push_audio`), (b) mlx-vlm's dialect in lock-step (one frame
 sent, wait for its `response.audio.delta`), (c) OpenAI Realtime GA at 24 kHz (80 ms appended, wait
-for its first `response.output_audio.delta`), (d) OpenAI Live at 16 kHz (one frame appended, wait for its `session.output_audio.delta`).
+for its first `response.output_audio.delta`), (d) OpenAI Live at 16 kHz (one frame appended, wait
+for its `session.output_audio.delta`).
 The GA step is timed against the in-process push of the same 16 kHz samples the server's
 resampler produced, so both sides compute the same frames. Also: the error of the resampling
 itself (the model's 22.05 kHz output -> 24 kHz -> back, soxr HQ). Writes

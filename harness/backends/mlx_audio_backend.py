@@ -142,7 +142,7 @@ def translate_config(raw: dict, folder: Path) -> dict:
     enc = dict(audio.get("encoder", {}))
     enc["att_context_size"] = _att_context(enc)  # mlx-audio wraps it in a list itself
     dec, joint = audio.get("decoder", {}), audio.get("joint", {})
-    llm = {k: v for k, v in text.items()}
+    llm = dict(text.items())
     lim = llm.get("time_step_limit")
     if lim is not None and math.isinf(float(lim[1])):
         llm.pop("time_step_limit")  # mlx-audio's ModelArgs default is (0.0, inf); as its convert.py does
@@ -244,7 +244,7 @@ def translate_config(raw: dict, folder: Path) -> dict:
 
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):

@@ -247,7 +247,6 @@ class VoiceChatBackend(Backend):
         model = self._require()
         cfg = model.config
         pad = cfg.pad_token_id
-        w = cfg.function_channel_weight
         rows = []
         if prompt:
             rows.append(model.prompt_input(mx.array(prompt, dtype=mx.int32)))
@@ -431,7 +430,7 @@ class VoiceChatBackend(Backend):
             enc = enc[: self.component_max_frames]
         prompt = self.prompt_ids(system_prompt)
         p = len(prompt)
-        pad, w = cfg.pad_token_id, cfg.function_channel_weight
+        pad = cfg.pad_token_id
         llm = model.stt_model.llm
 
         # Nemotron-H: cached single steps, ids picked as the runtime does.

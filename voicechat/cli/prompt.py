@@ -1,5 +1,6 @@
 """`voicechat cache-prompt`: run a system prompt's prefill once and write its prompt state to a file
-(voicechat/streaming/prompt_state.py; `voicechat generate --prompt-state FILE`, `voicechat serve --prompt-state FILE`)."""
+(voicechat/streaming/prompt_state.py; `voicechat generate --prompt-state FILE`,
+`voicechat serve --prompt-state FILE`)."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def is_raw_layout(weights: dict) -> bool:
         for k in weights
     )
     mlx_names = any(
-        (k.startswith(LSTM_PREFIX) and (k.endswith(".Wx") or k.endswith(".Wh")))
+        (k.startswith(LSTM_PREFIX) and (k.endswith((".Wx", ".Wh"))))
         or k == "tts_model.control_codes"
         or "prvq.variance_list" in k
         for k in weights
@@ -262,7 +262,7 @@ def write_shards(raw: dict, folder: Path, n_shards: int = 2, metadata: dict | No
     total = sum(sizes)
     shards: list[list[str]] = [[] for _ in range(n_shards)]
     acc, s = 0, 0
-    for k, sz in zip(keys, sizes):
+    for k, sz in zip(keys, sizes, strict=True):
         if s < n_shards - 1 and acc >= total * (s + 1) / n_shards:
             s += 1
         shards[s].append(k)

@@ -19,18 +19,17 @@ from __future__ import annotations
 import os
 import sys
 
-_quiet = False
+_state = {"quiet": False}  # the CLI's --quiet, for every bar of this process
 
 
 def set_quiet(quiet: bool = True) -> None:
     """Silence (or allow again) every progress bar of this process; the CLI's `--quiet`."""
-    global _quiet
-    _quiet = bool(quiet)
+    _state["quiet"] = bool(quiet)
 
 
 def is_enabled(enabled: bool | None = None) -> bool:
     """Whether a bar would be drawn: `enabled=None` means "when stderr is a terminal"."""
-    if _quiet or enabled is False:
+    if _state["quiet"] or enabled is False:
         return False
     try:
         tty = sys.stderr.isatty()

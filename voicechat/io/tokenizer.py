@@ -20,7 +20,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 BYTE_TO_CHAR = _bytes_to_unicode()
@@ -110,10 +110,7 @@ class IncrementalDecoder:
             new = self._committed + self._pending.decode("utf-8", errors="replace")
         else:
             new = self.tok.decode(self.ids)
-        if new.startswith(self.text):
-            delta = new[len(self.text) :]
-        else:
-            delta = self.tok.decode([token_id])
+        delta = new[len(self.text) :] if new.startswith(self.text) else self.tok.decode([token_id])
         self.text = new
         return delta, new
 

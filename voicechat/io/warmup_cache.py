@@ -22,6 +22,7 @@ most recently used ones kept.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -124,10 +125,8 @@ def load_cached(model, key: str):
     except Exception as e:  # unusable: say so, recompute (the caller overwrites it)
         _warn(f"ignoring {path} ({type(e).__name__}: {e}); recomputing")
         return None
-    try:
+    with contextlib.suppress(OSError):
         os.utime(path)  # most recently used: kept by the pruning in `store`
-    except OSError:
-        pass
     return codes, state
 
 
@@ -155,10 +154,8 @@ def _prune(folder: Path) -> None:
     for p in folder.glob("*.safetensors"):
         if p.name.startswith("."):
             continue
-        try:
+        with contextlib.suppress(OSError):  # removed by another process meanwhile
             entries.append((p.stat().st_mtime_ns, p))
-        except OSError:  # removed by another process meanwhile
-            pass
     for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
         p.unlink(missing_ok=True)
 

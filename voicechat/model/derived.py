@@ -25,7 +25,7 @@ def derived(module: nn.Module, name: str, params: tuple, fn: Callable[..., objec
     """
     store = module.__dict__.setdefault("_derived", {})
     hit = store.get(name)
-    if hit is None or len(hit[0]) != len(params) or any(a is not b for a, b in zip(hit[0], params)):
+    if hit is None or len(hit[0]) != len(params) or any(a is not b for a, b in zip(hit[0], params, strict=True)):
         hit = (tuple(params), fn(*params))
         store[name] = hit
     return hit[1]

@@ -23,6 +23,7 @@ The policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a C
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import mlx.core as mx
@@ -32,24 +33,26 @@ import numpy as np
 from voicechat.model.derived import derived
 from voicechat.model.ops import widen_bf16_bits
 
-_controller = None
 _controller_lock = threading.Lock()
+
+
+@functools.cache
+def _blas_controller():
+    """threadpoolctl's controller: it scans the loaded BLAS libraries, so it is made once."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
 
 
 @contextlib.contextmanager
 def one_blas_thread(enabled: bool):
     """numpy's BLAS on one thread inside the block (when the numpy path is `enabled`), as before after."""
-    global _controller
     if not enabled:
         yield
         return
-    if _controller is None:
-        with _controller_lock:
-            if _controller is None:
-                from threadpoolctl import ThreadpoolController
-
-                _controller = ThreadpoolController()  # scans the loaded BLAS libraries, once
-    with _controller.limit(limits=1, user_api="blas"):
+    with _controller_lock:  # one scan, even when two threads ask first at once
+        controller = _blas_controller()
+    with controller.limit(limits=1, user_api="blas"):
         yield
 
 

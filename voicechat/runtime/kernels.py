@@ -23,10 +23,11 @@ Before first use the module is checked against `mx.quantized_matmul` and `mx.mat
 inputs (every bits / group size, every instruction set); any difference and it is not used.
 
 `quantized_matmul(..., enabled=...)` takes the extension when `enabled` (the policy's
-`cpu_kernels`, passed by the runtime that calls it) and the call is one it serves (float32 activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a
-CPU stream), else `mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D
-float32 or bf16 wt), else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight /
-bias) else `mx.fast`'s; `rvq_pass` returns None where not served (the caller runs MLX's ops); the
+`cpu_kernels`, passed by the runtime that calls it) and the call is one it serves (float32
+activations, affine 4 / 8-bit, group 32 / 64 / 128, 2-D weights, a CPU stream), else
+`mx.quantized_matmul`; `float32_matmul(x, wt)` likewise (float32 x and a 2-D float32 or bf16
+wt), else `mx.matmul`; `rms_norm` / `layer_norm` (float32 x, 1-D float weight / bias) else
+`mx.fast`'s; `rvq_pass` returns None where not served (the caller runs MLX's ops); the
 same bits either way. `ExecutionPolicy.for_device` turns them on for a CPU device on Linux x86-64
 (on macOS MLX's CPU kernels sum 8 lanes at a time and its BLAS is Accelerate: other orders, and
 Metal is the fast path there); where the build fails, a warning says why (and names the build
@@ -128,7 +129,7 @@ def _build(folder: Path) -> None:
             for cmd in (configure, [cmake, "--build", str(work / "build"), "-j", str(min(os.cpu_count() or 1, 4))]):
                 out.write("$ " + " ".join(cmd) + "\n")
                 out.flush()
-                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
                 if done.returncode != 0:
                     raise RuntimeError(f"the build failed (exit {done.returncode}); its log: {log}")
         built = _built_module(work / "out")

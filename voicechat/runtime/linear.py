@@ -100,7 +100,10 @@ def _row_halves(layer: nn.Module, weights: dict, policy: ExecutionPolicy) -> tup
 
     def halves(*arrays):
         split = split_point(arrays[0].shape[0], _split_cost(layer, policy))
-        return ({n: a[:split] for n, a in zip(names, arrays)}, {n: a[split:] for n, a in zip(names, arrays)})
+        return (
+            {n: a[:split] for n, a in zip(names, arrays, strict=True)},
+            {n: a[split:] for n, a in zip(names, arrays, strict=True)},
+        )
 
     return derived(layer, "row_halves_" + "_".join(names), tuple(weights.values()), halves)
 

@@ -10,8 +10,8 @@ it after each layer of the conformer, of the Nemotron-H stack and of the EAR-TTS
 after each MoG pass. Nothing else changes: the same operations run on the same inputs, only
 sooner, so every value is the same bit for bit (`parity_tests/test_parallel.py`).
 
-The policy's `overlap` (`ExecutionPolicy`; `Runtime.after_layer` passes it) turns it on: by default for a CPU device; off
-on a GPU, where each evaluation commits a command buffer and this has not been measured.
+The policy's `overlap` (`ExecutionPolicy`; `Runtime.after_layer` passes it) turns it on: by default
+for a CPU device; off on a GPU, where each evaluation commits a command buffer and this has not been measured.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ lifecycle; its dialect (voicechat.server.dialects) speaks the wire through its p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -358,10 +359,8 @@ class RealtimeConnection:
             for t in pending:
                 t.cancel()
             for t in pending:
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-                except (asyncio.CancelledError, Exception):
-                    pass
             for t in done:
                 if (
                     t is not stopper
@@ -397,18 +396,16 @@ class RealtimeConnection:
         self.channel.end = end
         if error_code is not None:
             self.metrics.client_errors.labels(code=error_code).inc()
-            try:
+            with contextlib.suppress(
+                Exception
+            ):  # the client is gone or does not read: the close below still frees the slot
                 await asyncio.wait_for(
                     self.ws.send_text(self._envelope(P.error_event(error_code, message))), CLOSE_WAIT_SECONDS
                 )
-            except Exception:  # the client is gone or does not read: the close below still frees the slot
-                pass
         else:
             log.warning("session %s: %s; closing with %d", self.session_id, message, code)
-        try:
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code=code), CLOSE_WAIT_SECONDS)
-        except Exception:
-            pass
 
     async def _acquire(self) -> bool:
         """Take the slot; a session that is just closing (its client reconnects at once) gets a short grace."""
@@ -432,10 +429,8 @@ class RealtimeConnection:
 
     async def _close(self, code: int, end: str) -> None:
         self.channel.end = end
-        try:
+        with contextlib.suppress(Exception):  # already closed by the peer, or it does not read
             await asyncio.wait_for(self.ws.close(code=code), CLOSE_WAIT_SECONDS)
-        except Exception:  # already closed by the peer, or it does not read
-            pass
 
     # -- the writer: worker outputs and our own replies, in order
 
@@ -500,8 +495,8 @@ class RealtimeConnection:
                             "session_update_timeout": f"no session.update within {lim.session_update_timeout:g} s of "
                             "connecting; closing",
                             "idle_timeout": f"no message for {lim.idle_timeout:g} s; closing",
-                            "session_time_limit": f"the session reached {lim.max_session_seconds:g} s of wall-clock time "
-                            "(--max-session-seconds); closing. Start a new session",
+                            "session_time_limit": f"the session reached {lim.max_session_seconds:g} s of "
+                            "wall-clock time (--max-session-seconds); closing. Start a new session",
                         }[reason],
                     )
                 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -201,7 +202,8 @@ async def stream_audio(
                 pass
 
         recv_task = asyncio.create_task(receiver())
-        try:
+        # A closed connection: the server ended the session (cancel, error, limit); the receiver has its last events.
+        with contextlib.suppress(ConnectionClosed):
             await _send_all(
                 c,
                 pcm,
@@ -216,8 +218,6 @@ async def stream_audio(
                 pad_partial=pad_partial,
                 timeout=timeout,
             )
-        except ConnectionClosed:
-            pass  # the server ended the session (cancel, error, limit); the receiver has its last events
         try:
             await asyncio.wait_for(recv_task, timeout)
         except TimeoutError:

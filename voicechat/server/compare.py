@@ -31,7 +31,7 @@ def compare_streams(ours: list[dict], ref: list[dict]) -> dict:
     kinds_a = [e["type"] for e in ours if e["type"] not in OURS_ONLY]
     kinds_b = [e["type"] for e in ref]
     first_kind = next(
-        (i for i, (x, y) in enumerate(zip(kinds_a, kinds_b)) if x != y),
+        (i for i, (x, y) in enumerate(zip(kinds_a, kinds_b, strict=False)) if x != y),
         None if len(kinds_a) == len(kinds_b) else min(len(kinds_a), len(kinds_b)),
     )
     out = {
@@ -76,7 +76,7 @@ def start_process(cmd: list[str], health_url: str, log_path, *, timeout: float =
     """Start a server subprocess and wait for its health URL; -> Popen (the caller terminates it)."""
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the child process writes it for its whole life
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or repo)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

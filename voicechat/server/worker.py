@@ -12,6 +12,7 @@ as they are, and each dialect renders them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -90,10 +91,8 @@ class Channel:
 
     def emit(self, item) -> None:
         """An output (voicechat.server.messages) for the connection, from any thread."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the connection is long gone
             self.loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the event loop is closed: the connection is long gone
-            pass
 
 
 @dataclass

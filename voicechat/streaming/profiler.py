@@ -81,8 +81,10 @@ class Profile:
         """A plain-text table of the summary (printed by `voicechat generate --profile`)."""
         s = self.summary(drop_first)
         lines = [
-            f"{'stage':<11}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}   (ms, {s['frames']} frames, "
-            f"first {s['dropped_cold_frames']} dropped)"
+            (
+                f"{'stage':<11}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}   (ms, {s['frames']} frames, "
+                f"first {s['dropped_cold_frames']} dropped)"
+            )
         ]
         for stage in STAGES:
             st = s[stage]

@@ -317,10 +317,10 @@ class _ShardFiles:
                 fh.write(header)
                 fh.truncate(len(header) + sum(g[3] for g in group))
             self.paths.append(f)
-            for name, shape, dt, nb in group:
+            for name, _shape, dt, nb in group:
                 self.where[name] = (i, offsets[name], nb)
                 self.dtype[name] = dt
-        self._files = [open(f, "r+b") for f in self.paths]
+        self._files = [open(f, "r+b") for f in self.paths]  # noqa: SIM115 - written across calls; closed in close()
 
     def write(self, name: str, arr: np.ndarray, start: int = 0) -> None:
         """The bytes of `arr` at byte `start` within tensor `name`."""

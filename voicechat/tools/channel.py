@@ -317,7 +317,9 @@ class FunctionChannel:
         self.calls = [_Call(f"call_{frame_index}_{pos}", name) for pos, (name, _) in enumerate(calls)]
         self.call_frame = frame_index
         self.state = "awaiting_results"
-        return [ToolCall(frame_index, c.call_id, name, args, raw) for c, (name, args) in zip(self.calls, calls)]
+        return [
+            ToolCall(frame_index, c.call_id, name, args, raw) for c, (name, args) in zip(self.calls, calls, strict=True)
+        ]
 
 
 def _refuse_constant(name: str):

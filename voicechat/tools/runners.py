@@ -9,6 +9,7 @@ them; nothing is raised into the session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import shlex
@@ -139,19 +140,21 @@ class McpToolRunner:
 
         started = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
-        self._errlog = tempfile.TemporaryFile()
+        self._errlog = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr for its whole life; closed in close()
 
         async def main():
             params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self._env)
             try:
-                async with stdio_client(params, errlog=self._errlog) as (read, write):
-                    async with ClientSession(read, write) as session:
-                        await session.initialize()
-                        listed = await session.list_tools()
-                        self._tools = [_openai_tool(t) for t in listed.tools]
-                        self._session = session
-                        started.set_result(None)
-                        await self._stop.wait()
+                async with (
+                    stdio_client(params, errlog=self._errlog) as (read, write),
+                    ClientSession(read, write) as session,
+                ):
+                    await session.initialize()
+                    listed = await session.list_tools()
+                    self._tools = [_openai_tool(t) for t in listed.tools]
+                    self._session = session
+                    started.set_result(None)
+                    await self._stop.wait()
             except BaseException as e:  # reported to the starter, or later calls see a closed session
                 if not started.done():
                     started.set_exception(e)
@@ -193,10 +196,8 @@ class McpToolRunner:
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._main is not None:
             done = asyncio.run_coroutine_threadsafe(asyncio.wait({self._main}, timeout=10), self._loop)
-            try:
+            with contextlib.suppress(Exception):
                 done.result(15)
-            except Exception:
-                pass
         self._session = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

@@ -289,7 +289,7 @@ class CodecDecoder(nn.Module):
         widths = [cfg.base_channels * m for m in reversed(cfg.channel_multipliers)]
         layers: list[nn.Module] = []
         in_ch = cfg.latent_dim
-        for rate, ch in zip(rates, widths):
+        for rate, ch in zip(rates, widths, strict=True):
             layers.append(nn.ConvTranspose1d(in_ch, ch, rate, stride=rate, bias=False))
             layers.extend(ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(b))
             in_ch = ch
@@ -330,7 +330,7 @@ class CodecEncoder(nn.Module):
         super().__init__()
         widths = [cfg.base_channels * m for m in cfg.channel_multipliers]
         layers: list[nn.Module] = [nn.Conv1d(cfg.stft_channels, widths[0], 1, bias=False)]
-        for s, (rate, ch) in enumerate(zip(cfg.downsample_rates, widths)):
+        for s, (rate, ch) in enumerate(zip(cfg.downsample_rates, widths, strict=True)):
             layers.extend(ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(cfg.blocks_per_stage))
             out_ch = widths[s + 1] if s + 1 < len(widths) else cfg.latent_dim
             layers.append(nn.Conv1d(ch, out_ch, rate, stride=rate, bias=False))

@@ -324,7 +324,7 @@ class ConvModule(nn.Module):
             self,
             "depthwise_taps",
             (self.depthwise_conv.weight,),
-            lambda t: [r for r in t[:, :, 0].T.astype(mx.float32)],
+            lambda t: list(t[:, :, 0].T.astype(mx.float32)),
         )
         return w, (self.depthwise_conv.bias if "bias" in self.depthwise_conv else None)
 

@@ -111,7 +111,7 @@ class RnntDecoder(nn.Module):
 
     def _layers(self, x: mx.array, state: LstmState) -> tuple[mx.array, LstmState]:
         new_state = []
-        for cell, (h, c) in zip(self.prediction.dec_rnn.lstm, state):
+        for cell, (h, c) in zip(self.prediction.dec_rnn.lstm, state, strict=True):
             h, c = cell(x, h, c)
             new_state.append((h, c))
             x = h
@@ -119,7 +119,8 @@ class RnntDecoder(nn.Module):
 
 
 class RnntJoint(nn.Module):
-    """`rnnt_joint.`: enc (d_enc -> J), pred (pred_hidden -> J), joint_net = [ReLU, (dropout), Linear J -> vocab + 1]."""
+    """`rnnt_joint.`: enc (d_enc -> J), pred (pred_hidden -> J),
+    joint_net = [ReLU, (dropout), Linear J -> vocab + 1]."""
 
     def __init__(self, audio_cfg: AudioConfig):
         super().__init__()
@@ -305,7 +306,7 @@ class RnntStream:
         active = mx.array(True)
         ids = []
         for _ in range(self.max_symbols):
-            pred, proposed = self.decoder.predict_array(last, tuple(zip(flat[0::2], flat[1::2])))
+            pred, proposed = self.decoder.predict_array(last, tuple(zip(flat[0::2], flat[1::2], strict=True)))
             st.prediction_calls += 1
             k = mx.argmax(self.joint.logits(enc_proj, self.joint.project_prediction(pred)), axis=-1)[0]
             active, emitted, last, *flat = update(
@@ -313,7 +314,7 @@ class RnntStream:
             )
             ids.append(emitted)
         st.last_token = last
-        st.lstm = tuple((h.reshape(-1), c.reshape(-1)) for h, c in zip(flat[0::2], flat[1::2]))
+        st.lstm = tuple((h.reshape(-1), c.reshape(-1)) for h, c in zip(flat[0::2], flat[1::2], strict=True))
         st.pred_out = st.pred_proj = st.pred_state = None
         return mx.stack(ids)
 
@@ -337,7 +338,7 @@ def _masked_update(blank: int, active, k, last, *arrays):
     `arrays`) replaces the current one (the second half). -> (active, id or -1, last, state...)."""
     active = active & (k != blank)
     n = len(arrays) // 2
-    state = [mx.where(active, proposed, current) for proposed, current in zip(arrays[:n], arrays[n:])]
+    state = [mx.where(active, proposed, current) for proposed, current in zip(arrays[:n], arrays[n:], strict=True)]
     return (active, mx.where(active, k, -1), mx.where(active, k, last), *state)
 
 

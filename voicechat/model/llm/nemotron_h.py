@@ -349,7 +349,7 @@ class NemotronHState:
         if len(kinds) != len(like.layers):
             raise ValueError(f"{len(kinds)} language layers stored, the model has {len(like.layers)}")
         layers = []
-        for i, (kind, ref) in enumerate(zip(kinds, like.layers)):
+        for i, (kind, ref) in enumerate(zip(kinds, like.layers, strict=True)):
             if ref is None:
                 if kind is not None:
                     raise ValueError(f"language layer {i}: state stored for a layer without one")
@@ -513,13 +513,13 @@ class Mamba2Mixer(nn.Module):
                 self,
                 "dt_bias_a_reference",
                 (self.dt_bias, self.A_log),
-                lambda d, l: (d.astype(mx.float32), -mx.exp(l).astype(mx.float32)),
+                lambda d, a_log: (d.astype(mx.float32), -mx.exp(a_log).astype(mx.float32)),
             )
         return derived(
             self,
             "dt_bias_a_float32",
             (self.dt_bias, self.A_log),
-            lambda d, l: (d.astype(mx.float32), -mx.exp(l.astype(mx.float32))),
+            lambda d, a_log: (d.astype(mx.float32), -mx.exp(a_log.astype(mx.float32))),
         )
 
     def _norm_weight(self) -> mx.array:
@@ -791,7 +791,7 @@ class NemotronH(nn.Module):
         # Each block's residual add runs with the next norm (and the last with norm_f) as one
         # piece: x + mixer(norm(x)) per block, as the blocks compute it.
         added = None
-        for block, layer_state in zip(self.layers, state.layers):
+        for block, layer_state in zip(self.layers, state.layers, strict=True):
             if added is None:
                 h = block.norm(x)
             else:

@@ -18,7 +18,8 @@ Precision: activations are float32 by default. `in_weight_dtype=True` keeps
 them in the weight dtype instead (bf16 for the published checkpoints): the
 reference (mlx-vlm) runs this whole encoder, the flag embeddings and their sums
 with the activations in the char embedding's dtype (only the norms and the
-attention softmax compute in float32 internally). The model's `Numerics.text_side_in_weight_dtype` (voicechat/model/tts/numerics.py) selects it.
+attention softmax compute in float32 internally). The model's `Numerics.text_side_in_weight_dtype`
+(voicechat/model/tts/numerics.py) selects it.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ class CharTable:
         return {"device_ids": self.device_ids, "device_lengths": self.device_lengths}
 
     def __repr__(self) -> str:
-        return f"CharTable(num_tokens={self.num_tokens}, char_vocab_size={self.char_vocab_size}, max_chars={self.max_chars})"
+        return (
+            f"CharTable(num_tokens={self.num_tokens}, char_vocab_size={self.char_vocab_size}, "
+            f"max_chars={self.max_chars})"
+        )
 
 
 # --------------------------------------------------------------------------- encoder
@@ -268,7 +272,7 @@ class CharAwareSubwordEncoder(nn.Module):
         A sequence of length 0 gives the zero vector (as the reference's
         "all sequences empty" case).
         """
-        n, length = char_ids.shape
+        _n, length = char_ids.shape
         act = self.activation_dtype(in_weight_dtype)
         # The reference multiplies by √hidden rounded to its activation dtype,
         # the embedding table's dtype (34.0 for 1152 in bf16).

@@ -441,15 +441,17 @@ def _qkv_core(dims, x, scales, rope, proj):
 
 def _in_groups(items, size: int) -> list[tuple]:
     """[a, b, c, d, ...] -> [(a, b), (c, d), ...] for size 2."""
-    return list(zip(*[iter(items)] * size))
+    return list(zip(*[iter(items)] * size, strict=True))
 
 
 def _mog_trunk_core(eps, x, scales, mlps):
     """MogHead.trunk: per block x + post_norm(mlp(pre_norm(x))), then the final norm. `scales` /
     `eps` list each block's (pre, post) norms, then the final norm's; `mlps` each block's
     (gate, up, down) layers."""
-    norms = _in_groups(zip(scales[:-1], eps[:-1]), 2)
-    for ((pre_scale, pre_eps), (post_scale, post_eps)), (gate, up, down) in zip(norms, _in_groups(mlps, 3)):
+    norms = _in_groups(zip(scales[:-1], eps[:-1], strict=True), 2)
+    for ((pre_scale, pre_eps), (post_scale, post_eps)), (gate, up, down) in zip(
+        norms, _in_groups(mlps, 3), strict=True
+    ):
         x = x + _norm(gated_mlp(_norm(x, pre_scale, pre_eps), gate, up, down), post_scale, post_eps)
     return _norm(x, scales[-1], eps[-1])
 
@@ -515,7 +517,7 @@ def _mog_sample_core(static: MogSampling, x, u, eps, mus, low_mat, proj):
 def _rvq_core(count, residual, books_t, books, norms):
     """EarTts.quantize_residual over `count` codebooks (one compiled piece per pass length)."""
     codes = []
-    for book_t, book, norm in zip(books_t, books, norms):
+    for book_t, book, norm in zip(books_t, books, norms, strict=True):
         dist = norm - 2.0 * ops.float32_matmul(residual, book_t)
         j = mx.argmin(dist, axis=-1)  # (1,) uint32
         residual = residual - mx.take(book, j, axis=0)  # row j* (1, latent)

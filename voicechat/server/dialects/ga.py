@@ -206,7 +206,7 @@ class GaMapper:
             "object": "realtime.response",
             "status": status,
             "conversation_id": "conv_voicechat",
-            "output": [it for it in r["output"]],
+            "output": list(r["output"]),
             "output_modalities": ["text"] if self.text_only else ["audio"],
             "metadata": None,
         }
