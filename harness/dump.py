@@ -98,7 +98,7 @@ def dump_reference(
         arrays["offline.first_function_logits"] = np.asarray(runs.first_function_logits, np.float32)
     arrays["meta"] = np.array(json.dumps(meta))
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, **arrays)
+    np.savez_compressed(path, allow_pickle=False, **arrays)
     return path
 
 
@@ -166,7 +166,15 @@ class DumpBackend(Backend):
             raise ValueError(f"{self.path}: the dump was made for other inputs: " + "; ".join(problems))
 
     def _get(self, key):
+        """An optional array of the dump (None when it has none)."""
         return self._arrays.get(key)
+
+    def _need(self, key) -> np.ndarray:
+        """An array every dump of a run has; a dump without it is refused, naming it."""
+        a = self._arrays.get(key)
+        if a is None:
+            raise ValueError(f"{self.path}: the dump has no {key!r}")
+        return a
 
     def offline(self, audio, *, system_prompt=None, seed=0, extra_decoding_seconds=0.0, with_logits=False):
         self._check(audio, system_prompt, seed)
@@ -174,10 +182,10 @@ class DumpBackend(Backend):
             raise ValueError(f"{self.path}: the dump has no offline run")
         m = self.meta["offline"]
         return OfflineRun(
-            text_ids=self._get("offline.text_ids"),
-            function_ids=self._get("offline.function_ids"),
-            codes=self._get("offline.codes"),
-            audio=self._get("offline.audio"),
+            text_ids=self._need("offline.text_ids"),
+            function_ids=self._need("offline.function_ids"),
+            codes=self._need("offline.codes"),
+            audio=self._need("offline.audio"),
             text=m["text"],
             transcript=m["transcript"],
             transcript_tokens=m["transcript_tokens"],
@@ -194,11 +202,11 @@ class DumpBackend(Backend):
             raise ValueError(f"{self.path}: the dump has no streamed run")
         m = self.meta["stream"]
         return StreamRun(
-            text_ids=self._get("stream.text_ids"),
-            function_ids=self._get("stream.function_ids"),
-            codes=self._get("stream.codes"),
-            audio=self._get("stream.audio"),
-            tail=self._get("stream.tail"),
+            text_ids=self._need("stream.text_ids"),
+            function_ids=self._need("stream.function_ids"),
+            codes=self._need("stream.codes"),
+            audio=self._need("stream.audio"),
+            tail=self._need("stream.tail"),
             text=m["text"],
             transcript=m["transcript"],
             transcript_tokens=m["transcript_tokens"],

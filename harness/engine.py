@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -79,8 +80,8 @@ class Runs:
     """Everything one backend produced for one input."""
 
     backend: str
-    offline: OfflineRun | None
-    stream: StreamRun | None
+    offline: OfflineRun
+    stream: StreamRun
     components: ComponentRun | None = None
     first_text_logits: np.ndarray | None = None
     first_function_logits: np.ndarray | None = None
@@ -132,10 +133,10 @@ def collect_runs(
             audio, system_prompt=system_prompt, seed=seed, chunk_samples=chunk_samples, with_logits=True
         )
         b.update()
-        comp = None
+        comp: ComponentRun | None = None
         if components and callable(checks):
             b.set_postfix_str("components")
-            comp = checks(audio, system_prompt=system_prompt, seed=seed, offline=off)
+            comp = cast(ComponentRun, checks(audio, system_prompt=system_prompt, seed=seed, offline=off))
             b.update()
     runs = Runs(backend.name, off, st, comp)
     if off.text_logits is not None and np.asarray(off.text_logits).shape[-1] > 2 and len(off.text_logits):
@@ -217,7 +218,7 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
         for m in ("streamed samples vs decode (aligned)", "tail length", "streamed length vs decode length"):
             rows.append(not_available(CODEC, STEP_VS_DECODE, m, "the backend has no offline decode of given codes"))
     else:
-        ref = decode(np.asarray(st.codes))
+        ref = np.asarray(decode(np.asarray(st.codes)))
         streamed = _concat_stream_audio(st)
         rows.append(
             compare_aligned_audio(
@@ -259,7 +260,8 @@ def self_rows(runs: Runs, backend: Backend, n_samples: int) -> list[FamilyResult
         compare_ids(E2E, c, "function ids per frame", st.function_ids, off.function_ids, logits=off.function_logits)
     )
     rows.append(compare_codes(E2E, c, "codes per frame", st.codes, off.codes))
-    expected = backend.expected_frames(n_samples) if hasattr(backend, "expected_frames") else None
+    expected_frames = getattr(backend, "expected_frames", None)
+    expected = cast("tuple[int, int]", expected_frames(n_samples)) if callable(expected_frames) else None
     row = compare_value(
         E2E,
         c,
@@ -605,7 +607,7 @@ def cross_rows(
         if path == "offline" and frame0:
             frame0_rows = (path_rows, first[2], audio_row, codes_row, rb)
         if path == "streamed":
-            _apply_codec_tail(path_rows, c, ra, rb, lead)
+            _apply_codec_tail(path_rows, c, cast(StreamRun, ra), cast(StreamRun, rb), lead)
         rows.extend(path_rows)
 
     # Order matters: a later frame's code difference explained by the norm rounding must be settled
@@ -630,7 +632,7 @@ def cross_rows(
         path_rows, first_codes, audio_row, codes_row, rb = frame0_rows
         at = rows.index(audio_row) + 1
         extra: list[FamilyResult] = []
-        _apply_frame0(extra, first_codes, audio_row, codes_row, a_backend, rb)
+        _apply_frame0(extra, first_codes, audio_row, codes_row, a_backend, cast(OfflineRun, rb))
         rows[at:at] = extra
     frame0_audio = None
     if frame0_rows is not None:
@@ -855,7 +857,7 @@ def _apply_mlx_audio(
         return
     ma, other_runs, ma_runs = (a_backend, b, a) if a_backend.name == "mlx-audio" else (b_backend, a, b)
     code_metrics = ("codes per frame", "decoded codes per frame", "first audio frame: codes")
-    cache: dict[str, object] = {}
+    cache: dict[str, OfflineRun | StreamRun] = {}
     for r in rows:
         if r.status != FAIL:
             continue
@@ -929,7 +931,7 @@ def _apply_xscaling(rows: list[FamilyResult], a_backend) -> None:
 def _reference_cannot_run(against) -> list[str]:
     """Modules of the loaded checkpoint that the reference backend is known not to run ([] if none)."""
     check = getattr(against, "unrunnable_modules", None)
-    return list(check()) if callable(check) else []
+    return [str(m) for m in cast("list[str]", check())] if callable(check) else []
 
 
 def _cross_audio_tol(a_backend, *signals):
@@ -1001,7 +1003,7 @@ def _apply_norm_precision(rows, a: Runs, b: Runs, a_backend, *, system_prompt, a
     rerun = copy.copy(a_backend)
     rerun.numerics = "reference"
     rerun.load(a_backend.checkpoint)
-    cache: dict[str, object] = {}
+    cache: dict[str, OfflineRun | StreamRun] = {}
     for r in failing:
         path = "offline" if r.comparison.startswith("offline:") else "streamed"
         if path not in cache:

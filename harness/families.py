@@ -296,7 +296,7 @@ def compare_frames(
         scale = max(1.0, float(np.nanmax(np.abs(b[:n]))) if np.isfinite(b[:n]).any() else 1.0)
         per_frame = per_frame / scale
     observed = float(per_frame.max())
-    bad = np.nonzero(per_frame > tol.value)[0]
+    bad = np.nonzero(per_frame > float(tol.value))[0]
     status = FAIL if bad.size else PASS
     rel = float(diff.max() / max(float(np.abs(b[:n]).max()), 1e-30))
     extra = f"{counts}; max rel {rel:.3g}"
@@ -363,7 +363,7 @@ def compare_ids(
         k = int(mism[0])
         gap = logit_gap(logits, k)
         verdict = ""
-        if gap is not None:
+        if gap is not None and logits is not None:
             # A decision whose top-2 gap is within a few rounding bounds can flip on rounding alone.
             scale = max(1.0, float(np.abs(np.asarray(logits[k], dtype=np.float64)).max()))
             near = gap <= NEAR_TIE_FACTOR * float(TOLERANCES["logits_rel"].value) * scale
@@ -398,7 +398,7 @@ def compare_ids(
         tolerance_name=tol.name,
         justification=tol.justification,
         margin=gap,
-        margin_kind=(f"min logit gap (frame {at + frame_offset})" if gap is not None else None),
+        margin_kind=(f"min logit gap (frame {at + frame_offset})" if gap is not None and at is not None else None),
         frames_compared=n,
         note=_join(note, counts if n else "no common frames"),
     )

@@ -37,7 +37,7 @@ class ParityReport:
         return not any(r.status == FAIL for r in self.rows)
 
     def counts(self) -> dict[str, int]:
-        out = dict.fromkeys((PASS, FAIL, DOCUMENTED, NOT_AVAILABLE), 0)
+        out: dict[str, int] = dict.fromkeys((PASS, FAIL, DOCUMENTED, NOT_AVAILABLE), 0)
         for r in self.rows:
             out[r.status] += 1
         return out

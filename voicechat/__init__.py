@@ -8,7 +8,13 @@ tests and benchmarks), server/ and cli/ (the apps). `import voicechat` stays lig
 imported with the first of these names that needs it.
 """
 
+from typing import TYPE_CHECKING
+
 from voicechat._version import __version__
+
+if TYPE_CHECKING:  # imported on first use at run time (see __getattr__)
+    from voicechat.runtime.policy import ExecutionPolicy
+    from voicechat.streaming.prompt_state import PromptState
 
 
 def load(path_or_repo, *, revision=None, **kwargs):

@@ -14,7 +14,12 @@ class CheckpointError(VoiceChatError, ValueError):
 
 
 class ContextLimitError(VoiceChatError, RuntimeError):
-    """The streaming session reached `max_streaming_seconds`."""
+    """The streaming session reached `max_streaming_seconds`; `events`: those of the frames the call
+    completed before it (a `push_audio` that raises loses none of them)."""
+
+    def __init__(self, message: str, events: list[object] | None = None):
+        super().__init__(message)
+        self.events: list[object] = [] if events is None else events
 
 
 class SessionClosedError(VoiceChatError, RuntimeError):

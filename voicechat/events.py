@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -39,9 +40,9 @@ class Audio:
     samples: np.ndarray  # float32, exactly one output frame (1764 at 22050 Hz)
     audio_codes: np.ndarray  # int32, num_quantizers: the decoded codes (after control-code replacement)
     kind: str = field(default="audio", init=False)
-    __hash__ = None  # equal by value, arrays included: not hashable
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]  # equal by value, arrays included: not hashable
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, Audio)
             and self.frame_index == other.frame_index
@@ -55,9 +56,9 @@ class AudioTail:
     frame_index: int
     samples: np.ndarray  # float32, the codec's held-back tail
     kind: str = field(default="audio_tail", init=False)
-    __hash__ = None  # equal by value, arrays included: not hashable
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]  # equal by value, arrays included: not hashable
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, AudioTail)
             and self.frame_index == other.frame_index
@@ -72,7 +73,7 @@ class ToolCall:
     frame_index: int
     call_id: str  # call_{frame_index}_{position}
     name: str
-    arguments: dict
+    arguments: dict[str, Any]
     raw: str  # the decoded call text between SOTC and EOTC
     kind: str = field(default="tool_call", init=False)
 

@@ -42,13 +42,13 @@ class StreamRun:
     text: str
     transcript: str
     transcript_tokens: list[int] | None = None
-    events: list[dict] = field(default_factory=list)  # kind + scalar fields, in order
+    events: list[dict[str, Any]] = field(default_factory=list[dict[str, Any]])  # kind + scalar fields, in order
     mel: np.ndarray | None = None  # streamed log-mel frames
     encoder: np.ndarray | None = None  # streamed encoder frames (K, d)
     text_logits: np.ndarray | None = None
     function_logits: np.ndarray | None = None
-    frame_timings: list[dict] | None = None  # per frame, ms per stage (profile=True)
-    profile_summary: dict | None = None
+    frame_timings: list[dict[str, Any]] | None = None  # per frame, ms per stage (profile=True)
+    profile_summary: dict[str, Any] | None = None
     create_s: float = 0.0  # session creation time (incl. TTS warm-up)
     first_audio_s: float | None = None  # from the first push to the first Audio event
     first_text_s: float | None = None

@@ -3,13 +3,15 @@ the seed, tools, progress output."""
 
 from __future__ import annotations
 
+from argparse import ArgumentParser
+
 from voicechat.model.tts.numerics import DEFAULT_NUMERICS, NUMERICS
 
 DEFAULT_MODEL = "synthetic:tiny"
 MODEL_HELP = "checkpoint folder, Hugging Face repo id, or synthetic:PRESET[:4|8]"
 
 
-def add_model(p, *, required: bool = False, note: str = "") -> None:
+def add_model(p: ArgumentParser, *, required: bool = False, note: str = "") -> None:
     """-m / --model: a checkpoint (default: a random-weight tiny model, written on first use)."""
     if required:
         p.add_argument("-m", "--model", required=True, help=MODEL_HELP + note)
@@ -22,7 +24,7 @@ def add_model(p, *, required: bool = False, note: str = "") -> None:
         )
 
 
-def add_numerics(p, note: str = "") -> None:
+def add_numerics(p: ArgumentParser, note: str = "") -> None:
     p.add_argument(
         "--numerics",
         choices=sorted(NUMERICS),
@@ -32,19 +34,19 @@ def add_numerics(p, note: str = "") -> None:
     )
 
 
-def add_prompt(p, help: str = "system prompt (default: the config's)") -> None:
+def add_prompt(p: ArgumentParser, help: str = "system prompt (default: the config's)") -> None:
     p.add_argument("-p", "--prompt", default=None, help=help)
 
 
-def add_seed(p, default: int | None = 0) -> None:
+def add_seed(p: ArgumentParser, default: int | None = 0) -> None:
     p.add_argument("--seed", type=int, default=default, help="random seed of the TTS sampler (default 0)")
 
 
-def add_tools(p, help: str) -> None:
+def add_tools(p: ArgumentParser, help: str) -> None:
     p.add_argument("--tools", default=None, metavar="tools.json", help=help)
 
 
-def add_quiet(p) -> None:
+def add_quiet(p: ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only on a terminal)")
 
 

@@ -8,6 +8,7 @@ at once. Safetensors only (no pickle, no remote code).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,9 +29,9 @@ from voicechat.io.progress import bar
 from voicechat.io.tokenizer import TextTokenizer
 from voicechat.model.config import VoiceChatConfig, dump_config, load_config
 from voicechat.model.ops import stored_transposed
-from voicechat.model.tts.numerics import numerics_from
+from voicechat.model.tts.numerics import Numerics, numerics_from
 from voicechat.model.voicechat import VoiceChatNetwork
-from voicechat.runtime import ExecutionPolicy, prepare
+from voicechat.runtime import ExecutionPolicy, Prepared, Runtime, prepare
 from voicechat.runtime.prepare import before_reading
 
 # Files a checkpoint needs (README and the optional rnnt_tokenizer/ are not read).
@@ -130,14 +131,25 @@ def read_weights(weights: dict, *, check_finite: bool = True, desc: str = "loadi
         raise CheckpointError(f"tensors with NaN or infinite values ({len(bad)}): " + ", ".join(bad[:20]))
 
 
+@dataclass(frozen=True)
+class LoadedParts:
+    """What a loaded model holds besides its network (`VoiceChatModel`'s other arguments)."""
+
+    tokenizer: TextTokenizer
+    runtime: Runtime
+    prepared: Prepared
+    source: str
+    folder: Path
+
+
 def load_network(
     path_or_repo,
     *,
     revision: str | None = None,
-    numerics: str = "reference",
+    numerics: str | Numerics = "reference",
     check_finite: bool = True,
     policy: ExecutionPolicy | None = None,
-):
+) -> tuple[VoiceChatNetwork, LoadedParts]:
     """Read a checkpoint into a `VoiceChatNetwork` prepared for `policy` -> (network, parts), where
     `parts` are the rest of a loaded model (`tokenizer`, `runtime`, `prepared`, `source`, `folder`):
     `voicechat.load` (voicechat.streaming.model.load) makes the `VoiceChatModel` of both. See the
@@ -148,7 +160,7 @@ def load_network(
     (`voicechat.runtime.ExecutionPolicy`; default `ExecutionPolicy.for_device()`, which reads the
     `VOICECHAT_*` execution variables once, here); fixed for this model (`model.policy`).
     """
-    numerics = numerics_from(numerics)  # a bad value fails before anything is read
+    chosen = numerics_from(numerics)  # a bad value fails before anything is read
     if policy is None:
         policy = ExecutionPolicy.for_device()
     elif not isinstance(policy, ExecutionPolicy):
@@ -160,7 +172,7 @@ def load_network(
     weights, _ = read_safetensors(folder)
     if is_raw_layout(weights):
         weights = sanitize(weights, cfg)
-    network = VoiceChatNetwork(cfg, numerics)
+    network = VoiceChatNetwork(cfg, chosen)
     plan = quantization_plan(weights, cfg)
     if plan:
         quantizable = {p for p, m in network.named_modules() if hasattr(m, "to_quantized")}
@@ -180,7 +192,7 @@ def load_network(
     prepared = prepare(network, policy)  # the weight layout the policy runs on (voicechat/runtime)
     steps.update()  # prepared
     steps.close()
-    return network, dict(
+    return network, LoadedParts(
         tokenizer=TextTokenizer.from_file(folder / "tokenizer.json"),
         runtime=prepared.runtime,
         prepared=prepared,

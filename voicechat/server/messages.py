@@ -14,6 +14,7 @@ map them to OpenAI's events.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ class SessionParams:
     seed: int = 0
     max_streaming_seconds: float | None = None
     model: str | None = None
-    tools: list | None = None
+    tools: list[dict[str, Any]] | None = None
     max_prompt_tokens: int | None = None
 
 
@@ -98,7 +99,7 @@ Command = OpenSession | AppendAudio | Commit | Cancel | Sync | SubmitToolResult 
 class SessionOpened:
     """The model session exists; `info` is the worker's model geometry (ModelWorker.info)."""
 
-    info: dict
+    info: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class FrameEvents:
     the frame's compute time on the worker and its lag (audio received but not computed) when it
     completed; 0.0 when the push completed no frame."""
 
-    events: tuple
+    events: tuple[object, ...]
     compute_ms: float = 0.0
     lag_ms: float = 0.0
 
@@ -160,7 +161,7 @@ class Finished:
 class Closed:
     """The worker closed the session (after Close); `log` is its session_end line (None: it had none)."""
 
-    log: dict | None = None
+    log: dict[str, Any] | None = None
 
 
 # -- outputs the connection puts in its own outbox (in order with the worker's)
@@ -170,7 +171,7 @@ class Closed:
 class Reply:
     """A server event a dialect rendered (without event_id): sent as is."""
 
-    payload: dict = field(default_factory=dict)
+    payload: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from voicechat.model import ops
+from voicechat.model.audio.codec import CodecState
 from voicechat.model.audio.rnnt import RnntStream
 from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.perception import StreamingPerception
@@ -41,7 +42,7 @@ class ConversationState:
     perception: StreamingPerception
     rnnt: RnntStream
     timeline: Timeline
-    codec: object  # the codec's streaming state (`Codec.make_state()`)
+    codec: CodecState  # the codec's streaming state (`Codec.make_state()`)
     frames: int = 0
 
     def arrays(self) -> dict[str, mx.array]:
@@ -69,7 +70,7 @@ class FrameOutputs:
     codes: mx.array  # raw EAR-TTS codes
     clean: mx.array  # after control-code replacement: what the codec decoded
     audio: mx.array
-    stage_ms: tuple[float, float, float, float, float, float] | None = None  # STAGES and the total
+    stage_ms: tuple[float, ...] | None = None  # ms of each of STAGES, then the total
 
 
 class FrameEngine:

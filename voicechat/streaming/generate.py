@@ -31,7 +31,7 @@ from voicechat.io.progress import progress
 from voicechat.model.audio.mel import log_mel
 from voicechat.model.audio.rnnt import greedy_decode
 from voicechat.model.tts.ear_tts import replace_control_codes
-from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
+from voicechat.streaming.prompt_state import UNSET, Unset, resolve_prompt_arguments
 from voicechat.streaming.speech_output import AudioChunk, ChunkedSpeechOutput
 from voicechat.streaming.timeline import Timeline, session_prompt
 from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
@@ -219,8 +219,8 @@ def generate(
     model,
     audio,
     *,
-    system_prompt: str | None = UNSET,
-    seed: int = UNSET,
+    system_prompt: str | Unset | None = UNSET,
+    seed: int | Unset = UNSET,
     extra_decoding_seconds: float = 0.0,
     max_frames: int | None = None,
     use_language_cache: bool = True,

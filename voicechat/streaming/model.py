@@ -10,17 +10,16 @@ in slots declared here.
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from voicechat.io import warmup_cache
 from voicechat.io.loading import load_network
 from voicechat.model import ops
 from voicechat.model.tts.char_encoder import CharTable
-from voicechat.model.voicechat import VoiceChatNetwork
+from voicechat.model.voicechat import SpeechDecoder, SttModel, VoiceChatNetwork
 from voicechat.streaming.asr import AsrStreamSession
 from voicechat.streaming.generate import generate, generate_stream
-from voicechat.streaming.prompt_state import UNSET, prepare_prompt
+from voicechat.streaming.prompt_state import UNSET, Unset, prepare_prompt
 from voicechat.streaming.session import VoiceChatStreamingSession
 
 
@@ -60,11 +59,11 @@ class VoiceChatModel:
     # -- the network's parts and math
 
     @property
-    def stt_model(self) -> nn.Module:
+    def stt_model(self) -> SttModel:
         return self.network.stt_model
 
     @property
-    def tts_model(self) -> nn.Module:
+    def tts_model(self) -> SpeechDecoder:
         return self.network.tts_model
 
     @property
@@ -160,7 +159,7 @@ class VoiceChatModel:
                     mx.eval(state.arrays())
                 self._warm_tts = state
                 if key is not None:
-                    warmup_cache.store(key, self._prompt_codes, state)
+                    warmup_cache.store(key, self.speaker_prompt_codes(), state)
         return self._warm_tts.copy()
 
     def warm_runtime(self, frames: int = 2) -> None:
@@ -178,8 +177,8 @@ class VoiceChatModel:
         self,
         audio,
         *,
-        system_prompt=UNSET,
-        seed: int = UNSET,
+        system_prompt: str | Unset | None = UNSET,
+        seed: int | Unset = UNSET,
         extra_decoding_seconds: float = 0.0,
         max_frames=None,
         use_language_cache: bool = True,
@@ -240,8 +239,8 @@ class VoiceChatModel:
 
     def create_streaming_session(
         self,
-        system_prompt=UNSET,
-        seed: int = UNSET,
+        system_prompt: str | Unset | None = UNSET,
+        seed: int | Unset = UNSET,
         max_streaming_seconds=None,
         use_language_cache: bool = True,
         use_perception_cache: bool = True,
@@ -285,7 +284,14 @@ def load(path_or_repo, *, revision=None, warmup: bool = True, **kwargs) -> Voice
     arguments of `voicechat.io.loading.load_network`). `warmup=False` skips the EAR-TTS speaker
     warm-up (it then runs at the first session)."""
     network, parts = load_network(path_or_repo, revision=revision, **kwargs)
-    model = VoiceChatModel(network, **parts)
+    model = VoiceChatModel(
+        network,
+        tokenizer=parts.tokenizer,
+        runtime=parts.runtime,
+        prepared=parts.prepared,
+        source=parts.source,
+        folder=parts.folder,
+    )
     if warmup:
         # The EAR-TTS speaker warm-up depends only on the weights: do it once here, so creating a
         # session (when the user is about to speak) costs only a state copy.

@@ -38,20 +38,26 @@ class StreamingPerception:
     def push_frame(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
         """float32 samples (frame_samples,), already checked -> (encoder frame (d,), audio embedding (H,))."""
         x = mx.array(samples)
-        if self.use_cache:
-            mel = self.mel.advance(x)
-            self.last_mel = mel
-            enc = self.conformer.advance_one(mel)
-        else:
+        if self.fallback is not None:
             enc = self.fallback.advance(x)
+        else:
+            mel, conformer = self._cached()
+            self.last_mel = mel.advance(x)
+            enc = conformer.advance_one(self.last_mel)
         return enc, self.perception.project(enc)
 
+    def _cached(self) -> tuple[StreamingLogMel, ConformerStream]:
+        if self.mel is None or self.conformer is None:
+            raise RuntimeError("StreamingPerception: built without the perception cache")
+        return self.mel, self.conformer
+
     def arrays(self) -> dict[str, mx.array]:
-        if self.use_cache:
-            out = {f"mel.{k}": v for k, v in self.mel.arrays().items()}
-            out.update({f"conformer.{k}": v for k, v in self.conformer.state.arrays().items()})
-            return out
-        return {f"fallback.{k}": v for k, v in self.fallback.arrays().items()}
+        if self.fallback is not None:
+            return {f"fallback.{k}": v for k, v in self.fallback.arrays().items()}
+        mel, conformer = self._cached()
+        out = {f"mel.{k}": v for k, v in mel.arrays().items()}
+        out.update({f"conformer.{k}": v for k, v in conformer.state.arrays().items()})
+        return out
 
 
 __all__ = ["StreamingPerception"]

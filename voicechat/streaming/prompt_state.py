@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import weakref
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -47,7 +48,7 @@ from voicechat.streaming.timeline import Timeline, TimelineState, session_prompt
 from voicechat.tools.channel import normalize_tools
 
 
-class _Unset:
+class Unset:
     """The default of `system_prompt` / `tools` / `seed` where a `prompt_state` may supply them."""
 
     _instance = None
@@ -64,7 +65,7 @@ class _Unset:
         return False
 
 
-UNSET = _Unset()
+UNSET = Unset()
 
 
 def _norm_prompt(cfg, system_prompt):
@@ -309,7 +310,9 @@ def state_nbytes(
     return total
 
 
-def resolve_prompt_arguments(model, prompt_state, system_prompt, tools, seed, use_language_cache: bool):
+def resolve_prompt_arguments(
+    model, prompt_state, system_prompt, tools, seed, use_language_cache: bool
+) -> tuple[str | None, Any, int]:
     """(system_prompt, tools, seed) of a session or `generate`: the state's (any given must agree:
     `PromptState.resolve`), or without a state the given ones, UNSET meaning None / None / 0."""
     if prompt_state is not None:
@@ -351,6 +354,7 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, shou
 
 
 __all__ = [
+    "Unset",
     "PromptState",
     "prepare_prompt",
     "state_nbytes",

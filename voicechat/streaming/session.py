@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +35,7 @@ from voicechat.io.tokenizer import IncrementalDecoder
 from voicechat.model.audio.rnnt import RnntTranscript
 from voicechat.streaming.engine import ConversationState, FrameEngine, FrameOutputs
 from voicechat.streaming.profiler import FrameTiming, Profile
-from voicechat.streaming.prompt_state import UNSET, resolve_prompt_arguments
+from voicechat.streaming.prompt_state import UNSET, Unset, resolve_prompt_arguments
 from voicechat.streaming.timeline import session_prompt
 from voicechat.tools.channel import FunctionChannel, normalize_tools, timeout_frames
 
@@ -67,6 +68,11 @@ class FrameRecord:
     forced: bool = False
 
 
+def _host_int(a: mx.array) -> int:
+    """The id an int32 scalar array holds, on the host (`item()` of an integer array is an int)."""
+    return cast(int, a.item())
+
+
 class VoiceChatStreamingSession:
     """Create with `model.create_streaming_session(...)`."""
 
@@ -74,8 +80,8 @@ class VoiceChatStreamingSession:
         self,
         model,
         *,
-        system_prompt: str | None = UNSET,
-        seed: int = UNSET,
+        system_prompt: str | Unset | None = UNSET,
+        seed: int | Unset = UNSET,
         max_streaming_seconds: float | None = None,
         use_language_cache: bool = True,
         use_perception_cache: bool = True,
@@ -212,7 +218,7 @@ class VoiceChatStreamingSession:
         forced = tc.forced_token(i) if tc is not None else None
         out = self._engine.step(self.state, samples, forced, profile=self.profile is not None, on_stage=self.on_stage)
         events = self._events(i, out, forced)
-        if out.stage_ms is not None:
+        if out.stage_ms is not None and self.profile is not None:
             self.profile.add(FrameTiming(i, *out.stage_ms))
         if self._on_frame is not None:  # after the timed frame (its arrays are evaluated); the session
             self._on_frame(self._record(i, out, forced is not None))  # is consistent before the observer runs
@@ -226,7 +232,7 @@ class VoiceChatStreamingSession:
             delta, text = self.transcript.add(out.rnnt_tokens)
             if delta:
                 events.append(UserTranscriptDelta(i, delta, text))
-        tid, fid = int(out.text_fed.item()), int(out.function_fed.item())
+        tid, fid = _host_int(out.text_fed), _host_int(out.function_fed)
         self.text_ids.append(tid)
         self.function_ids.append(fid)
         self.raw_audio_codes.append(np.array(out.codes, dtype=np.int32))
@@ -251,8 +257,8 @@ class VoiceChatStreamingSession:
             tuple(int(t) for t in out.rnnt_tokens),
             f32(out.text_logits),
             f32(out.function_logits),
-            int(out.text_id.item()),
-            int(out.function_id.item()),
+            _host_int(out.text_id),
+            _host_int(out.function_id),
             np.array(out.codes, dtype=np.int32),
             np.array(out.clean, dtype=np.int32),
             f32(out.audio),
@@ -270,12 +276,10 @@ class VoiceChatStreamingSession:
                 if not at_limit_raise:
                     return
                 self.closed = True
-                err = ContextLimitError(
+                raise ContextLimitError(
                     f"max_streaming_seconds reached ({self.max_frames} frames of "
                     f"{self.config.frame_duration * 1000:g} ms); the session is closed"
                 )
-                err.events = []
-                raise err
             chunk, self._pending = self._pending[:n], self._pending[n:]
             yield self._frame(chunk)
 

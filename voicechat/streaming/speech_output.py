@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -47,9 +48,9 @@ class AudioChunk:
                 f"AudioChunk: expected 0 <= first_frame <= last_frame, got {self.first_frame}, {self.last_frame}"
             )
 
-    __hash__ = None  # equal by value, samples included: not hashable
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]  # equal by value, samples included: not hashable
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, AudioChunk)
             and self.first_frame == other.first_frame
