@@ -172,7 +172,7 @@ def test_flush_tail_uses_no_future_frames(tiny):
     _, tail_a = _stream(tiny, codes)
     steps_b, _ = _stream(tiny, np.concatenate([codes, _random_codes(tiny, 2, seed=4)]))
     steps_a, _ = _stream(tiny, codes)
-    assert all(np.array_equal(a, b) for a, b in zip(steps_a, steps_b, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(steps_a, steps_b[: len(steps_a)], strict=True))
     full = np.array(tiny.decode(codes))
     np.testing.assert_allclose(tail_a, full[-tiny.lead_in :], rtol=0, atol=TOL)
 
