@@ -37,8 +37,9 @@ streaming `VoiceChatStreamingSession` (`create_streaming_session`, `push_audio` 
 `chunk_samples` pieces, `flush(pad_partial=True)`). Values the public API does not
 return are recorded by wrapping methods / module attributes for one run (each
 wrapper calls the original with the same arguments and returns its result), as
-`mlx_vlm_backend.py` does; the conventions of the returned runs are that backend's
-(raw codes before control-code replacement in `codes`, frame-major `mel` / `encoder`).
+`mlx_vlm_backend.py` does (both drive the session through `peer_session.py`); the
+conventions of the returned runs are that backend's (raw codes before control-code
+replacement in `codes`, frame-major `mel` / `encoder`).
 Not available: profiling (mlx-audio's streaming session has no profile; `frame_timings`
 holds the wall time of each frame measured around `_step_audio_frame`), component
 checks, and the codec tail (mlx-audio's `flush` clears the codec without emitting it).
@@ -46,22 +47,20 @@ checks, and the codec tail (mlx-audio's `flush` clears the codec without emittin
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten
 
-from .base import Backend, OfflineRun, StreamRun
-from .mlx_vlm_backend import _as_audio, _event_dict, _np, _patched, _recording_calls
+from .peer_session import PeerSessionBackend, _patched
 
 # The two buffers `CharAwareSubwordEncoder.set_tokenizer` (mlx-audio tts.py) rebuilds from the tokenizer.
 TOKENIZER_BUFFERS = (
@@ -133,6 +132,18 @@ def _att_context(enc: dict):
     return [int(x) for x in acs[0]]
 
 
+# The folder's tts_config keys that mlx-audio reads as its TTS backbone's sizes (`backbone_config`).
+_TTS_BACKBONE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+)
+
+
 def translate_config(raw: dict, folder: Path) -> dict:
     """The folder's config.json in the nested NeMo layout mlx-audio's `ModelConfig.from_dict` reads."""
     text = dict(raw["text_config"])
@@ -174,19 +185,7 @@ def translate_config(raw: dict, folder: Path) -> dict:
             "speech_generation": {
                 "model": {
                     "tts_config": {
-                        "backbone_config": {
-                            k: tts[k]
-                            for k in (
-                                "hidden_size",
-                                "intermediate_size",
-                                "num_hidden_layers",
-                                "num_attention_heads",
-                                "num_key_value_heads",
-                                "head_dim",
-                                "sliding_window",
-                            )
-                            if k in tts
-                        },
+                        "backbone_config": {k: tts[k] for k in _TTS_BACKBONE_KEYS if k in tts},
                         "mog_head_config": dict(tts.get("mog_head", {})),
                         **{
                             k: tts[k]
@@ -334,13 +333,7 @@ def check_config(raw: dict, model) -> list[tuple[str, Any]]:
     tts, ear = cfg.tts, model.tts_model.tts_model
     bb = ear.backbone.args
     for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "sliding_window",
+        *_TTS_BACKBONE_KEYS,
         "latent_size",
         "codebook_size",
         "num_quantizers",
@@ -428,16 +421,13 @@ def _strict_differences(model, weights: dict) -> list[dict]:
     return out
 
 
-class MlxAudioBackend(Backend):
+class MlxAudioBackend(PeerSessionBackend):
     """Drives mlx-audio's nemotron_voicechat (offline `generate` and the streaming session)."""
 
     name = "mlx-audio"
 
     def __init__(self):
-        self.model = None
-        self.session = None  # mlx_audio ... VoiceChatSession
-        self.checkpoint: str | None = None
-        self.load_s = 0.0
+        super().__init__()
         self.load_report: dict = {}
         self.version = "?"
         self.stored_tokenizer_buffers: dict = {}
@@ -527,268 +517,34 @@ class MlxAudioBackend(Backend):
         }
         return model
 
-    def _require(self):
-        if self.session is None:
-            raise RuntimeError("MlxAudioBackend: call load(checkpoint) first")
-        return self.session
+    # -- where mlx-audio keeps what the shared driver (peer_session.py) needs; the codec is the same class
+    # as mlx-vlm's (`mlx_audio.codec.models.nemotron_voicechat`)
 
-    @property
-    def samples_per_frame(self) -> int:
-        self._require()
-        return int(self.model.tts_model.audio_codec.waveform_to_token_ratio)
-
-    @property
-    def lead_in(self) -> int:
-        """ceil(((n_fft - hop) // 2) / hop) * hop samples: the streaming iSTFT's context (same codec class
-        as mlx-vlm's, `mlx_audio.codec.models.nemotron_voicechat`)."""
-        self._require()
-        c = self.model.config.codec
-        return int(math.ceil(((c.n_fft - c.hop_length) // 2) / c.hop_length) * c.hop_length)
-
-    @property
-    def warmup_samples(self) -> int:
-        return 2 * self.lead_in
-
-    def close(self) -> None:
-        self.model = self.session = None
-        gc.collect()
-        mx.clear_cache()
-
-    # -- helpers the harness uses when present (mlx-audio code paths)
-
-    def decode_codes(self, codes: np.ndarray, *, float32_latent: bool = False) -> np.ndarray:
-        """mlx-audio's offline codec decode of (T, Q) raw codes (its `_replace_control_codes` first);
-        `float32_latent=True` casts the codebooks to float32 for the call (restored afterwards)."""
-        sess = self._require()
-        codes = np.asarray(codes)
-        q = self.model.config.tts.num_quantizers
-        if codes.ndim != 2 or codes.shape[1] != q:
-            raise ValueError(f"codes must be (T, {q}), got {codes.shape}")
-        if codes.shape[0] == 0:
-            return np.zeros((0,), np.float32)
-        codec = self.model.tts_model.audio_codec
-        clean = sess._replace_control_codes(mx.array(codes.astype(np.int32))[None])
-        saved = tree_flatten(codec.prvq.parameters())
-        if float32_latent:
-            codec.prvq.update(tree_map(lambda a: a.astype(mx.float32), codec.prvq.parameters()))
-        try:
-            out = codec.decode(clean.transpose(0, 2, 1))[0, 0]
-            mx.eval(out)
-        finally:
-            codec.prvq.update(tree_unflatten(saved))
-        return _np(out, np.float32)
-
-    def decode_text(self, ids) -> str:
-        return self._require()._decode_text(mx.array([int(i) for i in ids], dtype=mx.int32))
-
-    def decode_transcript(self, tokens) -> str:
-        from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
-
-        self._require()
-        return rnnt_tokenizer.decode([int(t) for t in tokens], self.model.config.rnnt_vocabulary).strip()
-
-    def _frame_tokens(self, encoder: mx.array) -> list[list[int]]:
-        """Non-special RNNT ids per encoder frame, by mlx-audio's streaming RNNT state."""
-        from mlx_audio.sts.models.nemotron_voicechat.streaming import _RNNTState
-
-        state = _RNNTState(SimpleNamespace(config=self.model.config, model=self.model))
-        out = []
-        for t in range(encoder.shape[0]):
-            before = len(state.tokens)
-            state.step(encoder[t][None, None])
-            out.append([int(x) for x in state.tokens[before:]])
-        return out
-
-    # -- offline
-
-    def offline(
-        self,
-        audio: np.ndarray,
-        *,
-        system_prompt: str | None = None,
-        seed: int = 0,
-        extra_decoding_seconds: float = 0.0,
-        with_logits: bool = False,
-    ) -> OfflineRun:
+    def _session_module(self) -> ModuleType:
         from mlx_audio.sts.models.nemotron_voicechat import session as ma_session
 
-        sess = self._require()
-        wave = _as_audio(audio)
-        seen = SimpleNamespace(mel=None, encoder=None, rnnt_tokens=None, raw_codes=None)
-        lm_outputs: list = []
-        orig_mel = ma_session.log_mel_spectrogram
-        orig_tok = ma_session.rnnt_tokenizer
-        orig_rnnt = sess._rnnt_decode
-        orig_replace = sess._replace_control_codes
+        return ma_session
 
-        def log_mel_spectrogram(x, args):
-            out = orig_mel(x, args)
-            seen.mel = out
-            return out
+    def _tts_config(self) -> Any:
+        return self.model.config.tts
 
-        def rnnt_decode(encoded, length):
-            seen.encoder = encoded[0, :length]
-            return orig_rnnt(encoded, length)
+    def _codec_config(self) -> Any:
+        return self.model.config.codec
 
-        def rnnt_text(tokens, vocabulary, *a, **k):
-            seen.rnnt_tokens = [int(t) for t in tokens]
-            return orig_tok.decode(tokens, vocabulary, *a, **k)
+    def _rnnt_state(self) -> Any:
+        from mlx_audio.sts.models.nemotron_voicechat.streaming import _RNNTState
 
-        def replace_control_codes(codes):
-            seen.raw_codes = codes
-            return orig_replace(codes)
+        return _RNNTState(SimpleNamespace(config=self.model.config, model=self.model))
 
-        tok_proxy = SimpleNamespace(is_special_token=orig_tok.is_special_token, decode=rnnt_text)
-        with ExitStack() as stack:
-            stack.enter_context(_patched(ma_session, "log_mel_spectrogram", log_mel_spectrogram))
-            stack.enter_context(_patched(ma_session, "rnnt_tokenizer", tok_proxy))
-            stack.enter_context(_patched(sess, "_rnnt_decode", rnnt_decode))
-            stack.enter_context(_patched(sess, "_replace_control_codes", replace_control_codes))
-            if with_logits:
-                stack.enter_context(_recording_calls(self.model.stt_model, lm_outputs))
-            t0 = time.perf_counter()
-            result = sess.generate(
-                mx.array(wave),
-                system_prompt=system_prompt,
-                seed=seed,
-                extra_decoding_seconds=extra_decoding_seconds,
-                use_language_cache=True,
-            )
-            mx.eval(result.audio)
-            wall = time.perf_counter() - t0
+    def _create_streaming(self, sess, *, system_prompt: str | None, seed: int, profile: bool) -> Any:
+        return sess.create_streaming_session(system_prompt=system_prompt, seed=seed)  # no profile in mlx-audio
 
-        text_ids = _np(result.text_tokens, np.int32)
-        n = text_ids.shape[0]
-        text_logits = function_logits = None
-        if with_logits and n:
-            outs = lm_outputs[-n:]
-            text_logits = np.stack([_np(o.text_logits[0, -1], np.float32) for o in outs])
-            function_logits = np.stack([_np(o.function_logits[0, -1], np.float32) for o in outs])
-        if seen.raw_codes is None:
-            raise RuntimeError("mlx-audio generate did not pass its codes through _replace_control_codes")
-        frame_tokens = None
-        if seen.encoder is not None and self.model.config.rnnt_vocabulary:
-            frame_tokens = self._frame_tokens(seen.encoder)
-        return OfflineRun(
-            text_ids=text_ids,
-            function_ids=_np(result.function_tokens, np.int32),
-            codes=_np(seen.raw_codes[0], np.int32),
-            decoded_codes=_np(result.audio_codes, np.int32),
-            audio=_np(result.audio, np.float32),
-            text=result.text,
-            transcript=result.user_transcript or "",
-            transcript_tokens=seen.rnnt_tokens,
-            mel=None if seen.mel is None else _np(seen.mel[0], np.float32),
-            encoder=None if seen.encoder is None else _np(seen.encoder, np.float32),
-            text_logits=text_logits,
-            function_logits=function_logits,
-            wall_s=wall,
-            transcript_frame_tokens=frame_tokens,
-        )
-
-    # -- streaming
-
-    def stream(
-        self,
-        audio: np.ndarray,
-        *,
-        system_prompt: str | None = None,
-        seed: int = 0,
-        chunk_samples: int = 1280,
-        profile: bool = False,
-        with_logits: bool = False,
-    ) -> StreamRun:
-        sess = self._require()
-        wave = _as_audio(audio)
-        if isinstance(chunk_samples, bool) or not isinstance(chunk_samples, int) or chunk_samples < 1:
-            raise ValueError(f"chunk_samples must be a positive int, got {chunk_samples!r}")
-        t0 = time.perf_counter()
-        s = sess.create_streaming_session(system_prompt=system_prompt, seed=seed)
-        create_s = time.perf_counter() - t0
-
-        frames: list[dict] = []
-        mel_chunks: list = []
-        current: dict = {}
-        orig_step = s._step_audio_frame
-        orig_perception = s._perception_step
-        orig_language = s._language_step
-        orig_replace = sess._replace_control_codes
-
-        def step_audio_frame(frame):
-            current.clear()
-            before = len(s._rnnt.tokens)
-            f0 = time.perf_counter()
-            events = orig_step(frame)
-            current["frame_ms"] = (time.perf_counter() - f0) * 1e3
-            current["rnnt_tokens"] = [int(t) for t in s._rnnt.tokens[before:]]
-            current["text_id"] = int(s._text_tokens[-1])
-            current["function_id"] = int(s._function_tokens[-1])
-            frames.append(dict(current))
-            return events
-
-        def perception_step(frame):
-            projected, encoded = orig_perception(frame)
-            current["encoder"] = encoded[0, -1]
-            return projected, encoded
-
-        def language_step(inputs):
-            out = orig_language(inputs)
-            current["text_logits"] = out.text_logits[0, -1]
-            current["function_logits"] = out.function_logits[0, -1]
-            return out
-
-        def replace_control_codes(codes):
-            current["codes"] = codes[0, -1]
-            return orig_replace(codes)
-
-        events: list = []
-        first_audio_s = first_text_s = None
-        with ExitStack() as stack:
-            stack.enter_context(_patched(s, "_step_audio_frame", step_audio_frame))
-            stack.enter_context(_patched(s, "_perception_step", perception_step))
-            stack.enter_context(_patched(sess, "_replace_control_codes", replace_control_codes))
-            if with_logits:
-                stack.enter_context(_patched(s, "_language_step", language_step))
-            if s._mel_stream is not None:
-                orig_push = s._mel_stream.push
-
-                def mel_push(samples, *a, **k):
-                    out = orig_push(samples, *a, **k)
-                    mel_chunks.append(out)
-                    return out
-
-                stack.enter_context(_patched(s._mel_stream, "push", mel_push))
-            start = time.perf_counter()
-            calls = [
-                lambda c=wave[i : i + chunk_samples]: s.push_audio(c) for i in range(0, wave.shape[0], chunk_samples)
-            ]
-            calls.append(lambda: s.flush(pad_partial=True))
-            for call in calls:
-                new = call()
-                now = time.perf_counter() - start
-                for e in new:
-                    if e.kind == "audio" and first_audio_s is None:
-                        first_audio_s = now
-                    if e.kind == "assistant_text_delta" and first_text_s is None:
-                        first_text_s = now
-                events.extend(new)
-            wall = time.perf_counter() - start
-
-        audio_events = [e for e in events if e.kind == "audio"]
-        if len(audio_events) != len(frames):
-            raise RuntimeError(f"mlx-audio emitted {len(audio_events)} audio events for {len(frames)} frames")
-        q = self.model.config.tts.num_quantizers
-        codes = np.stack([_np(f["codes"], np.int32) for f in frames]) if frames else np.zeros((0, q), np.int32)
-        out_audio = (
-            np.concatenate([_np(e.samples, np.float32) for e in audio_events])
-            if audio_events
-            else np.zeros((0,), np.float32)
-        )
-        mels = [m for m in mel_chunks if m.shape[1]]
-        rnnt_on = bool(self.model.config.rnnt_vocabulary)
-        timings = [{"frame_ms": f["frame_ms"]} for f in frames] if profile else None
+    def _profile(self, s, frames: list[dict]) -> tuple[list[dict] | None, dict | None]:
+        """mlx-audio's streaming session has no profile: the wall time of each frame around
+        `_step_audio_frame`, and its mean / median / max."""
+        timings = [{"frame_ms": f["frame_ms"]} for f in frames]
         summary = None
-        if profile and frames:
+        if frames:
             ms = np.array([f["frame_ms"] for f in frames])
             summary = {
                 "frames": len(frames),
@@ -796,37 +552,7 @@ class MlxAudioBackend(Backend):
                 "frame_ms_p50": float(np.median(ms)),
                 "frame_ms_max": float(ms.max()),
             }
-        return StreamRun(
-            text_ids=np.array([f["text_id"] for f in frames], dtype=np.int32),
-            function_ids=np.array([f["function_id"] for f in frames], dtype=np.int32),
-            codes=codes,
-            decoded_codes=(
-                np.stack([_np(e.audio_codes, np.int32) for e in audio_events])
-                if audio_events
-                else np.zeros((0, q), np.int32)
-            ),
-            audio=out_audio,
-            tail=np.zeros((0,), np.float32),  # mlx-audio's flush clears the codec without emitting its tail
-            text=s._text.text,
-            transcript=s._rnnt.text,
-            transcript_tokens=[int(t) for t in s._rnnt.tokens] if rnnt_on else None,
-            events=[_event_dict(e) for e in events],
-            mel=np.concatenate([_np(m[0], np.float32) for m in mels]) if mels else None,
-            encoder=np.stack([_np(f["encoder"], np.float32) for f in frames]) if frames else None,
-            text_logits=np.stack([_np(f["text_logits"], np.float32) for f in frames])
-            if with_logits and frames
-            else None,
-            function_logits=np.stack([_np(f["function_logits"], np.float32) for f in frames])
-            if with_logits and frames
-            else None,
-            frame_timings=timings,
-            profile_summary=summary,
-            create_s=create_s,
-            first_audio_s=first_audio_s,
-            first_text_s=first_text_s,
-            wall_s=wall,
-            transcript_frame_tokens=[f["rnnt_tokens"] for f in frames] if rnnt_on else None,
-        )
+        return timings, summary
 
 
 # --------------------------------------------------------------------------- known departures
