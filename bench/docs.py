@@ -35,6 +35,7 @@ SECTION_TITLES = {
     "full": "Full published shapes (synthetic weights on a CPU)",
     "gpu_policy": "The GPU's execution policy, run on this CPU: dispatches and host synchronisations",
     "prompt_sweep": "Prompt states: session start per prompt length",
+    "three_way": "Three MLX implementations side by side: this project, mlx-vlm, mlx-audio",
 }
 
 

@@ -232,12 +232,17 @@ def _frame_rows(timings: list[dict], *, drop_first: int, base: dict) -> list[dic
     rows = []
     for i, t in enumerate(timings):
         missing = [k for k in STAGE_KEYS if k not in t]
-        if missing:
-            raise ValueError(f"frame timing {i} lacks {missing}; got keys {sorted(t)}")
         row = dict(base)
         row["frame_index"] = int(t.get("frame_index", i))
-        for k in STAGE_KEYS:
-            row[k] = float(t[k])
+        if missing and not any(k in t for k in STAGE_KEYS[:-1]) and ("total_ms" in t or "frame_ms" in t):
+            # A backend that times only whole frames (mlx-audio): its stages are not available.
+            row.update(dict.fromkeys(STAGE_KEYS[:-1], math.nan))
+            row["total_ms"] = float(t.get("total_ms", t.get("frame_ms")))
+        elif missing:
+            raise ValueError(f"frame timing {i} lacks {missing}; got keys {sorted(t)}")
+        else:
+            for k in STAGE_KEYS:
+                row[k] = float(t[k])
         row["dropped"] = i < drop_first
         rows.append(row)
     return rows

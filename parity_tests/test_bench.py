@@ -656,3 +656,15 @@ def test_checkpoint_files_are_read_before_each_run(tiny_ckpt_4bit, wav_path, tmp
     assert calls == ([on_disk] * 4 if warm else [])  # (1 warm-up + 1 measured) x 2 backends
     env = json.loads((tmp_path / "run" / "env.json").read_text())
     assert env["method"]["warm_page_cache"] is warm
+
+
+def test_a_backend_that_times_only_whole_frames_has_its_stages_not_available():
+    """mlx-audio's session reports each frame's wall time only: its rows carry the total and NaN
+    stages (shown as not available), while a timing that lacks some stages is refused."""
+    from bench.runner import STAGE_KEYS, _frame_rows
+
+    rows = _frame_rows([{"frame_ms": 5.0}, {"frame_ms": 7.0}], drop_first=1, base={"backend": "mlx-audio"})
+    assert [r["total_ms"] for r in rows] == [5.0, 7.0] and [r["dropped"] for r in rows] == [True, False]
+    assert all(math.isnan(r[k]) for r in rows for k in STAGE_KEYS[:-1])
+    with pytest.raises(ValueError, match="lacks"):
+        _frame_rows([{"perception_ms": 1.0, "total_ms": 2.0}], drop_first=0, base={})

@@ -1,4 +1,7 @@
-"""`voicechat` command line: synth, generate, cache-prompt, parity, bench, serve, client, talk."""
+"""`voicechat` command line: synth, generate, cache-prompt, parity, bench, serve, client, talk.
+
+The commands import what they run when they run (the model, the server's packages, the bench's
+pandas): `voicechat --help` stays quick, and each extra is needed only by its own command."""
 
 from __future__ import annotations
 

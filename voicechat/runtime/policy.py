@@ -87,14 +87,11 @@ class ExecutionPolicy:
                 raise TypeError(f"ExecutionPolicy.{field} must be True or False, got {getattr(self, field)!r}")
         if self.float32_copies not in (True, False, None):
             raise TypeError(f"ExecutionPolicy.float32_copies must be True, False or None, got {self.float32_copies!r}")
-        if self.cpu_kernels:
-            from voicechat.runtime import kernels
-
-            if kernels.extension() is None:
-                raise RuntimeError(
-                    f"ExecutionPolicy(cpu_kernels=True): the CPU kernels cannot be used here: "
-                    f"{kernels.unavailable_reason()}"
-                )
+        if self.cpu_kernels and kernels.extension() is None:
+            raise RuntimeError(
+                f"ExecutionPolicy(cpu_kernels=True): the CPU kernels cannot be used here: "
+                f"{kernels.unavailable_reason()}"
+            )
 
     # -- the policies a device gets
 

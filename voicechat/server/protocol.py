@@ -87,20 +87,25 @@ def decode_append(msg: dict) -> np.ndarray:
             f"sample_rate must be {INPUT_SAMPLE_RATE} (16 kHz mono PCM16; "
             f"the server does not resample), got {excerpt(rate)}",
         )
-    audio = msg.get("audio")
+    return decode_pcm(msg)
+
+
+def decode_pcm(msg: dict, key: str = "audio") -> np.ndarray:
+    """The base64 PCM16 little-endian samples in `msg[key]` -> int16 samples (every dialect's audio)."""
+    audio = msg.get(key)
     if not isinstance(audio, str):
         raise ProtocolError(
-            "invalid_audio", f"'audio' must be a base64 string of PCM16 little-endian samples, got {V._kind(audio)}"
+            "invalid_audio", f"'{key}' must be a base64 string of PCM16 little-endian samples, got {V._kind(audio)}"
         )
     try:
         raw = base64.b64decode(audio, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ProtocolError(
-            "invalid_audio", f"'audio' is not valid base64 ({e}); expected base64 of PCM16 little-endian samples"
+            "invalid_audio", f"'{key}' is not valid base64 ({e}); expected base64 of PCM16 little-endian samples"
         ) from None
     if len(raw) % 2:
         raise ProtocolError(
-            "invalid_audio", f"'audio' decodes to {len(raw)} bytes, an odd number; PCM16 needs 2 bytes per sample"
+            "invalid_audio", f"'{key}' decodes to {len(raw)} bytes, an odd number; PCM16 needs 2 bytes per sample"
         )
     return np.frombuffer(raw, dtype="<i2")
 

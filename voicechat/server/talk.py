@@ -16,6 +16,7 @@ import numpy as np
 
 from voicechat.server.client import RealtimeClient
 from voicechat.server.protocol import b64_to_int16
+from voicechat.server.runner import ServerThread, make_state
 
 
 class JitterBuffer:
@@ -129,8 +130,6 @@ def talk(args) -> int:
     srv = None
     url = args.url
     if url is None:
-        from voicechat.server.runner import ServerThread, make_state
-
         srv = ServerThread(make_state(args.model)).start()
         url = srv.url
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from voicechat.runtime.policy import describe_fields
 from voicechat.streaming.engine import STAGES as FRAME_STAGES
 
 STAGES = (*FRAME_STAGES, "total")
@@ -96,7 +97,5 @@ class Profile:
             f"{s['processing_frames_per_second']:.2f} frames/s"
         )
         if self.policy is not None:
-            from voicechat.runtime.policy import describe_fields
-
             lines.append(f"execution policy {describe_fields(self.policy)}")
         return "\n".join(lines)

@@ -45,7 +45,7 @@ from voicechat.streaming import prompt_file
 from voicechat.streaming.prompt_file import FORMAT_VERSION
 from voicechat.streaming.prompt_identity import check_model, checkpoint_identity, numerics_identity
 from voicechat.streaming.timeline import Timeline, TimelineState, session_prompt
-from voicechat.tools.channel import normalize_tools
+from voicechat.tools.channel import normalize_tools, tool_markers
 
 
 class Unset:
@@ -335,8 +335,6 @@ def prepare_prompt(model, system_prompt=None, *, tools=None, seed: int = 0, shou
 
     tools = normalize_tools(tools)
     if tools:
-        from voicechat.tools.channel import tool_markers
-
         tool_markers(model.tokenizer)  # the tokenizer must have the call markers (as a session checks)
     timeline = Timeline(model, seed=seed)
     with model.executing():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from voicechat.errors import PrefillStoppedError
 from voicechat.io.states import nest, part
 from voicechat.model.llm.nemotron_h import NemotronHState
 from voicechat.model.tts.ear_tts import EarTtsState, TextEmbeddingCache
@@ -121,8 +122,6 @@ PREFILL_PIECE = 32  # prompt positions between two should_stop questions of a pr
 def _stop_point(st, should_stop) -> None:
     mx.eval(st.arrays())
     if should_stop():
-        from voicechat.errors import PrefillStoppedError
-
         raise PrefillStoppedError("the system-prompt prefill was stopped (should_stop returned true)")
 
 

@@ -42,10 +42,12 @@ from mlx.utils import tree_flatten
 from voicechat.environment import cache_home
 from voicechat.io.checkpoint import unsanitize
 from voicechat.io.progress import bar
-from voicechat.io.tokenizer import write_synthetic_tokenizer
+from voicechat.io.tokenizer import build_synthetic_tokenizer, write_synthetic_tokenizer
+from voicechat.model.audio.mel import mel_filterbank
 from voicechat.model.config import VoiceChatConfig
 from voicechat.model.voicechat import VoiceChatNetwork
 from voicechat.synthetic.presets import PRESETS, preset_dict
+from voicechat.synthetic.toolcall import SPECIAL_COUNT, ToolcallScript, toolcall_overrides, toolcall_tensors
 
 GROUP_SIZE = 64
 SHARD_BYTES = 5 * 1024**3  # at most ~5 GB per shard for the full preset
@@ -160,8 +162,6 @@ def _preprocessor_buffers(cfg: VoiceChatConfig) -> dict[str, np.ndarray]:
     n = p.win_length
     window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / (n - 1))).astype(np.float32)
     try:
-        from voicechat.model.audio.mel import mel_filterbank
-
         fb = np.asarray(mel_filterbank(p), dtype=np.float32)[None]
     except Exception:  # the buffer is never read back; its shape is what matters
         fb = np.zeros((1, p.features, p.n_fft // 2 + 1), dtype=np.float32)
@@ -374,9 +374,6 @@ def write_checkpoint(
     script = None
     n_special = 20
     if preset == "toolcall":  # tiny, with a language path that spells one call (voicechat/synthetic/toolcall.py)
-        from voicechat.io.tokenizer import build_synthetic_tokenizer
-        from voicechat.synthetic.toolcall import SPECIAL_COUNT, ToolcallScript, toolcall_overrides
-
         if tool is None:
             raise ValueError("the toolcall preset needs tool=NAME (and arguments=JSON object)")
         n_special = SPECIAL_COUNT
@@ -406,8 +403,6 @@ def write_checkpoint(
     plan = _tensor_plan(model, cfg, bits)
     designed = {}
     if script is not None:
-        from voicechat.synthetic.toolcall import toolcall_tensors
-
         designed = toolcall_tensors(cfg, None, script, [(n, s) for n, s, _, _ in plan])
     # The init arrays are lazy (nothing is allocated until one is evaluated for its
     # statistics); the plan keeps them, the model is not needed any more.

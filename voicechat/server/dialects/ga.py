@@ -101,24 +101,6 @@ def _hz(rates) -> str:
     return " or ".join(str(r) for r in rates) + " Hz"
 
 
-def decode_pcm(msg: dict, key: str = "audio") -> np.ndarray:
-    audio = msg.get(key)
-    if not isinstance(audio, str):
-        raise P.ProtocolError(
-            "invalid_audio",
-            f"'{key}' must be a base64 string of PCM16 little-endian samples, got {type(audio).__name__}",
-        )
-    try:
-        raw = base64.b64decode(audio, validate=True)
-    except ValueError as e:
-        raise P.ProtocolError("invalid_audio", f"'{key}' is not valid base64 ({e})") from None
-    if len(raw) % 2:
-        raise P.ProtocolError(
-            "invalid_audio", f"'{key}' decodes to {len(raw)} bytes, an odd number; PCM16 needs 2 bytes per sample"
-        )
-    return np.frombuffer(raw, dtype="<i2")
-
-
 class GaMapper:
     """Session events (voicechat.events) -> GA server events (without event_id), frame by frame."""
 
@@ -546,8 +528,6 @@ class GaDialect(Dialect):
         if tools is None:
             tools = []
         if tools:
-            from voicechat.tools.channel import normalize_tools
-
             try:
                 normalize_tools(tools)
             except (TypeError, ValueError) as e:
@@ -605,7 +585,7 @@ class GaDialect(Dialect):
             await self.conn.admit_audio(held)
 
     async def _on_input_audio_buffer_append(self, msg):
-        pcm = decode_pcm(msg)
+        pcm = P.decode_pcm(msg)
         if self.failed:
             return  # said once, in the error that refused the session
         if not self.opened:

@@ -18,7 +18,7 @@ import numpy as np
 from voicechat.events import AssistantTextDelta, Audio, AudioTail, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect, openai_error
-from voicechat.server.dialects.ga import FRAME_MS, decode_pcm, parse_format, public_model_name
+from voicechat.server.dialects.ga import FRAME_MS, parse_format, public_model_name
 from voicechat.server.messages import Commit, FrameEvents, SessionOpened, SessionParams, SessionRefused
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 
@@ -79,7 +79,7 @@ class LiveDialect(Dialect):
         if not self.conn.configured:  # after session.start the commands queue behind the session's opening
             raise P.ProtocolError("session_not_started", f"send session.start before {t}")
         if t == "session.input_audio.append":
-            pcm = decode_pcm(msg)
+            pcm = P.decode_pcm(msg)
             x = pcm16_to_float(pcm)
             if self.muted:  # muted input: the model hears silence, its timeline goes on
                 x = np.zeros_like(x)
