@@ -1,4 +1,4 @@
-"""`voicechat serve`, `voicechat client`, `voicechat talk` (imports deferred to the command that runs: see cli/main.py)."""
+"""`voicechat serve`, `voicechat client`, `voicechat talk` (imports deferred: see cli/main.py)."""
 
 from __future__ import annotations
 
