@@ -235,8 +235,7 @@ class RealtimeConnection:
         for p in payloads:
             # A client that does not read fills the socket buffers and send blocks: bounded by send_timeout.
             try:
-                async with asyncio.timeout(timeout):
-                    await send(self._envelope(p))
+                await asyncio.wait_for(send(self._envelope(p)), timeout)
             except TimeoutError:
                 raise _SlowReader() from None
 
