@@ -60,6 +60,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .mlx_vlm_backend import unrunnable_quantized_modules
 from .peer_session import PeerSessionBackend, _patched
 
 # The two buffers `CharAwareSubwordEncoder.set_tokenizer` (mlx-audio tts.py) rebuilds from the tokenizer.
@@ -433,6 +434,11 @@ class MlxAudioBackend(PeerSessionBackend):
         self.stored_tokenizer_buffers: dict = {}
 
     # -- loading
+
+    def unrunnable_modules(self) -> list[str]:
+        """Modules of the loaded checkpoint mlx-audio cannot run: the same two as mlx-vlm's
+        (`UNRUNNABLE_QUANTIZED`), which its EAR-TTS also applies as dense layers; [] if none."""
+        return unrunnable_quantized_modules(self.checkpoint) if self.checkpoint else []
 
     def load(self, checkpoint: str) -> Any:
         _offline_env()
