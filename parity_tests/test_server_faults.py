@@ -861,6 +861,8 @@ def test_tls(tiny_ckpt, tmp_path):
                 return await c.ping_ok()
 
         assert run(go())
+        # The slot frees once the worker has closed the session, a moment after the client's close.
+        assert wait_released(srv)
         assert json.loads(urllib.request.urlopen(srv.http + "/healthz", context=ctx).read()) == {"status": "ok"}
     finally:
         srv.stop()
