@@ -539,7 +539,7 @@ def test_mamba_step_equals_the_plain_formula(cfg, conv_bias):
     for t in range(6):
         h = x[:, t : t + 1]
         want, conv, ssm = _mamba_step_plain(mixer, h, conv, ssm)
-        got = mixer.step(h, state)
+        got = mixer.step(h, [state])
         mx.eval(want, got, conv, ssm, state.conv, state.ssm)
         assert np.array_equal(np.array(got), np.array(want)), t
         assert np.array_equal(np.array(state.conv), np.array(conv)), t
@@ -571,7 +571,7 @@ def test_step_equals_block_by_block(cfg):
         got = model.step(h, fused_state)
         y = h
         for block, layer_state in zip(model.layers, plain_state.layers, strict=True):
-            y = block(y, layer_state, True, 256)
+            y = block(y, [layer_state], True, 256)
         want = model.norm_f(y)
         mx.eval(got, want)
         assert np.array_equal(np.array(got), np.array(want)), t

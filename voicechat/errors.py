@@ -15,11 +15,13 @@ class CheckpointError(VoiceChatError, ValueError):
 
 class ContextLimitError(VoiceChatError, RuntimeError):
     """The streaming session reached `max_streaming_seconds`; `events`: those of the frames the call
-    completed before it (a `push_audio` that raises loses none of them)."""
+    completed before it (a `push_audio` that raises loses none of them). From a `SessionBatch`'s
+    `push` / `step`: `events` is {session: events} of the call and `sessions` the sessions that closed."""
 
-    def __init__(self, message: str, events: list[object] | None = None):
+    def __init__(self, message: str, events: list[object] | dict | None = None, sessions: list | None = None):
         super().__init__(message)
-        self.events: list[object] = [] if events is None else events
+        self.events: list[object] | dict = [] if events is None else events
+        self.sessions: list = [] if sessions is None else sessions
 
 
 class SessionClosedError(VoiceChatError, RuntimeError):
@@ -37,3 +39,7 @@ class WrongThreadError(VoiceChatError, RuntimeError):
 class PromptStateError(VoiceChatError, ValueError):
     """A prompt state (voicechat.streaming.prompt_state) that cannot be used with this model: another checkpoint,
     numerics setting or format version, or a truncated or corrupt file; the message names which."""
+
+
+class BatchFullError(VoiceChatError, RuntimeError):
+    """`SessionBatch.open` with every slot taken; nothing changed."""

@@ -190,6 +190,19 @@ def products_scope():
 # -- helpers shared by components and the runtime (pure; no execution choice)
 
 
+def rows_of(x: mx.array, count: int) -> list[mx.array]:
+    """x's `count` rows along axis 0, each keeping that axis (x itself for one row: a conversation
+    computed alone runs the same operations as before batches existed)."""
+    if x.shape[0] != count:
+        raise ValueError(f"expected {count} rows along axis 0, got shape {tuple(x.shape)}")
+    return [x] if count == 1 else [x[b : b + 1] for b in range(count)]
+
+
+def stack_rows(rows: list[mx.array]) -> mx.array:
+    """The inverse of `rows_of`."""
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+
+
 def structure(trees) -> tuple:
     """The key sets of a list of dicts (e.g. which layers have a bias): part of a fused piece's
     key, since the traced function depends on them."""

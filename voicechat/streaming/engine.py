@@ -29,7 +29,7 @@ from voicechat.model.audio.codec import CodecState
 from voicechat.model.audio.rnnt import RnntStream
 from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.perception import StreamingPerception
-from voicechat.streaming.timeline import Timeline
+from voicechat.streaming.timeline import Timeline, language_steps
 
 # A frame's stages, in the order they run (the profiler's and the bench's names).
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
@@ -120,75 +120,101 @@ class FrameEngine:
         """One frame of `state` on `samples` (float32 (frame_samples,), checked by the caller);
         `forced`: a tool-response token to feed on the function channel, or None; `profile`: time
         the stages (each ends with its outputs evaluated); `on_stage(name)`: told as each stage
-        starts (the bench attributes MLX's dispatches by it)."""
-        with ops.bound(self.runtime):
-            out = self._step(state, samples, forced, profile, on_stage or _silent)
-        state.frames += 1
-        return out
+        starts (the bench attributes MLX's dispatches by it). `step_batch` of one conversation."""
+        return self.step_batch([state], [samples], [forced], profile=profile, on_stage=on_stage)[0]
 
-    def _step(self, st: ConversationState, samples, forced, prof: bool, on_stage) -> FrameOutputs:
+    def step_batch(
+        self,
+        states: list[ConversationState],
+        samples: list[np.ndarray],
+        forced: list[int | None],
+        *,
+        profile: bool = False,
+        on_stage: Callable[[str], None] | None = None,
+    ) -> list[FrameOutputs]:
+        """The next frame of each of several conversations (distinct states of this model), as one
+        pass through each stage: `states[b]` on `samples[b]` with `forced[b]`; -> their outputs, in
+        order. Each conversation computes exactly what `step` computes for it alone (its frame index,
+        prompt, caches and random stream are its own; docs/voicechat.md, "Many sessions in one
+        process"). One wait for all of them at the end; a profiled batch times each stage once for
+        all (every output carries the same stage times)."""
+        if not (len(states) == len(samples) == len(forced)) or not states:
+            raise ValueError(
+                f"step_batch needs one samples chunk and one forced token (or None) per state; got "
+                f"{len(states)} states, {len(samples)} chunks, {len(forced)} forced"
+            )
+        if len({id(st) for st in states}) != len(states):
+            raise ValueError("step_batch: a conversation state appears twice (one frame per conversation per step)")
+        with ops.bound(self.runtime):
+            outs = self._step(states, samples, forced, profile, on_stage or _silent)
+        for st in states:
+            st.frames += 1
+        return outs
+
+    def _step(self, states, samples, forced, prof: bool, on_stage) -> list[FrameOutputs]:
         t0 = time.perf_counter()
         on_stage("perception")
-        enc, emb = st.perception.push_frame(samples)
+        perceived = [st.perception.push_frame(x) for st, x in zip(states, samples, strict=True)]
         if prof:
-            mx.eval(enc, emb)
+            mx.eval(perceived)
         t1 = time.perf_counter()
         on_stage("rnnt")
         if self.rnnt_on_device:
-            rnnt_ids = st.rnnt.step_on_device(enc)
+            rnnt_ids = [st.rnnt.step_on_device(enc) for st, (enc, _) in zip(states, perceived, strict=True)]
             if prof:
                 mx.eval(rnnt_ids)
         else:
-            tokens = st.rnnt.step(enc)  # one read per symbol
+            tokens = [st.rnnt.step(enc) for st, (enc, _) in zip(states, perceived, strict=True)]  # one read per symbol
         t2 = time.perf_counter()
         on_stage("language")
-        timeline = st.timeline
-        text_id, function_id, text_logits, function_logits = timeline.language_step(emb)
-        text_fed, function_fed = timeline.feed(text_id, function_id, forced)
+        timelines = [st.timeline for st in states]
+        chosen = language_steps(timelines, [emb for _, emb in perceived])
+        fed = [t.feed(c[0], c[1], f) for t, c, f in zip(timelines, chosen, forced, strict=True)]
         if prof:
-            mx.eval(text_id, function_id)
+            mx.eval([c[:2] for c in chosen])
         t3 = time.perf_counter()
         on_stage("tts")
-        codes = timeline.tts_step(text_fed, function_fed)
+        codes = [t.tts_step(text, function) for t, (text, function) in zip(timelines, fed, strict=True)]
         if prof:
             mx.eval(codes)
         t4 = time.perf_counter()
         on_stage("codec")
-        clean = replace_control_codes(codes, self.control_codes, self.silence_codes)
-        audio = self.codec.decode_step(clean, st.codec)
+        clean = [replace_control_codes(c, self.control_codes, self.silence_codes) for c in codes]
+        audio = [self.codec.decode_step(c, st.codec) for c, st in zip(clean, states, strict=True)]
         # The frame's wait: ids, codes, audio and the codec state (with the codec's products on the
         # host, the codec evaluated its inputs on the way), and the RNNT's symbols when on the device.
         mx.eval(
-            text_id,
-            function_id,
+            [c[:2] for c in chosen],
             codes,
             clean,
             audio,
-            st.codec.arrays(),
-            *((rnnt_ids, st.rnnt.state.lstm) if self.rnnt_on_device else ()),
+            [st.codec.arrays() for st in states],
+            *((rnnt_ids, [st.rnnt.state.lstm for st in states]) if self.rnnt_on_device else ()),
         )
         t5 = time.perf_counter()
         if self.rnnt_on_device:
-            tokens = st.rnnt.finish_on_device(rnnt_ids)
+            tokens = [st.rnnt.finish_on_device(ids) for st, ids in zip(states, rnnt_ids, strict=True)]
         stage_ms = None
         if prof:
             stage_ms = tuple((b - a) * 1000.0 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t0, t5)))
-        mel = st.perception.last_mel if st.perception.use_cache else None
-        return FrameOutputs(
-            enc,
-            mel,
-            tokens,
-            text_id,
-            function_id,
-            text_fed,
-            function_fed,
-            text_logits,
-            function_logits,
-            codes,
-            clean,
-            audio,
-            stage_ms,
-        )
+        return [
+            FrameOutputs(
+                perceived[b][0],
+                st.perception.last_mel if st.perception.use_cache else None,
+                tokens[b],
+                chosen[b][0],
+                chosen[b][1],
+                fed[b][0],
+                fed[b][1],
+                chosen[b][2],
+                chosen[b][3],
+                codes[b],
+                clean[b],
+                audio[b],
+                stage_ms,
+            )
+            for b, st in enumerate(states)
+        ]
 
     def finish(self, state: ConversationState) -> mx.array:
         """The codec's held-back tail after the last frame (evaluated)."""

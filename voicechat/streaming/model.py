@@ -18,6 +18,7 @@ from voicechat.model import ops
 from voicechat.model.tts.char_encoder import CharTable
 from voicechat.model.voicechat import SpeechDecoder, SttModel, VoiceChatNetwork
 from voicechat.streaming.asr import AsrStreamSession
+from voicechat.streaming.batch import SessionBatch
 from voicechat.streaming.generate import generate, generate_stream
 from voicechat.streaming.prompt_state import UNSET, Unset, prepare_prompt
 from voicechat.streaming.session import VoiceChatStreamingSession
@@ -274,6 +275,13 @@ class VoiceChatModel:
             prompt_state=prompt_state,
             should_stop=should_stop,
         )
+
+    def create_session_batch(self, max_sessions: int) -> SessionBatch:
+        """Room for `max_sessions` concurrent conversations whose frames are computed together
+        (`voicechat.streaming.batch`): `batch.open(**kwargs)` takes this method's neighbour
+        `create_streaming_session`'s arguments; `batch.push({session: samples})`. Each session
+        computes exactly what it computes alone."""
+        return SessionBatch(self, max_sessions)
 
     def create_asr_session(self) -> AsrStreamSession:
         return AsrStreamSession(self)

@@ -213,10 +213,18 @@ class VoiceChatStreamingSession:
     # -- one frame
 
     def _frame(self, samples: np.ndarray) -> list:
+        i, forced = self._frame_input()
+        out = self._engine.step(self.state, samples, forced, profile=self.profile is not None, on_stage=self.on_stage)
+        return self._frame_done(i, out, forced)
+
+    def _frame_input(self) -> tuple[int, int | None]:
+        """The next frame's index and the tool-response token forced onto it (None: the model's own)."""
         i = self.state.frames
         tc = self.tool_channel
-        forced = tc.forced_token(i) if tc is not None else None
-        out = self._engine.step(self.state, samples, forced, profile=self.profile is not None, on_stage=self.on_stage)
+        return i, tc.forced_token(i) if tc is not None else None
+
+    def _frame_done(self, i: int, out: FrameOutputs, forced: int | None) -> list:
+        """A computed frame's events; its profile entry; the `on_frame` record."""
         events = self._events(i, out, forced)
         if out.stage_ms is not None and self.profile is not None:
             self.profile.add(FrameTiming(i, *out.stage_ms))
@@ -270,25 +278,45 @@ class VoiceChatStreamingSession:
     def _frames(self, *, at_limit_raise: bool = True) -> Iterator[list]:
         """Compute the buffered complete frames one at a time, yielding each one's events; at
         `max_streaming_seconds` close and raise `ContextLimitError` (or just stop)."""
-        n = self.frame_samples
-        while self._pending.shape[0] >= n:
-            if self.max_frames is not None and self.frame_index >= self.max_frames:
+        while self._has_frame():
+            if self._at_limit():
                 if not at_limit_raise:
                     return
-                self.closed = True
-                raise ContextLimitError(
-                    f"max_streaming_seconds reached ({self.max_frames} frames of "
-                    f"{self.config.frame_duration * 1000:g} ms); the session is closed"
-                )
-            chunk, self._pending = self._pending[:n], self._pending[n:]
-            yield self._frame(chunk)
+                self._close_at_limit()
+            yield self._frame(self._pop_frame())
 
-    def _take(self, samples, sample_rate) -> None:
-        """Check a chunk (the only check its samples get) and buffer it; a refused chunk changes nothing."""
+    def _has_frame(self) -> bool:
+        """A complete frame is buffered."""
+        return self._pending.shape[0] >= self.frame_samples
+
+    def _pop_frame(self) -> np.ndarray:
+        n = self.frame_samples
+        chunk, self._pending = self._pending[:n], self._pending[n:]
+        return chunk
+
+    def _at_limit(self) -> bool:
+        return self.max_frames is not None and self.frame_index >= self.max_frames
+
+    def _close_at_limit(self):
+        """Close the session at `max_streaming_seconds`: raises `ContextLimitError`."""
+        self.closed = True
+        raise ContextLimitError(
+            f"max_streaming_seconds reached ({self.max_frames} frames of "
+            f"{self.config.frame_duration * 1000:g} ms); the session is closed"
+        )
+
+    def _checked(self, samples, sample_rate) -> np.ndarray:
+        """A chunk checked and converted (the only check its samples get); nothing changes."""
         check_sample_rate(sample_rate, self.config.input_sample_rate)
-        a = as_mono_float32(samples)
+        return as_mono_float32(samples)
+
+    def _append(self, a: np.ndarray) -> None:
         if a.size:
             self._pending = np.concatenate([self._pending, a])
+
+    def _take(self, samples, sample_rate) -> None:
+        """Check a chunk and buffer it; a refused chunk changes nothing."""
+        self._append(self._checked(samples, sample_rate))
 
     # -- public API
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 from voicechat.errors import PrefillStoppedError
 from voicechat.io.states import nest, part
 from voicechat.model.llm.nemotron_h import NemotronHState
+from voicechat.model.ops import stack_rows
 from voicechat.model.tts.ear_tts import EarTtsState, TextEmbeddingCache
 from voicechat.model.tts.rng import SessionRandom
 from voicechat.tools.channel import render_system_prompt
@@ -241,15 +242,14 @@ class Timeline:
         return mx.array(self.cfg.pad_token_id, dtype=mx.int32), mx.array(int(forced), dtype=mx.int32)
 
     def language_step(self, audio_emb: mx.array):
-        """The LLM half of `step` (the profiler times the halves separately)."""
+        """The LLM half of `step` (the profiler times the halves separately): `language_steps` of
+        this timeline alone."""
+        return language_steps([self], [audio_emb])[0]
+
+    def language_input(self, audio_emb: mx.array) -> mx.array:
+        """This position's LLM input (1, 1, H): E(prev text) + audio + w_f * E(prev function)."""
         st = self.state
-        m = self.model
-        x = m.fused_input(st.prev_text[None], audio_emb.reshape(1, -1), st.prev_function[None])[None]
-        hidden = self._llm_last_hidden(x)
-        text_logits, function_logits = m.heads(hidden)
-        text_id = mx.argmax(text_logits[0]).astype(mx.int32)
-        function_id = mx.argmax(function_logits[0]).astype(mx.int32)
-        return text_id, function_id, text_logits[0], function_logits[0]
+        return self.model.fused_input(st.prev_text[None], audio_emb.reshape(1, -1), st.prev_function[None])[None]
 
     def tts_step(self, text_id: mx.array, function_id: mx.array) -> mx.array:
         """The TTS half of `step`; advances the position."""
@@ -258,6 +258,42 @@ class Timeline:
         st.prev_text, st.prev_function = text_id, function_id
         st.position += 1
         return codes
+
+
+def language_steps(timelines: list[Timeline], audio_embs: list[mx.array]) -> list[tuple]:
+    """The LLM half of a position for several conversations of one model at once: ->
+    [(text_id, function_id, text_logits, function_logits)] per timeline (lazy).
+
+    The timelines with a language cache take one Nemotron-H step together (`NemotronH.step_batch`:
+    the products read their weights once for every row, each row's state its own) and one pass
+    of the heads; each row computes exactly what it computes alone. A timeline in recompute mode
+    (a diagnostic) runs alone."""
+    results: list = [None] * len(timelines)
+    cached = [i for i, t in enumerate(timelines) if t.state.llm is not None]
+    for i, t in enumerate(timelines):
+        if t.state.llm is None:
+            hidden = t._llm_last_hidden(t.language_input(audio_embs[i]))
+            results[i] = _choose(*t.model.heads(hidden))
+    if cached:
+        first = timelines[cached[0]]
+        x = stack_rows([timelines[i].language_input(audio_embs[i]) for i in cached])
+        hidden = first.llm.step_batch(x, [timelines[i].state.llm for i in cached])[:, -1]
+        text_logits, function_logits = first.model.heads(hidden)
+        if len(cached) == 1:
+            results[cached[0]] = _choose(text_logits, function_logits)
+        else:
+            text_ids = mx.argmax(text_logits, axis=-1).astype(mx.int32)
+            function_ids = mx.argmax(function_logits, axis=-1).astype(mx.int32)
+            for row, i in enumerate(cached):
+                results[i] = (text_ids[row], function_ids[row], text_logits[row], function_logits[row])
+    return results
+
+
+def _choose(text_logits: mx.array, function_logits: mx.array) -> tuple:
+    """One conversation's (1, V) logits -> its ids (argmax) and logits (V,)."""
+    text_id = mx.argmax(text_logits[0]).astype(mx.int32)
+    function_id = mx.argmax(function_logits[0]).astype(mx.int32)
+    return text_id, function_id, text_logits[0], function_logits[0]
 
 
 def session_prompt(cfg, system_prompt, tools) -> str | None:

@@ -36,6 +36,7 @@ import mlx.nn as nn
 from voicechat.model import ops
 from voicechat.model.config import TextConfig
 from voicechat.model.derived import derived
+from voicechat.model.ops import rows_of, stack_rows
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
 KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
@@ -536,11 +537,14 @@ class Mamba2Mixer(nn.Module):
 
     # -- the two paths
 
-    def step(self, x: mx.array, state: MambaLayerState) -> mx.array:
-        """One position (1, 1, hidden) through the plain recurrence.
+    def step(self, x: mx.array, states: list[MambaLayerState]) -> mx.array:
+        """One position of each conversation, x (B, 1, hidden) row b with `states[b]`, through the
+        plain recurrence; -> (B, 1, hidden).
 
-        Everything between in_proj and out_proj is `_step_core`, one fixed-shape
-        function of arrays (a fused piece, `ops.fused`)."""
+        The products (in_proj, out_proj) take the B rows together (each row's arithmetic is its
+        own: the weights are read once for all of them). Everything between them is `_step_core`,
+        one fixed-shape function of one conversation's arrays (a fused piece, `ops.fused`), run per
+        row on that row's state: a row computes exactly what it computes alone."""
         zxbcdt = self.in_proj(x).astype(mx.float32)
         taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
         dt_bias, a = self._dt_bias_and_a()
@@ -564,11 +568,13 @@ class Mamba2Mixer(nn.Module):
         )
         core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
-        u, *rows, state.ssm = core(
-            zxbcdt, state.conv_rows, state.ssm, dt_bias, a_g, d_g, self._norm_weight(), *taps, *extra
-        )
-        state.conv_rows = rows
-        return self.out_proj(u).astype(mx.float32)
+        norm_w = self._norm_weight()
+        outputs = []
+        for row, state in zip(rows_of(zxbcdt, len(states)), states, strict=True):
+            u, *conv_rows, state.ssm = core(row, state.conv_rows, state.ssm, dt_bias, a_g, d_g, norm_w, *taps, *extra)
+            state.conv_rows = conv_rows
+            outputs.append(u)
+        return self.out_proj(stack_rows(outputs)).astype(mx.float32)
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
         """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""
@@ -626,11 +632,25 @@ class Attention(nn.Module):
         empty = mx.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=dtype)
         return AttentionLayerState(empty, mx.array(empty))
 
-    def __call__(self, x: mx.array, state: AttentionLayerState) -> mx.array:
-        length = x.shape[1]
-        q = self.q_proj(x).astype(mx.float32).reshape(1, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).astype(mx.float32).reshape(1, length, self.num_kv_heads, self.head_dim)
+    def __call__(self, x: mx.array, states: list[AttentionLayerState]) -> mx.array:
+        """x (B, L, hidden), row b continuing `states[b]` (each its own length of cached K/V) ->
+        (B, L, hidden). The projections take the B rows together; each row attends over its own
+        cache alone, so a row computes exactly what it computes alone."""
+        batch, length = x.shape[0], x.shape[1]
+        q = self.q_proj(x).astype(mx.float32).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        rows = [
+            self._attend(qb, kb, vb, state)
+            for qb, kb, vb, state in zip(rows_of(q, batch), rows_of(k, batch), rows_of(v, batch), states, strict=True)
+        ]
+        out = stack_rows(rows)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim)).astype(mx.float32)
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionLayerState) -> mx.array:
+        """One conversation's attention: q (1, L, heads, D), k / v (1, L, kv_heads, D) appended to
+        its cache -> (1, L, heads, D)."""
+        length = q.shape[1]
         past = state.length
         keys, values = state.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         # Query head h reads KV head h // (heads / kv_heads): view the query heads as
@@ -645,8 +665,7 @@ class Attention(nn.Module):
             scores = mx.where(visible, scores, -mx.inf)
         weights = mx.softmax(scores, axis=-1, precise=True)
         out = weights @ values[:, :, None]  # (1, KV, rep, L, D)
-        out = out.reshape(1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(1, length, self.num_heads * self.head_dim)).astype(mx.float32)
+        return out.reshape(1, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)
 
 
 class SquaredReluMLP(nn.Module):
@@ -683,17 +702,19 @@ class NemotronHBlock(nn.Module):
         else:
             raise ValueError(f"unknown Nemotron-H layer type {layer_type!r}; expected mamba, attention or mlp")
 
-    def __call__(self, x: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
-        return x + self.mix(self.norm(x), layer_state, single_step, chunk_size)
+    def __call__(self, x: mx.array, layer_states: list, single_step: bool, chunk_size: int) -> mx.array:
+        return x + self.mix(self.norm(x), layer_states, single_step, chunk_size)
 
-    def mix(self, h: mx.array, layer_state, single_step: bool, chunk_size: int) -> mx.array:
-        """The mixer on the normed input h: what the block adds to its input."""
+    def mix(self, h: mx.array, layer_states: list, single_step: bool, chunk_size: int) -> mx.array:
+        """The mixer on the normed input h (B, L, hidden), row b with `layer_states[b]`: what the
+        block adds to its input. The sequence pass takes one conversation (B == 1)."""
         if self.layer_type == "mamba":
             if single_step:
-                return self.mixer.step(h, layer_state)
-            return self.mixer.sequence(h, layer_state, chunk_size)
+                return self.mixer.step(h, layer_states)
+            (state,) = layer_states
+            return self.mixer.sequence(h, state, chunk_size)
         if self.layer_type == "attention":
-            return self.mixer(h, layer_state)
+            return self.mixer(h, layer_states)
         return self.mixer(h)
 
 
@@ -763,6 +784,22 @@ class NemotronH(nn.Module):
             raise ValueError(f"step expects one position (1, 1, {self.hidden_size}), got {tuple(x.shape)}")
         return self._run(x, state, single_step=True)
 
+    def step_batch(self, x: mx.array, states: list[NemotronHState]) -> mx.array:
+        """One position of each of B conversations: x (B, 1, hidden), row b continuing `states[b]`
+        (each at its own offset and K/V length) -> (B, 1, hidden); updates the states. Row b equals
+        `step(x[b:b+1], states[b])` bit for bit where the products compute each row alone
+        (docs/voicechat.md, "Many sessions in one process"); `step` is this with B == 1."""
+        if not isinstance(states, (list, tuple)) or not states:
+            raise TypeError("step_batch needs a non-empty list of NemotronHState, one per row of x")
+        x = self._check_input(x, rows=len(states))
+        if x.shape[1] != 1:
+            raise ValueError(
+                f"step_batch expects one position per row ({len(states)}, 1, {self.hidden_size}), got {tuple(x.shape)}"
+            )
+        for state in states:
+            self._check_state(state)
+        return self._blocks(x, list(states), single_step=True)
+
     def sequence(self, x: mx.array, state: NemotronHState | None = None) -> mx.array:
         """L >= 1 positions through the chunked sequence pass, continuing from `state` if given."""
         return self._run(x, state, single_step=False)
@@ -788,32 +825,37 @@ class NemotronH(nn.Module):
             state = self.make_state()
         else:
             self._check_state(state)
+        return self._blocks(x, [state], single_step)
+
+    def _blocks(self, x: mx.array, states: list[NemotronHState], single_step: bool) -> mx.array:
         # Each block's residual add runs with the next norm (and the last with norm_f) as one
-        # piece: x + mixer(norm(x)) per block, as the blocks compute it.
+        # piece: x + mixer(norm(x)) per block, as the blocks compute it. Norms and adds are
+        # row-wise; the mixers keep each row's state its own.
         added = None
-        for block, layer_state in zip(self.layers, state.layers, strict=True):
+        for i, block in enumerate(self.layers):
             if added is None:
                 h = block.norm(x)
             else:
                 x, h = add_rms_norm(x, added, block.norm)
-            added = block.mix(h, layer_state, single_step, self.ssd_chunk_size)
+            added = block.mix(h, [state.layers[i] for state in states], single_step, self.ssd_chunk_size)
             ops.after_layer(added)  # this block may run while the next one is built
-        state.offset += x.shape[1]
+        for state in states:
+            state.offset += x.shape[1]
         if added is None:
             return self.norm_f(x)
         return add_rms_norm(x, added, self.norm_f)[1]
 
-    def _check_input(self, x) -> mx.array:
+    def _check_input(self, x, rows: int = 1) -> mx.array:
         if not isinstance(x, mx.array):
             raise TypeError(f"NemotronH input must be an mx.array of embeddings, got {type(x).__name__}")
         if not mx.issubdtype(x.dtype, mx.floating):
             raise TypeError(
-                f"NemotronH input must be floating-point embeddings (1, L, {self.hidden_size}), "
+                f"NemotronH input must be floating-point embeddings ({rows}, L, {self.hidden_size}), "
                 f"got dtype {x.dtype} (token ids are embedded by the caller)"
             )
-        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size or x.shape[1] < 1:
+        if x.ndim != 3 or x.shape[0] != rows or x.shape[2] != self.hidden_size or x.shape[1] < 1:
             raise ValueError(
-                f"NemotronH input must have shape (1, L, {self.hidden_size}) with L >= 1, got {tuple(x.shape)}"
+                f"NemotronH input must have shape ({rows}, L, {self.hidden_size}) with L >= 1, got {tuple(x.shape)}"
             )
         return x.astype(mx.float32)
 
