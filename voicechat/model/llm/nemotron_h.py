@@ -123,10 +123,10 @@ def _time_steps(dt: mx.array, dt_bias: mx.array, dt_min: float, dt_max: float) -
 
 
 def _gated_norm(y: mx.array, z: mx.array, groups: int, eps: float, norm_w: mx.array) -> mx.array:
-    """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (1, L, d)."""
-    length, d = y.shape[1], y.shape[2]
-    u = (y * nn.silu(z)).reshape(1, length, groups, d // groups)
-    return ops.rms_norm(u, None, eps).reshape(1, length, d) * norm_w
+    """norm.weight ⊙ groupRMS(y ⊙ SiLU(z)) over `groups` contiguous channel groups; y, z (B, L, d)."""
+    rows, length, d = y.shape
+    u = (y * nn.silu(z)).reshape(rows, length, groups, d // groups)
+    return ops.rms_norm(u, None, eps).reshape(rows, length, d) * norm_w
 
 
 def _segment_sums(log_decay: mx.array) -> mx.array:
@@ -418,29 +418,30 @@ def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias
     d_inner, heads, head_dim, groups, state_size = dims.d_inner, dims.heads, dims.head_dim, dims.groups, dims.state_size
     taps = taps_and_bias[: dims.conv_kernel]
     conv_bias = taps_and_bias[dims.conv_kernel] if dims.conv_bias else None
+    n = zxbcdt.shape[0]  # conversations: every operation below is row-wise
     rep = heads // groups
     gs = groups * state_size
     z, xbc, dt = _split_projection(zxbcdt, dims.padding_columns, d_inner, dims.conv_dim)
     xbc_act = nn.silu(_tap_sum_of([*conv_rows, xbc], taps, conv_bias))
-    x_h = xbc_act[..., :d_inner].reshape(1, groups, rep, head_dim)
+    x_h = xbc_act[..., :d_inner].reshape(n, groups, rep, head_dim)
     b = xbc_act[..., d_inner : d_inner + gs]
     c = xbc_act[..., d_inner + gs :]
-    dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(1, groups, rep, 1)
-    dtx = dt * x_h  # (1, G, rep, P)
-    decay = mx.exp(dt * a)  # (1, G, rep, 1)
-    cb = c.reshape(1, groups, 1, state_size) @ b.reshape(1, groups, state_size, 1)  # (1, G, 1, 1): C·B per group
-    ssm5 = ssm_state.reshape(1, groups, rep, head_dim, state_size)
-    y_state = (ssm5 @ c.reshape(1, groups, 1, state_size, 1)).reshape(1, groups, rep, head_dim)  # S_old·C
+    dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(n, groups, rep, 1)
+    dtx = dt * x_h  # (n, G, rep, P)
+    decay = mx.exp(dt * a)  # (n, G, rep, 1)
+    cb = c.reshape(n, groups, 1, state_size) @ b.reshape(n, groups, state_size, 1)  # (n, G, 1, 1): C·B per group
+    ssm5 = ssm_state.reshape(n, groups, rep, head_dim, state_size)
+    y_state = (ssm5 @ c.reshape(n, groups, 1, state_size, 1)).reshape(n, groups, rep, head_dim)  # S_old·C
     y = cb * dtx + decay * y_state
     y = y + d_skip * x_h
     ssm = (
-        dtx.reshape(1, groups, rep, head_dim, 1) * b.reshape(1, groups, 1, 1, state_size)
-        + decay.reshape(1, groups, rep, 1, 1) * ssm5
+        dtx.reshape(n, groups, rep, head_dim, 1) * b.reshape(n, groups, 1, 1, state_size)
+        + decay.reshape(n, groups, rep, 1, 1) * ssm5
     )
-    u = _gated_norm(y.reshape(1, 1, d_inner), z, groups, dims.eps, norm_w)  # a group's channels = its heads
+    u = _gated_norm(y.reshape(n, 1, d_inner), z, groups, dims.eps, norm_w)  # a group's channels = its heads
     # The newest row in the state's dtype (a no-op for float32 states).
     rows = [*conv_rows[1:], xbc.astype(conv_rows[0].dtype)] if conv_rows else []
-    return u, *rows, ssm.reshape(1, heads, head_dim, state_size)
+    return u, *rows, ssm.reshape(n, heads, head_dim, state_size)
 
 
 class Mamba2Mixer(nn.Module):
@@ -543,8 +544,8 @@ class Mamba2Mixer(nn.Module):
 
         The products (in_proj, out_proj) take the B rows together (each row's arithmetic is its
         own: the weights are read once for all of them). Everything between them is `_step_core`,
-        one fixed-shape function of one conversation's arrays (a fused piece, `ops.fused`), run per
-        row on that row's state: a row computes exactly what it computes alone."""
+        one fixed-shape function (a fused piece, `ops.fused`) of row-wise operations over the
+        stacked states: a row computes exactly what it computes alone."""
         zxbcdt = self.in_proj(x).astype(mx.float32)
         taps, conv_bias = self.conv1d.taps(zxbcdt.dtype)
         dt_bias, a = self._dt_bias_and_a()
@@ -568,13 +569,17 @@ class Mamba2Mixer(nn.Module):
         )
         core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
-        norm_w = self._norm_weight()
-        outputs = []
-        for row, state in zip(rows_of(zxbcdt, len(states)), states, strict=True):
-            u, *conv_rows, state.ssm = core(row, state.conv_rows, state.ssm, dt_bias, a_g, d_g, norm_w, *taps, *extra)
-            state.conv_rows = conv_rows
-            outputs.append(u)
-        return self.out_proj(stack_rows(outputs)).astype(mx.float32)
+        # The conversations' states stacked along the batch axis for the step (fixed-size states:
+        # the stack costs the same at any conversation length), each row's new state a row of the
+        # result.
+        conv_rows = [stack_rows(list(r)) for r in zip(*(st.conv_rows for st in states), strict=True)]
+        ssm = stack_rows([st.ssm for st in states])
+        u, *new_rows, new_ssm = core(zxbcdt, conv_rows, ssm, dt_bias, a_g, d_g, self._norm_weight(), *taps, *extra)
+        per_row = [rows_of(r, len(states)) for r in new_rows]
+        for b, (state, ssm_b) in enumerate(zip(states, rows_of(new_ssm, len(states)), strict=True)):
+            state.conv_rows = [r[b] for r in per_row]
+            state.ssm = ssm_b
+        return self.out_proj(u).astype(mx.float32)
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
         """L positions (1, L, hidden) through the chunked SSD scan, continuing from `state`."""
