@@ -29,7 +29,7 @@ from voicechat.model.audio.codec import CodecState
 from voicechat.model.audio.rnnt import RnntStream
 from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.perception import StreamingPerception
-from voicechat.streaming.timeline import Timeline, language_steps
+from voicechat.streaming.timeline import Timeline, advance, language_steps, tts_steps
 
 # A frame's stages, in the order they run (the profiler's and the bench's names).
 STAGES = ("perception", "rnnt", "language", "tts", "codec")
@@ -174,7 +174,8 @@ class FrameEngine:
             mx.eval([c[:2] for c in chosen])
         t3 = time.perf_counter()
         on_stage("tts")
-        codes = [t.tts_step(text, function) for t, (text, function) in zip(timelines, fed, strict=True)]
+        raw = tts_steps(timelines, [text for text, _ in fed])
+        codes = [advance(t, text, function, c) for t, (text, function), c in zip(timelines, fed, raw, strict=True)]
         if prof:
             mx.eval(codes)
         t4 = time.perf_counter()

@@ -157,21 +157,7 @@ class Timeline:
     # -- TTS
 
     def _tts(self, text_id) -> mx.array:
-        st = self.state
-        if st.position == 0:
-            return self.silence_codes  # reference: no TTS step at timeline position 0
-        # The id on the host: the char encoder then runs the token's own characters (as the
-        # reference does) instead of the table's max_chars padded rows. The wait costs little:
-        # the TTS cannot start before the id exists.
-        token = int(text_id.item()) if isinstance(text_id, mx.array) else text_id
-        return self.tts.step(
-            st.tts,
-            token,
-            st.rng,
-            eos_id=self.cfg.eos_token_id,
-            silence_codes=self.silence_codes,
-            text_cache=self.text_cache,
-        )
+        return tts_steps([self], [text_id])[0]
 
     # -- public
 
@@ -253,11 +239,45 @@ class Timeline:
 
     def tts_step(self, text_id: mx.array, function_id: mx.array) -> mx.array:
         """The TTS half of `step`; advances the position."""
-        st = self.state
-        codes = self._tts(text_id)
-        st.prev_text, st.prev_function = text_id, function_id
-        st.position += 1
-        return codes
+        return advance(self, text_id, function_id, tts_steps([self], [text_id])[0])
+
+
+def advance(timeline: Timeline, text_id: mx.array, function_id: mx.array, codes: mx.array) -> mx.array:
+    """After a position's TTS: its ids are the next input's; -> codes."""
+    st = timeline.state
+    st.prev_text, st.prev_function = text_id, function_id
+    st.position += 1
+    return codes
+
+
+def tts_steps(timelines: list[Timeline], text_ids: list) -> list[mx.array]:
+    """The TTS of one position for several conversations of one model: -> raw codes (Q,) each (lazy);
+    does not advance the positions (`advance`). A conversation at position 0 takes the silence codes
+    (the reference runs no TTS step there); the others take one EAR-TTS step together
+    (`EarTts.step_batch`), each exactly as alone. The ids are read on the host (one wait for all):
+    the char encoder then runs each token's own characters (as the reference does) instead of the
+    table's max_chars padded rows; the TTS cannot start before the ids exist."""
+    out: list = [t.silence_codes for t in timelines]
+    stepping = [i for i, t in enumerate(timelines) if t.state.position != 0]
+    if not stepping:
+        return out
+    ids = [text_ids[i] for i in stepping]
+    pending = [x for x in ids if isinstance(x, mx.array)]
+    if len(pending) > 1:
+        mx.eval(pending)
+    tokens = [int(x.item()) if isinstance(x, mx.array) else x for x in ids]
+    first = timelines[stepping[0]]
+    codes = first.tts.step_batch(
+        [timelines[i].state.tts for i in stepping],
+        tokens,
+        [timelines[i].state.rng for i in stepping],
+        eos_id=first.cfg.eos_token_id,
+        silence_codes=first.silence_codes,
+        text_caches=[timelines[i].text_cache for i in stepping],
+    )
+    for i, c in zip(stepping, codes, strict=True):
+        out[i] = c
+    return out
 
 
 def language_steps(timelines: list[Timeline], audio_embs: list[mx.array]) -> list[tuple]:

@@ -35,7 +35,7 @@ import numpy as np
 from voicechat.model import ops
 from voicechat.model.config import TtsConfig
 from voicechat.model.derived import derived
-from voicechat.model.ops import apply
+from voicechat.model.ops import apply, stack_rows
 from voicechat.model.tts.char_encoder import CharAwareSubwordEncoder, CharTable
 from voicechat.model.tts.layers import (
     GeluGatedMLP,
@@ -568,10 +568,13 @@ class BackboneAttention(nn.Module):
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
     def __call__(
-        self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array], input_norm: BackboneRMSNorm
+        self, x: mx.array, states: list, rope: tuple[mx.array, mx.array], input_norm: BackboneRMSNorm
     ) -> mx.array:
-        """x (B, n, hidden) before the layer's `input_norm`; `rope` = rope_table(n, head_dim,
-        self.rope_base, offset) of this step. -> the heads' output (B, n, H·D) before o_proj."""
+        """x (2C, n, hidden) before the layer's `input_norm`: the guidance pairs of C conversations,
+        pair c continuing `states[c]` (a list of one None: no cache); `rope` = the cos / sin of each
+        row's positions (`rope_table`; one table broadcast over the rows when C == 1). -> the heads'
+        output (2C, n, H·D) before o_proj. The projections take every row together; each pair
+        attends over its own cache."""
         b, n, _ = x.shape
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, input_norm.eps, self.q_norm.eps, self.k_norm.eps)
         q, k, v = ops.fused_linear(
@@ -583,7 +586,13 @@ class BackboneAttention(nn.Module):
             [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()],
             rope,
         )
-        return self.attend(q, k, v, state, b, n)
+        if len(states) == 1:
+            return self.attend(q, k, v, states[0], b, n)
+        pairs = [
+            self.attend(q[2 * c : 2 * c + 2], k[2 * c : 2 * c + 2], v[2 * c : 2 * c + 2], state, 2, n)
+            for c, state in enumerate(states)
+        ]
+        return mx.concatenate(pairs, axis=0)
 
     def attend(self, q, k, v, state, b: int, n: int) -> mx.array:
         """Cache update and attention for roped q (B, H, n, D), k, v (B, KV, n, D) -> the heads'
@@ -608,8 +617,8 @@ class BackboneLayer(nn.Module):
         self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
         self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
 
-    def __call__(self, x: mx.array, state: EarTtsState | None, rope: tuple[mx.array, mx.array]) -> mx.array:
-        merged = self.self_attn(x, state, rope, self.input_layernorm)
+    def __call__(self, x: mx.array, states: list, rope: tuple[mx.array, mx.array]) -> mx.array:
+        merged = self.self_attn(x, states, rope, self.input_layernorm)
         # Fixed shapes from here on: one fused piece.
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
@@ -637,19 +646,30 @@ class EarTtsBackbone(nn.Module):
     def __call__(self, x: mx.array, state: EarTtsState | None = None) -> mx.array:
         """x (2, n, hidden) -> (2, n, hidden). Without a state: positions 0..n-1 from scratch
         (offline function); with a state: positions state.offset.. (state advanced by n)."""
+        return self._layers(x, [state], [0 if state is None else state.offset])
+
+    def step_batch(self, x: mx.array, states: list[EarTtsState]) -> mx.array:
+        """One position of C conversations: x (2C, 1, hidden), pair c continuing `states[c]` (each
+        at its own offset, so its own RoPE angles and cache lengths) -> (2C, 1, hidden); advances the
+        states. Pair c equals `self(x[2c:2c+2], states[c])` bit for bit where the products compute
+        each row alone; with C == 1 it is that call."""
+        return self._layers(x, list(states), [st.offset for st in states])
+
+    def _layers(self, x: mx.array, states: list, starts: list[int]) -> mx.array:
         x = x.astype(mx.float32)
         n = x.shape[1]
-        start = 0 if state is None else state.offset
         tables = {}  # one RoPE table per base (global / local layers) for the whole stack
         for layer in self.layers:
             attn = layer.self_attn
             rope = tables.get(attn.rope_base)
             if rope is None:
-                rope = tables[attn.rope_base] = self._rope(n, attn.head_dim, attn.rope_base, start)
-            x = layer(x, state, rope)
+                per_pair = [self._rope(n, attn.head_dim, attn.rope_base, start) for start in starts]
+                rope = tables[attn.rope_base] = per_pair[0] if len(per_pair) == 1 else _pair_rows(per_pair)
+            x = layer(x, states, rope)
             ops.after_layer(x)  # this layer may run while the next one is built
-        if state is not None:
-            state.offset += x.shape[1]
+        for state in states:
+            if state is not None:
+                state.offset += x.shape[1]
         return self.norm(x)
 
     def _rope(self, n: int, head_dim: int, base: float, start: int) -> tuple[mx.array, mx.array]:
@@ -671,6 +691,14 @@ class EarTtsBackbone(nn.Module):
             blocks[key] = block
         i = start - first
         return block[0][:, :, i : i + 1], block[1][:, :, i : i + 1]
+
+
+def _pair_rows(tables: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+    """Per-conversation RoPE tables (1, 1, n, D/2) -> (2C, 1, n, D/2): each conversation's angles on
+    both rows of its guidance pair (what broadcasting gives a pair alone; the same values)."""
+    cos = mx.concatenate([c for c, _ in tables for _ in range(2)], axis=0)
+    sin = mx.concatenate([s for _, s in tables for _ in range(2)], axis=0)
+    return cos, sin
 
 
 # --------------------------------------------------------------------------- fusion, MoG
@@ -996,32 +1024,46 @@ class EarTts(nn.Module):
 
         Two draws per effective pass (uniform then normal), in pass order.
         """
+        return self.generate_codes_batch(hidden, [rng])[0]
+
+    def generate_codes_batch(self, hidden: mx.array, rngs: list[SessionRandom]) -> list[mx.array]:
+        """`generate_codes` of C conversations: hidden (2C, hidden), pair c [conditional,
+        unconditional] of conversation c, which draws from `rngs[c]` -> C code vectors (Q,).
+
+        Per pass, the code embedding and the MoG trunk take every row together; each conversation's
+        sampling (its own draws, in its own order) and RVQ run on its own row."""
         cfg = self.cfg
-        cond, uncond = hidden[0:1], hidden[1:2]
-        assigned: list[mx.array] = []  # the (count,) int32 codes of each pass, codebook 0 first
+        count_c = len(rngs)
+        assigned: list[list[mx.array]] = [[] for _ in rngs]  # the (count,) int32 codes of each pass, codebook 0 first
         done = 0
         for count in self._pass_counts:
             if count == 0:
                 continue
             rest = self.num_quantizers - done
-            codes = mx.concatenate(assigned + [mx.full((rest,), self.mask_code, dtype=mx.int32)])[None]
-            e = self.embed_codes(codes)  # (1, hidden)
-            # Both guidance rows as one batch (two stream halves cost twice the dispatches).
-            feats = self.mog_head.trunk(mx.concatenate([e + cond, e + uncond], axis=0))
-            c, u = feats[0:1], feats[1:2]
-            guided = c + cfg.guidance_scale * (c - u)
-            residual = self.mog_head.sample_residual(
-                guided,
-                rng,
-                top_p=cfg.top_p,
-                noise_scale=cfg.noise_scale,
-                log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax,
-            )
-            codes, _ = self.quantize_pass(residual, done, count)
-            ops.after_layer(codes)  # this pass may run while the next one is built
-            assigned.append(codes)
+            mask = mx.full((rest,), self.mask_code, dtype=mx.int32)
+            codes = stack_rows([mx.concatenate([*a, mask])[None] for a in assigned])  # (C, Q)
+            e = self.embed_codes(codes)  # (C, hidden)
+            # Both guidance rows of every conversation as one batch: [e + cond, e + uncond] per pair.
+            if count_c == 1:
+                rows = [e + hidden[0:1], e + hidden[1:2]]
+            else:
+                rows = [e[c : c + 1] + hidden[2 * c + g : 2 * c + g + 1] for c in range(count_c) for g in (0, 1)]
+            feats = self.mog_head.trunk(mx.concatenate(rows, axis=0))
+            for c, rng in enumerate(rngs):
+                cond, uncond = feats[2 * c : 2 * c + 1], feats[2 * c + 1 : 2 * c + 2]
+                guided = cond + cfg.guidance_scale * (cond - uncond)
+                residual = self.mog_head.sample_residual(
+                    guided,
+                    rng,
+                    top_p=cfg.top_p,
+                    noise_scale=cfg.noise_scale,
+                    log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax,
+                )
+                pass_codes, _ = self.quantize_pass(residual, done, count)
+                ops.after_layer(pass_codes)  # this pass may run while the next one is built
+                assigned[c].append(pass_codes)
             done += count
-        return mx.concatenate(assigned)
+        return [mx.concatenate(a) for a in assigned]
 
     def quantize_residual(self, residual: mx.array, first: int, count: int) -> tuple[list[mx.array], mx.array]:
         """Greedy RVQ of `residual` (1, latent) over codebooks first..first+count-1 (§8.6 j):
@@ -1115,11 +1157,41 @@ class EarTts(nn.Module):
     ) -> mx.array:
         """One TTS step (§8.6) -> codes (Q,) int32, lazy: no host sync except a one-time value
         check of a silence_codes array not seen before. The new codes become state.previous_codes."""
-        if not isinstance(rng, SessionRandom):
-            raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
-        hidden = self.step_hidden(state, text_token, eos_id=eos_id, silence_codes=silence_codes, text_cache=text_cache)
-        codes = self.generate_codes(hidden, rng)
-        state.previous_codes = codes[None]
+        return self.step_batch(
+            [state], [text_token], [rng], eos_id=eos_id, silence_codes=silence_codes, text_caches=[text_cache]
+        )[0]
+
+    def step_batch(
+        self,
+        states: list[EarTtsState],
+        text_tokens: list,
+        rngs: list[SessionRandom],
+        *,
+        eos_id: int,
+        silence_codes,
+        text_caches: list[TextEmbeddingCache | None],
+    ) -> list[mx.array]:
+        """`step` of C conversations at once (each its own state, token, random stream and text
+        cache) -> their codes. The backbone and the MoG trunk take every conversation's rows
+        together; each computes exactly what `step` computes for it alone."""
+        if not (len(states) == len(text_tokens) == len(rngs) == len(text_caches)) or not states:
+            raise ValueError("step_batch needs one state, text token, random stream and text cache per conversation")
+        for rng in rngs:
+            if not isinstance(rng, SessionRandom):
+                raise TypeError(f"rng: expected a SessionRandom, got {type(rng).__name__}")
+        for state in states:
+            self._check_state(state)
+        inputs = [
+            self.step_inputs(st.previous_codes, tok, eos_id=eos_id, silence_codes=silence_codes, text_cache=tc)
+            for st, tok, tc in zip(states, text_tokens, text_caches, strict=True)
+        ]
+        if len(states) == 1:
+            hidden = self.backbone(inputs[0], states[0])[:, -1]
+        else:
+            hidden = self.backbone.step_batch(mx.concatenate(inputs, axis=0), states)[:, -1]
+        codes = self.generate_codes_batch(hidden, rngs)
+        for state, c in zip(states, codes, strict=True):
+            state.previous_codes = c[None]
         return codes
 
     def _check_state(self, state) -> None:
