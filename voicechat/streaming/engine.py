@@ -28,7 +28,7 @@ from voicechat.model import ops
 from voicechat.model.audio.codec import CodecState
 from voicechat.model.audio.rnnt import RnntStream
 from voicechat.model.tts.ear_tts import replace_control_codes
-from voicechat.streaming.perception import StreamingPerception
+from voicechat.streaming.perception import StreamingPerception, perceive
 from voicechat.streaming.timeline import Timeline, advance, language_steps, tts_steps
 
 # A frame's stages, in the order they run (the profiler's and the bench's names).
@@ -154,7 +154,7 @@ class FrameEngine:
     def _step(self, states, samples, forced, prof: bool, on_stage) -> list[FrameOutputs]:
         t0 = time.perf_counter()
         on_stage("perception")
-        perceived = [st.perception.push_frame(x) for st, x in zip(states, samples, strict=True)]
+        perceived = perceive([st.perception for st in states], samples)
         if prof:
             mx.eval(perceived)
         t1 = time.perf_counter()

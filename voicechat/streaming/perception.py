@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from voicechat.model.audio.conformer import ConformerStream, PerceptionFallback
+from voicechat.model.audio.conformer import ConformerStream, PerceptionFallback, advance_rows
 from voicechat.model.audio.mel import StreamingLogMel
 
 
@@ -60,4 +60,22 @@ class StreamingPerception:
         return out
 
 
-__all__ = ["StreamingPerception"]
+def perceive(perceptions: list[StreamingPerception], samples: list[np.ndarray]) -> list[tuple[mx.array, mx.array]]:
+    """`push_frame` of several conversations of one model: -> (encoder frame, audio embedding) each.
+    The log-mel runs per conversation (each its own edge state); the conformer layers and the
+    projection take every conversation's frame together (`conformer.advance_rows`), each computing
+    exactly what it computes alone. The uncached fallback (a diagnostic) runs per conversation."""
+    if len(perceptions) == 1 or any(p.fallback is not None for p in perceptions):
+        return [p.push_frame(x) for p, x in zip(perceptions, samples, strict=True)]
+    streams, mels = [], []
+    for p, x in zip(perceptions, samples, strict=True):
+        mel, conformer = p._cached()
+        p.last_mel = mel.advance(mx.array(x))
+        streams.append(conformer)
+        mels.append(p.last_mel)
+    encs = advance_rows(streams, mels)
+    embs = perceptions[0].perception.project(mx.stack(encs))
+    return [(enc, embs[c]) for c, enc in enumerate(encs)]
+
+
+__all__ = ["StreamingPerception", "perceive"]

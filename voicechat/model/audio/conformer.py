@@ -186,6 +186,16 @@ def _conv_out_core(eps, x, din, taps, bias, norms, p2):
     return x + _pointwise(nn.silu(_layer_norm(dw, norms[1], eps[1])), p2)
 
 
+def _conv_out_rows_core(eps, x, din, taps, bias, norms, p2):
+    """`_conv_out_core` of C conversations, one new frame each: din (C, K, d) their windows."""
+    dw = din[:, 0] * taps[0]
+    for j in range(1, len(taps)):
+        dw = dw + din[:, j] * taps[j]
+    if bias:
+        dw = dw + bias[0]
+    return x + _pointwise(nn.silu(_layer_norm(dw, norms[1], eps[1])), p2)
+
+
 def _feed_forward_core(static, x, norms, ff):
     """x + 0.5 linear2(silu(linear1(norm(x)))), then the output norm if `norms` has two entries;
     static = (norm eps, output norm eps, norm structure)."""
@@ -233,11 +243,15 @@ class RelPositionAttention(nn.Module):
         return self._heads(self.linear_pos(pe))
 
     def _attend(self, q, keys, values, bd, mask) -> mx.array:
+        return self.linear_out(self._weighted(q, keys, values, bd, mask))
+
+    def _weighted(self, q, keys, values, bd, mask) -> mx.array:
+        """The heads' attention output, merged (n, d), before linear_out."""
         u = derived(self, "pos_bias_u", (self.pos_bias_u,), lambda b: b.astype(mx.float32)[:, None, :])
         ac = (q + u) @ keys.transpose(0, 2, 1)
         scores = (ac + (bd + mask)) * (1.0 / math.sqrt(self.head_dim))
         weights = mx.softmax(scores, axis=-1)
-        return self.linear_out(self._merge(weights @ values))
+        return self._merge(weights @ values)
 
     def __call__(self, x: mx.array, left: int) -> mx.array:
         """Offline: x (T, d); query i attends keys i-left .. i (all j <= i if left < 0)."""
@@ -281,6 +295,23 @@ class RelPositionAttention(nn.Module):
         bd = mx.take_along_axis(bd_dist, idx, axis=-1)
         out = self._attend(q, self._heads(keys), self._heads(values), bd, mask)
         return out, cache_rows[0], cache_rows[1]
+
+    def step_rows(self, x, caches: list, pos_proj, left):
+        """`step` of C conversations with one new frame each: x (C, d), row c after `caches[c]` =
+        (k_cache, v_cache) of its own length. The projections take every row together; each
+        conversation attends over its own window. -> (out (C, d), [(keys, values)] per conversation)."""
+        q_all, k_all, v_all = self.linear_q(x), self.linear_k(x), self.linear_v(x)
+        pos_bias_v = derived(self, "pos_bias_v", (self.pos_bias_v,), lambda b: b.astype(mx.float32)[:, None, :])
+        merged, kept = [], []
+        for c, (k_cache, v_cache) in enumerate(caches):
+            keys = mx.concatenate([k_cache, k_all[c : c + 1]])
+            values = mx.concatenate([v_cache, v_all[c : c + 1]])
+            q = self._heads(q_all[c : c + 1])
+            idx, mask = _step_index_and_mask(self.n_heads, 1, k_cache.shape[0], left)
+            bd = mx.take_along_axis((q + pos_bias_v) @ pos_proj.transpose(0, 2, 1), idx, axis=-1)
+            merged.append(self._weighted(q, self._heads(keys), self._heads(values), bd, mask))
+            kept.append((keys, values))
+        return self.linear_out(mx.concatenate(merged)), kept
 
 
 class ConvModule(nn.Module):
@@ -394,6 +425,39 @@ class ConformerLayer(nn.Module):
         x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
         return x, keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (self.conv.kernel - 1) :]
+
+    def step_rows(self, x, caches: list, pos_proj, left):
+        """`step` of C conversations, one new frame each: x (C, d), caches[c] = (k_cache, v_cache,
+        conv_cache) of conversation c -> (out (C, d), new caches). Norms, feed-forwards and 1x1
+        convs run over every row together; attention and the depthwise conv read each conversation's
+        own caches. With C == 1 it is `step`."""
+        if len(caches) == 1:
+            out, *new = self.step(x, *caches[0], pos_proj, left)
+            return out, [tuple(new)]
+        x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
+        p = norm_params(self.norm_self_att)
+        xn = ops.fused_layer_norm(x, p.get("weight"), p.get("bias"), self.norm_self_att.eps)
+        att, kept = self.self_attn.step_rows(xn, [c[:2] for c in caches], pos_proj, left)
+        x = x + att
+        conv = self.conv
+        p1, p2 = conv.pointwise_weights()
+        norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
+        eps = (self.norm_conv.eps, conv.batch_norm.eps)
+        key = (eps, structure(norms), structure((p1, p2)))
+        glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))(x, norms, p1)
+        dins = [mx.concatenate([c[2], glu[i : i + 1]]) for i, c in enumerate(caches)]
+        taps, bias = conv.taps()
+        finish = ops.fused(
+            ("conformer_conv_out_rows", conv.kernel, bias is not None) + key,
+            lambda: functools.partial(_conv_out_rows_core, eps),
+        )
+        x = finish(x, mx.stack(dins), taps, [] if bias is None else [bias], norms, p2)
+        x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
+        new = []
+        for (keys, values), din in zip(kept, dins, strict=True):
+            keep = keys.shape[0] - min(left, keys.shape[0])
+            new.append((keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (conv.kernel - 1) :]))
+        return x, new
 
     @staticmethod
     def _feed_forward(x, norm, ff, out_norm):
@@ -562,6 +626,29 @@ class ConformerStream:
     def advance(self, mel: mx.array, *, final: bool = False) -> mx.array:
         """`push` of float32 mel frames (n, F) checked by the caller (the streaming perception's own
         log-mel output): the same computation without converting or checking its input again."""
+        window = self._window(mel, final)
+        if window is None:
+            return mx.zeros((0, self.cfg.d_model), dtype=mx.float32)
+        x, after = window
+        st = self.state
+        left = self.encoder.left_context
+        for i, layer in enumerate(self.encoder.layers):
+            x, st.k_cache[i], st.v_cache[i], st.conv_cache[i] = layer.step(
+                x,
+                st.k_cache[i],
+                st.v_cache[i],
+                st.conv_cache[i],
+                self.pos_proj[i] if self.cache_projections else None,
+                left,
+            )
+            ops.after_layer(x)  # layer i may run while the next one is built
+        after()
+        mx.async_eval(x, st.arrays())  # the frame's state, cut from its history; no wait
+        return x
+
+    def _window(self, mel: mx.array, final: bool):
+        """The subsampled new frames of `mel` (n_new, d) and the call that moves the mel cache and
+        counters past them once the layers ran; None (state moved) when no frame completes."""
         st = self.state
         if final:
             n_new = subsampled_length(st.mel_consumed + mel.shape[0]) - st.frames_emitted
@@ -574,7 +661,7 @@ class ConformerStream:
         n1 = n0 + n_new
         if n_new == 0:
             st.mel_cache, st.mel_consumed = cache, consumed
-            return mx.zeros((0, self.cfg.d_model), dtype=mx.float32)
+            return None
 
         # Subsample a window aligned to the 8-frame grid starting two encoder
         # frames early: its first two outputs see the window's own zero padding
@@ -585,23 +672,13 @@ class ConformerStream:
         window = cache[start - cache_start : stop - cache_start]
         x = self.encoder.embed(window)[n0 - start // 8 :]
 
-        left = self.encoder.left_context
-        for i, layer in enumerate(self.encoder.layers):
-            x, st.k_cache[i], st.v_cache[i], st.conv_cache[i] = layer.step(
-                x,
-                st.k_cache[i],
-                st.v_cache[i],
-                st.conv_cache[i],
-                self.pos_proj[i] if self.cache_projections else None,
-                left,
-            )
-            ops.after_layer(x)  # layer i may run while the next one is built
-        keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs
-        st.mel_cache = cache[keep_from - cache_start :]
-        st.mel_consumed = consumed
-        st.frames_emitted = n1
-        mx.async_eval(x, st.arrays())  # the frame's state, cut from its history; no wait
-        return x
+        def after():
+            keep_from = max(0, 8 * (n1 - 2))  # first mel frame the next window needs
+            st.mel_cache = cache[keep_from - cache_start :]
+            st.mel_consumed = consumed
+            st.frames_emitted = n1
+
+        return x, after
 
     def push_one(self, mel) -> mx.array:
         """Push mel frames that must complete exactly one encoder frame; returns (d,).
@@ -619,6 +696,35 @@ class ConformerStream:
                 f"would complete {n} encoder frames, expected exactly 1 (1 mel frame first, then 8 per frame)"
             )
         return self.advance(mel)[0]
+
+
+def advance_rows(streams: list[ConformerStream], mels: list[mx.array]) -> list[mx.array]:
+    """`advance_one` of several conversations' streams of one encoder (each its own caches, at its
+    own frame): -> each one's encoder frame (d,). The layers run once over every conversation's new
+    frame (`ConformerLayer.step_rows`); each computes exactly what it computes alone. One stream:
+    its `advance_one`."""
+    if len(streams) == 1 or not all(s.cache_projections for s in streams):
+        return [s.advance_one(m) for s, m in zip(streams, mels, strict=True)]
+    windows = []
+    for s, mel in zip(streams, mels, strict=True):
+        n = s.frames_for(mel.shape[0])
+        if n != 1:
+            raise ValueError(f"advance_rows: {mel.shape[0]} mel frames would complete {n} encoder frames, expected 1")
+        window = s._window(mel, final=False)
+        assert window is not None  # one frame completes
+        windows.append(window)
+    x = mx.concatenate([w[0] for w in windows])
+    encoder = streams[0].encoder
+    for i, layer in enumerate(encoder.layers):
+        caches = [(s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i]) for s in streams]
+        x, new = layer.step_rows(x, caches, streams[0].pos_proj[i], encoder.left_context)
+        for s, (k, v, c) in zip(streams, new, strict=True):
+            s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i] = k, v, c
+        ops.after_layer(x)
+    for _, after in windows:
+        after()
+    mx.async_eval(x, [s.state.arrays() for s in streams])
+    return [x[c] for c in range(len(streams))]
 
 
 # --------------------------------------------------------------------------- perception
