@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from voicechat.errors import PrefillStoppedError
 from voicechat.io.states import nest, part
@@ -262,10 +263,10 @@ def tts_steps(timelines: list[Timeline], text_ids: list) -> list[mx.array]:
     if not stepping:
         return out
     ids = [text_ids[i] for i in stepping]
-    pending = [x for x in ids if isinstance(x, mx.array)]
-    if len(pending) > 1:
-        mx.eval(pending)
-    tokens = [int(x.item()) if isinstance(x, mx.array) else x for x in ids]
+    if len(ids) > 1 and all(isinstance(x, mx.array) for x in ids):
+        tokens = [int(t) for t in np.array(mx.stack(ids)).reshape(-1)]  # one wait for every id
+    else:
+        tokens = [int(x.item()) if isinstance(x, mx.array) else x for x in ids]
     first = timelines[stepping[0]]
     codes = first.tts.step_batch(
         [timelines[i].state.tts for i in stepping],
