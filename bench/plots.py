@@ -257,7 +257,7 @@ def plot_sessions(summary: pd.DataFrame, env: dict, path: Path) -> None:
     handles = {}
     for ax, ck in zip(axes[0], ckpts, strict=True):
         s_ck = summary[(summary.checkpoint == ck) & (summary.ticks > 0)]
-        top = FRAME_MS
+        top, bottom = FRAME_MS, FRAME_MS
         for be in env["method"]["backends"]:
             g = s_ck[s_ck.backend == be].sort_values("sessions")
             if not len(g):
@@ -270,7 +270,7 @@ def plot_sessions(summary: pd.DataFrame, env: dict, path: Path) -> None:
             handles[f"{be}: tick p95"] = h95
             for x, y in zip(n, p95, strict=True):
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-            top = max(top, float(np.nanmax(p95)))
+            top, bottom = max(top, float(np.nanmax(p95))), min(bottom, float(np.nanmin(p50)))
             one = g[g.sessions == 1]
             if len(one):
                 (hn,) = ax.plot(n, n * float(one.tick_p50_ms.iloc[0]), ":", color=colors[be], linewidth=1.0)
@@ -283,7 +283,7 @@ def plot_sessions(summary: pd.DataFrame, env: dict, path: Path) -> None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         _ms_axis(ax, "y")
-        ax.set_ylim(top=top * 1.6)
+        ax.set_ylim(bottom / 1.6, top * 1.6)
         ax.set_xlabel("sessions in the batch (N)")
         ax.set_ylabel("wall time of one tick (ms, log)")
         ax.set_title(ck, fontsize=10)

@@ -444,6 +444,12 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
             f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
             f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
             f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
+            + (
+                " (other processes were competing for the CPU: absolute times are pessimistic, and the "
+                "capacity with them; the interleaved N saw the same load)"
+                if max((la0 or [0])[:1] + (la1 or [0])[:1]) > (m.get("usable_cpus") or 1) * 0.75
+                else ""
+            )
         )
     ws = env.get("wall_seconds")
     out.append(f"- **Date:** {date} (UTC)" + (f"; the benchmark took {ws / 60:.0f} min" if ws else ""))
