@@ -4,7 +4,8 @@
 which runs every checkpoint x backend x input through the harness backends
 (`harness.backends.get_backend`) and writes a run folder (bench.report,
 bench.plots); `bench.floor` computes the bytes a frame must read and this
-machine's bandwidth; `bench.docs` regenerates docs/performance.md from a folder.
+machine's bandwidth; `bench.docs` regenerates docs/performance.md from a folder;
+`bench.sessions` (`--sessions N,N,...`) times ticks of N sessions in one session batch.
 """
 
 from .runner import BenchOptions, BenchResult, Progress, run_bench

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,8 @@ EPILOG = """examples:
       --backend voicechat --backend mlx-vlm --out reports/bench/small
   voicechat bench --update-docs reports/bench/small       # regenerate docs/performance.md
   voicechat bench --rerender reports/bench/small          # redraw plots and summary.md from the CSVs
+  voicechat bench -m synthetic:small16:4 --sessions 1,2,4,8 --frames 40 --runs 2 \\
+      --out reports/bench/small16-sessions                 # tick time and real-time capacity against N
 
 exit status: 0 if every run succeeded, 1 if any run failed (failures are in summary.md), 2 on bad arguments."""
 
@@ -75,7 +78,10 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("-p", "--system-prompt", default=None)
     p.add_argument("--no-offline", dest="offline", action="store_false", help="skip the offline timing")
     p.add_argument(
-        "--no-floor", dest="floor", action="store_false", help="skip the bandwidth measurement and the floor table"
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the bandwidth measurement, the floor table and the dispatch counts (dispatch.csv)",
     )
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument(
@@ -137,8 +143,47 @@ def add_bench_parser(subparsers) -> None:
         "19,95,376,1000): from scratch, prepare_prompt, from the prompt state, the state's bytes "
         "(bench/prompt_sweep.py; --runs runs per length)",
     )
+    p.add_argument(
+        "--sessions",
+        type=session_counts,
+        default=None,
+        metavar="N,N,...",
+        help="instead of the streaming benchmark: N sessions in one batch (model.create_session_batch) for "
+        "each N (e.g. 1,2,4,8), different seeds and system prompts, the same input, one frame per session "
+        "per tick; the wall time of batch.step() per tick, per N: mean / p50 / p95, ratio to N=1, RTF per "
+        "session, and the real-time capacity (the largest N whose p95 tick is under 80 ms). The N take "
+        "turns in rounds (--warmup rounds, then --runs); --frames ticks per batch run, --drop-first dropped; "
+        "backends voicechat, voicechat-serial, voicechat-gpu-policy; writes ticks.csv, sessions.csv, "
+        "dispatch.csv (dispatches and host syncs per tick; not with --no-floor), summary.md, sessions.png "
+        "(bench/sessions.py)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
     p.set_defaults(func=cmd_bench)
+
+
+def session_counts(text: str) -> list[int]:
+    """`--sessions` value: a comma list of distinct session counts >= 1 -> sorted ints (argparse type)."""
+    import argparse
+
+    items = [x.strip() for x in str(text).split(",")]
+    if not any(items):
+        raise argparse.ArgumentTypeError("expected a comma list of session counts such as 1,2,4,8, got an empty value")
+    counts = []
+    for x in items:
+        if not x:
+            raise argparse.ArgumentTypeError(f"empty item in {text!r}; expected a comma list such as 1,2,4,8")
+        try:
+            n = int(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{x!r} is not a whole number; expected a comma list of session counts such as 1,2,4,8"
+            ) from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"session counts must be at least 1, got {n}")
+        counts.append(n)
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"session counts repeated in {text!r}")
+    return sorted(counts)
 
 
 # The bench writes its tables with pandas and its plots with matplotlib: the `bench` extra, not
@@ -169,8 +214,14 @@ def cmd_bench(args) -> int:
         from .report import render_markdown
 
         run_dir = Path(args.rerender)
-        make_plots(run_dir)
-        (run_dir / "summary.md").write_text(render_markdown(run_dir))
+        if (run_dir / "ticks.csv").is_file():  # a `--sessions` run
+            from .sessions import make_sessions_plot, render_sessions
+
+            make_sessions_plot(run_dir)
+            (run_dir / "summary.md").write_text(render_sessions(run_dir))
+        else:
+            make_plots(run_dir)
+            (run_dir / "summary.md").write_text(render_markdown(run_dir))
         print(f"re-rendered {run_dir}")
         return 0
     if args.update_docs and not args.models:
@@ -187,6 +238,8 @@ def cmd_bench(args) -> int:
             "to update the docs from this run"
         )
 
+    if args.prompt_sweep and args.sessions:
+        raise ValueError("--prompt-sweep and --sessions are separate benchmarks; run them one at a time")
     if args.prompt_sweep:
         from .prompt_sweep import run_prompt_sweep
 
@@ -220,7 +273,8 @@ def cmd_bench(args) -> int:
         set_quiet(True)
     audio = [str(resolve_input_path(a)) for a in (args.audio or [DEFAULT_AUDIO])]
 
-    out = Path(args.out) if args.out else Path("reports/bench") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now().strftime("sessions-%Y%m%d-%H%M%S" if args.sessions else "%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path("reports/bench") / stamp
     opts = BenchOptions(
         checkpoints=list(args.models),
         audio=audio,
@@ -241,6 +295,19 @@ def cmd_bench(args) -> int:
         isolate=args.isolate,
         warm_page_cache=args.warm_page_cache,
     )
+    if args.sessions:
+        from .sessions import run_sessions
+
+        run_sessions(opts, args.sessions, progress=Progress(enabled=not args.quiet))
+        print((out / "summary.md").read_text())
+        if args.update_docs is not None:
+            changed = update_docs(out, Path(args.docs), args.section or "sessions")
+            print(f"{args.docs}: {'updated' if changed else 'unchanged'} from {out}")
+        errors = json.loads((out / "env.json").read_text()).get("errors") or []
+        if errors:
+            print(f"voicechat bench: {len(errors)} checkpoint(s) failed; see {out / 'summary.md'}", file=sys.stderr)
+            return 1
+        return 0
     result = run_bench(opts, progress=Progress(enabled=not args.quiet))
     print((out / "summary.md").read_text())
     if args.update_docs is not None:

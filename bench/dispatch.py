@@ -17,6 +17,7 @@ Two passes: with `profile=True` every stage ends with its outputs evaluated, so
 each stage's dispatches are counted in it; the host synchronisations are counted
 in a pass with `profile=False` (the profiler's stage-end evaluations are not
 part of a normal frame). mlx-vlm's session is counted per frame only.
+`count_batch` counts the same per tick of a session batch (`voicechat bench --sessions`).
 """
 
 from __future__ import annotations
@@ -156,6 +157,41 @@ def count_voicechat(model, wave: np.ndarray, *, frames: int = 12, drop_first: in
     return [{"stage": s, "dispatches_per_frame": disp[s], "syncs_per_frame": sync[s]} for s in (*STAGES, "total")]
 
 
+def count_batch(model, wave: np.ndarray, prompt_states: list, *, ticks: int = 12, drop_first: int = 4) -> list[dict]:
+    """Per stage: mean dispatches (profiled pass) and host syncs (unprofiled pass) per tick of a session
+    batch (`model.create_session_batch`) with one session per prompt state, each fed the same frame of
+    `wave` every tick. The sessions open (their prompt states restored) before counting starts."""
+    n = model.config.frame_samples
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.shape[0] < ticks * n:
+        raise ValueError(f"need {ticks} frames of input ({ticks * n} samples), got {wave.shape[0]}")
+    if not prompt_states:
+        raise ValueError("count_batch needs at least one session (one prompt state per session)")
+    result = {}
+    for profile in (True, False):
+        batch = model.create_session_batch(max_sessions=len(prompt_states))
+        sessions = [batch.open(prompt_state=st, profile=profile) for st in prompt_states]
+        try:
+            with count_dispatches() as counter:
+                sessions[0].on_stage = counter.enter  # the batch's engine names each stage (first session's hook)
+                snaps = [counter.snapshot()]
+                for i in range(ticks):
+                    frame = wave[i * n : (i + 1) * n]
+                    batch.append(dict.fromkeys(sessions, frame))
+                    done = batch.step()
+                    if len(done) != len(sessions):
+                        raise RuntimeError(f"tick {i}: {len(done)} of {len(sessions)} sessions computed a frame")
+                    snaps.append(counter.snapshot())
+        finally:
+            for s in sessions:
+                if not s.closed:
+                    s.cancel()
+        result[profile] = _per_frame(snaps, drop_first)
+    disp, _ = result[True]
+    _, sync = result[False]
+    return [{"stage": s, "dispatches_per_tick": disp[s], "syncs_per_tick": sync[s]} for s in (*STAGES, "total")]
+
+
 def count_mlx_vlm(
     session_factory, wave: np.ndarray, *, frame_samples: int = 1280, frames: int = 12, drop_first: int = 4
 ) -> list[dict]:
@@ -174,4 +210,4 @@ def count_mlx_vlm(
     return [{"stage": "total", "dispatches_per_frame": disp["total"], "syncs_per_frame": sync["total"]}]
 
 
-__all__ = ["DispatchCounter", "count_dispatches", "count_voicechat", "count_mlx_vlm", "STAGES"]
+__all__ = ["DispatchCounter", "count_dispatches", "count_voicechat", "count_batch", "count_mlx_vlm", "STAGES"]

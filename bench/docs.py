@@ -2,8 +2,8 @@
 
 The section sits between two marker lines; everything outside them is
 hand-written and kept. Its content comes only from the run folder's files
-(env.json, summary.csv, runs.csv, floor.csv, the PNGs present), so the same
-folder always gives the same bytes.
+(env.json, summary.csv, runs.csv, floor.csv, the PNGs present; a `--sessions` run's ticks.csv,
+dispatch.csv and env.json), so the same folder always gives the same bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SECTION_TITLES = {
     "full": "Full published shapes (synthetic weights on a CPU)",
     "gpu_policy": "The GPU's execution policy, run on this CPU: dispatches and host synchronisations",
     "prompt_sweep": "Prompt states: session start per prompt length",
+    "sessions": "Many sessions on one model: tick time and real-time capacity against N",
     "three_way": "Three MLX implementations side by side: this project, mlx-vlm, mlx-audio",
 }
 
@@ -65,6 +66,10 @@ def render_section(run_dir: Path, docs_path: Path, section: str | None = None) -
         from .prompt_sweep import render_prompt_sweep
 
         body = render_prompt_sweep(Path(run_dir), level=2, title=SECTION_TITLES.get(section))
+    elif (Path(run_dir) / "ticks.csv").exists():  # a `--sessions` run (bench/sessions.py)
+        from .sessions import render_sessions
+
+        body = render_sessions(Path(run_dir), link_prefix=rel + "/", level=2, title=SECTION_TITLES.get(section))
     else:
         body = render_markdown(Path(run_dir), link_prefix=rel + "/", level=2, title=title)
     flag = "" if section is None else f" --section {section}"

@@ -245,6 +245,61 @@ def plot_floor(floor: pd.DataFrame, env: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_sessions(summary: pd.DataFrame, env: dict, path: Path) -> None:
+    """`voicechat bench --sessions`: tick p50 and p95 against N (one subplot per checkpoint, one colour
+    per backend), the 80 ms line, and N times N=1's p50 (the sessions one after the other) for scale."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    plt = _plt()
+    ckpts = [c["spec"] for c in env["checkpoints"] if c["spec"] in set(summary.checkpoint)]
+    colors = _backend_colors(env)
+    fig, axes = plt.subplots(1, len(ckpts), figsize=(max(9.5, 6.2 * len(ckpts)), 6.0), squeeze=False)
+    handles = {}
+    for ax, ck in zip(axes[0], ckpts, strict=True):
+        s_ck = summary[(summary.checkpoint == ck) & (summary.ticks > 0)]
+        top, bottom = FRAME_MS, FRAME_MS
+        for be in env["method"]["backends"]:
+            g = s_ck[s_ck.backend == be].sort_values("sessions")
+            if not len(g):
+                continue
+            n = g.sessions.astype(float).to_numpy()
+            p50, p95 = g.tick_p50_ms.to_numpy(float), g.tick_p95_ms.to_numpy(float)
+            (h50,) = ax.plot(n, p50, "o-", color=colors[be], linewidth=1.5)
+            (h95,) = ax.plot(n, p95, "^--", color=colors[be], linewidth=1.2)
+            handles[f"{be}: tick p50"] = h50
+            handles[f"{be}: tick p95"] = h95
+            for x, y in zip(n, p95, strict=True):
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+            top, bottom = max(top, float(np.nanmax(p95))), min(bottom, float(np.nanmin(p50)))
+            one = g[g.sessions == 1]
+            if len(one):
+                (hn,) = ax.plot(n, n * float(one.tick_p50_ms.iloc[0]), ":", color=colors[be], linewidth=1.0)
+                handles[f"{be}: N × p50 of N=1 (no gain from batching)"] = hn
+        handles["80 ms: one frame of audio (real-time budget)"] = ax.axhline(
+            FRAME_MS, color="black", linestyle="--", linewidth=1.1
+        )
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted({int(x) for x in s_ck.sessions})))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        _ms_axis(ax, "y")
+        ax.set_ylim(bottom / 1.6, top * 1.6)
+        ax.set_xlabel("sessions in the batch (N)")
+        ax.set_ylabel("wall time of one tick (ms, log)")
+        ax.set_title(ck, fontsize=10)
+    fig.suptitle(
+        "One tick (every session's next 80 ms frame) against the number of sessions"
+        + _synthetic_note(env)
+        + "\nreal-time capacity: the largest N whose p95 tick is below the dashed line",
+        fontsize=11,
+    )
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    rows = -(-len(handles) // 2)
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def make_plots(run_dir: Path) -> dict[str, Path]:
     """Write the PNGs of a run folder from its CSV files; returns {file name: path} of those written."""
     run_dir = Path(run_dir)
@@ -267,4 +322,4 @@ def make_plots(run_dir: Path) -> dict[str, Path]:
     return out
 
 
-__all__ = ["make_plots", "plot_frame_times", "plot_stage_p50", "plot_cdf", "plot_floor"]
+__all__ = ["make_plots", "plot_frame_times", "plot_stage_p50", "plot_cdf", "plot_floor", "plot_sessions"]

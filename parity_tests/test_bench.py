@@ -668,3 +668,298 @@ def test_a_backend_that_times_only_whole_frames_has_its_stages_not_available():
     assert all(math.isnan(r[k]) for r in rows for k in STAGE_KEYS[:-1])
     with pytest.raises(ValueError, match="lacks"):
         _frame_rows([{"perception_ms": 1.0, "total_ms": 2.0}], drop_first=0, base={})
+
+
+# -- `voicechat bench --sessions` (bench/sessions.py): ticks of N sessions in one batch
+
+SESSION_COUNTS = (1, 2, 3)
+SESSION_BACKENDS = ("voicechat", "voicechat-gpu-policy")
+SESSION_TICKS, SESSION_DROP, SESSION_RUNS, SESSION_WARMUP = 6, 2, 2, 1
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks at (n - 1) q (numpy's and pandas' default), by hand."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _tick_stats(path: Path) -> dict:
+    """{(checkpoint, backend, N): {ticks, mean, p50, p95, max}} from ticks.csv with the csv module only."""
+    import csv
+
+    pooled: dict = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["phase"] != "measured" or r["dropped"] == "True":
+                continue
+            pooled.setdefault((r["checkpoint"], r["backend"], int(r["sessions"])), []).append(float(r["tick_ms"]))
+    return {
+        k: {
+            "ticks": len(v),
+            "mean": sum(v) / len(v),
+            "p50": _percentile(v, 0.50),
+            "p95": _percentile(v, 0.95),
+            "max": max(v),
+        }
+        for k, v in pooled.items()
+    }
+
+
+def _md_table(md: str, heading: str) -> list[list[str]]:
+    """The body rows of the first table under `heading` in a Markdown page, as cells."""
+    lines = md[md.index(heading) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _shown(cell: str, value: float) -> None:
+    """A number shown with k decimals is `value` rounded to k decimals (within half a unit of the last digit)."""
+    text = cell.rstrip("×")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    assert abs(float(text) - value) <= 0.5 * 10**-decimals + 1e-9, (cell, value)
+
+
+@pytest.fixture(scope="module")
+def sessions_run(tmp_path_factory, tiny_ckpt_4bit, wav_path):
+    """`voicechat bench --sessions 3,1,2` through the command line on the tiny 4-bit checkpoint."""
+    from voicechat.cli.main import main
+
+    out = tmp_path_factory.mktemp("sessions") / "run"
+    argv = ["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--sessions", "3,1,2"]
+    for b in SESSION_BACKENDS:
+        argv += ["--backend", b]
+    argv += ["--frames", str(SESSION_TICKS), "--drop-first", str(SESSION_DROP), "--runs", str(SESSION_RUNS)]
+    argv += ["--warmup", str(SESSION_WARMUP), "--extra-decoding-seconds", "0", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    return {"out": out, "ckpt": str(tiny_ckpt_4bit)}
+
+
+def test_sessions_run_writes_its_files(sessions_run):
+    from bench.sessions import DISPATCH_COLUMNS, SESSIONS_COLUMNS, TICK_COLUMNS
+
+    out = sessions_run["out"]
+    for name in ("ticks.csv", "sessions.csv", "dispatch.csv", "env.json", "summary.md", "sessions.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    png = out / "sessions.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert list(pd.read_csv(out / "ticks.csv").columns) == TICK_COLUMNS
+    assert list(pd.read_csv(out / "sessions.csv").columns) == SESSIONS_COLUMNS
+    assert list(pd.read_csv(out / "dispatch.csv").columns) == DISPATCH_COLUMNS
+    env = json.loads((out / "env.json").read_text())
+    m = env["method"]
+    assert m["sessions"] == list(SESSION_COUNTS) and m["backends"] == list(SESSION_BACKENDS)
+    assert m["ticks_per_batch_run"] == SESSION_TICKS and m["seed"] == 0
+    positions = m["prompt_positions"][sessions_run["ckpt"]]
+    assert len(positions) == max(SESSION_COUNTS) and len(set(positions)) == len(positions)  # prompts differ
+    assert len(set(m["system_prompts"])) == max(SESSION_COUNTS)
+
+
+def test_sessions_ticks_are_interleaved_one_frame_per_session(sessions_run):
+    import csv
+
+    with open(sessions_run["out"] / "ticks.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    rounds = SESSION_WARMUP + SESSION_RUNS
+    assert len(rows) == rounds * len(SESSION_COUNTS) * len(SESSION_BACKENDS) * SESSION_TICKS
+    for r in rows:
+        assert int(r["frames"]) == int(r["sessions"])  # every session computed its frame in every tick
+        assert (r["dropped"] == "True") == (int(r["tick_index"]) < SESSION_DROP)
+    # batch runs in file order: (phase, run, N, backend), each SESSION_TICKS ticks 0..5
+    runs = []
+    for i in range(0, len(rows), SESSION_TICKS):
+        block = rows[i : i + SESSION_TICKS]
+        assert [int(r["tick_index"]) for r in block] == list(range(SESSION_TICKS))
+        assert len({(r["phase"], r["run"], r["sessions"], r["backend"]) for r in block}) == 1
+        runs.append((block[0]["phase"], int(block[0]["run"]), int(block[0]["sessions"]), block[0]["backend"]))
+    per_round = len(SESSION_COUNTS) * len(SESSION_BACKENDS)
+    firsts = []
+    for k in range(rounds):
+        rnd = runs[k * per_round : (k + 1) * per_round]
+        phase, run = ("warmup", k + 1) if k < SESSION_WARMUP else ("measured", k + 1 - SESSION_WARMUP)
+        assert {(p, r) for p, r, _, _ in rnd} == {(phase, run)}
+        # every N in the round, each under every backend in turn
+        assert [b for _, _, _, b in rnd] == list(SESSION_BACKENDS) * len(SESSION_COUNTS)
+        assert sorted({n for _, _, n, _ in rnd}) == list(SESSION_COUNTS)
+        firsts.append(rnd[0][2])
+    assert len(set(firsts)) == rounds  # the order of the N rotates: no N opens two rounds
+
+
+def test_sessions_summary_matches_an_independent_recomputation(sessions_run):
+    out = sessions_run["out"]
+    stats = _tick_stats(out / "ticks.csv")
+    ck = sessions_run["ckpt"]
+    assert set(stats) == {(ck, b, n) for b in SESSION_BACKENDS for n in SESSION_COUNTS}
+    for st in stats.values():
+        assert st["ticks"] == SESSION_RUNS * (SESSION_TICKS - SESSION_DROP)
+    summary = pd.read_csv(out / "sessions.csv")
+    assert len(summary) == len(stats)
+    for s in summary.itertuples():
+        st, one = stats[(s.checkpoint, s.backend, s.sessions)], stats[(s.checkpoint, s.backend, 1)]
+        assert s.ticks == st["ticks"]
+        for col, key in (
+            ("tick_mean_ms", "mean"),
+            ("tick_p50_ms", "p50"),
+            ("tick_p95_ms", "p95"),
+            ("tick_max_ms", "max"),
+        ):
+            assert math.isclose(getattr(s, col), st[key], rel_tol=STAT_TOL), col
+        assert math.isclose(s.p50_vs_1, st["p50"] / one["p50"], rel_tol=STAT_TOL)
+        assert math.isclose(s.mean_vs_1, st["mean"] / one["mean"], rel_tol=STAT_TOL)
+        assert math.isclose(s.rtf, st["mean"] / 80.0, rel_tol=STAT_TOL)
+        assert bool(s.realtime_p95) == (st["p95"] < 80.0)
+    md = (out / "summary.md").read_text()
+    table = _md_table(md, "## Tick time against N")
+    assert len(table) == len(stats)
+    for cells in table:
+        ckpt, backend, n, ticks, mean, p50, p95, mx_, r50, rmean, rtf, rt = cells
+        st, one = stats[(ckpt.strip("`"), backend, int(n))], stats[(ckpt.strip("`"), backend, 1)]
+        assert int(ticks) == st["ticks"]
+        for cell, v in ((mean, st["mean"]), (p50, st["p50"]), (p95, st["p95"]), (mx_, st["max"])):
+            _shown(cell, v)
+        _shown(r50, st["p50"] / one["p50"])
+        _shown(rmean, st["mean"] / one["mean"])
+        _shown(rtf, st["mean"] / 80.0)
+        assert rt == ("yes" if st["p95"] < 80.0 else "no")
+    for cells in _md_table(md, "## Real-time capacity"):
+        backend = cells[1]
+        ok = [n for n in SESSION_COUNTS if stats[(ck, backend, n)]["p95"] < 80.0]
+        assert cells[2].split(" ")[0] == (str(max(ok)) if ok else "none"), cells
+
+
+def test_sessions_dispatch_counts_per_tick(sessions_run):
+    out = sessions_run["out"]
+    d = pd.read_csv(out / "dispatch.csv")
+    stages = ["perception", "rnnt", "language", "tts", "codec"]
+    assert len(d) == len(SESSION_BACKENDS) * len(SESSION_COUNTS) * (len(stages) + 1)
+    assert (d.ticks_counted == SESSION_TICKS - SESSION_DROP).all()
+    totals = {}
+    for (be, n), g in d.groupby(["backend", "sessions"]):
+        g = g.set_index("stage")
+        assert list(g.index) == [*stages, "total"]
+        assert math.isclose(g.loc["total", "dispatches_per_tick"], g.loc[stages, "dispatches_per_tick"].sum())
+        assert math.isclose(g.loc["total", "syncs_per_tick"], g.loc[stages, "syncs_per_tick"].sum())
+        assert (g.loc[["perception", "language", "tts", "codec"], "dispatches_per_tick"] > 0).all()
+        totals[(be, int(n))] = g.loc["total", "dispatches_per_tick"]
+    for be in SESSION_BACKENDS:  # every session's frame runs its own operations: more sessions, more of them
+        assert totals[(be, 1)] < totals[(be, 2)] < totals[(be, 3)]
+    table = _md_table((out / "summary.md").read_text(), "## Dispatches and host synchronisations per tick")
+    total = d[d.stage == "total"]
+    assert len(table) == len(total)
+    for cells, r in zip(table, total.itertuples(), strict=True):
+        assert (cells[1], int(cells[2])) == (r.backend, r.sessions)
+        _shown(cells[3], r.dispatches_per_tick)
+        _shown(cells[5], r.syncs_per_tick)
+
+
+def _hand_made_ticks(path: Path, ckpt: str, p95s: dict[str, dict[int, float]]) -> None:
+    """ticks.csv whose kept ticks of each backend x N all take p95s[backend][N] ms (so every statistic
+    is that value), plus warm-up and dropped ticks far above 80 ms that must not count."""
+    from bench.sessions import TICK_COLUMNS
+
+    rows = []
+    for be, by_n in p95s.items():
+        for n, v in by_n.items():
+            for phase, run in (("warmup", 1), ("measured", 1), ("measured", 2)):
+                for t in range(6):
+                    kept = phase == "measured" and t >= 2
+                    rows.append([ckpt, be, "x.wav", phase, run, n, 0, t, v if kept else 1000.0 + t, n, t < 2])
+    pd.DataFrame(rows, columns=TICK_COLUMNS).to_csv(path, index=False)
+
+
+def test_capacity_rule_on_hand_made_ticks(sessions_run, tmp_path):
+    """The largest N whose p95 tick is under 80 ms (strictly), 'none' when no N is; warm-up and
+    dropped ticks do not count. Rendered from a hand-made ticks.csv with known answers."""
+    from bench.sessions import capacities, capacity, render_sessions, summarize_ticks
+
+    ck = sessions_run["ckpt"]
+    p95s = {
+        "voicechat": {1: 30.0, 2: 79.5, 4: 80.0, 8: 160.0},  # 80.0 is not under 80: capacity 2
+        "voicechat-gpu-policy": {1: 80.5, 2: 150.0},  # even N=1 misses: none
+        "voicechat-serial": {1: 10.0, 2: 20.0, 4: 40.0},  # all under: the largest N run
+    }
+    run = tmp_path / "hand"
+    run.mkdir()
+    _hand_made_ticks(run / "ticks.csv", ck, p95s)
+    (run / "env.json").write_text((sessions_run["out"] / "env.json").read_text())
+    summary = summarize_ticks(pd.read_csv(run / "ticks.csv"))
+    assert summary.tick_p95_ms.tolist() == [v for by_n in p95s.values() for v in by_n.values()]
+    assert (summary.ticks == 8).all()
+    got = {c["backend"]: c["capacity"] for c in capacities(summary)}
+    assert got == {"voicechat": 2, "voicechat-gpu-policy": None, "voicechat-serial": 4}
+    assert capacity({1: 90.0, 2: 70.0}) == 2 and capacity({}) is None and capacity({1: math.nan}) is None
+    cells = {c[1]: c[2] for c in _md_table(render_sessions(run), "## Real-time capacity")}
+    assert cells["voicechat"] == "2"
+    assert cells["voicechat-gpu-policy"].startswith("none")
+    assert cells["voicechat-serial"].startswith("4 (the largest N run")
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0", "at least 1"),
+        ("=-1", "at least 1"),
+        ("-2", "at least 1"),
+        ("1,-4", None),  # looks like an option to argparse: "expected one argument"
+        ("=1,-4", "at least 1"),
+        ("two", "not a whole number"),
+        ("1.5", "not a whole number"),
+        ("", "empty value"),
+        ("1,,2", "empty item"),
+        ("2,2", "repeated"),
+    ],
+)
+def test_bad_sessions_values_are_argparse_errors(value, message, capsys):
+    from voicechat.cli.main import main
+
+    argv = ["bench", "-m", "synthetic:tiny:4", f"--sessions{value}"] if value.startswith("=") else None
+    argv = argv or ["bench", "-m", "synthetic:tiny:4", "--sessions", value]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --sessions" in err
+    if message:
+        assert message in err
+
+
+def test_sessions_refuses_backends_without_a_batch(tiny_ckpt_4bit, wav_path, tmp_path, capsys):
+    from voicechat.cli.main import main
+
+    base = ["bench", "-m", str(tiny_ckpt_4bit), "--audio", str(wav_path), "--sessions", "1,2", "--quiet"]
+    assert main([*base, "--backend", "mlx-vlm", "--out", str(tmp_path / "a")]) == 2
+    assert "mlx-vlm" in capsys.readouterr().err
+    assert main([*base, "--prompt-sweep", "19", "--out", str(tmp_path / "b")]) == 2
+    assert "one at a time" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_sessions_docs_section_and_rerender(sessions_run, tmp_path):
+    from bench.docs import markers
+    from voicechat.cli.main import main
+
+    out = sessions_run["out"]
+    md = (out / "summary.md").read_text()
+    assert main(["bench", "--rerender", str(out)]) == 0
+    assert (out / "summary.md").read_text() == md  # from the folder's files only
+    (tmp_path / "run").symlink_to(out, target_is_directory=True)
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text(f"# Performance\n\n{BEGIN}\nmain run\n{END}\n")
+    assert update_docs(tmp_path / "run", page, "sessions")
+    text = page.read_text()
+    begin, end = markers("sessions")
+    section = text[text.index(begin) : text.index(end)]
+    assert f"{BEGIN}\nmain run\n{END}" in text  # the default section is untouched
+    assert "tick time and real-time capacity against N" in section
+    assert "## Real-time capacity" in section and "## Tick time against N" in section
+    assert "](../run/sessions.png)" in section
+    assert "--update-docs run --section sessions" in section
+    assert not update_docs(tmp_path / "run", page, "sessions")
