@@ -26,7 +26,7 @@ import numpy as np
 
 from voicechat.model import ops
 from voicechat.model.audio.codec import CodecState
-from voicechat.model.audio.rnnt import RnntStream
+from voicechat.model.audio.rnnt import RnntStream, step_rows as rnnt_steps
 from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.perception import StreamingPerception, perceive
 from voicechat.streaming.timeline import Timeline, advance, language_steps, tts_steps
@@ -164,7 +164,7 @@ class FrameEngine:
             if prof:
                 mx.eval(rnnt_ids)
         else:
-            tokens = [st.rnnt.step(enc) for st, (enc, _) in zip(states, perceived, strict=True)]  # one read per symbol
+            tokens = rnnt_steps([st.rnnt for st in states], [enc for enc, _ in perceived])  # one read per symbol
         t2 = time.perf_counter()
         on_stage("language")
         timelines = [st.timeline for st in states]

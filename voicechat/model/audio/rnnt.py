@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from voicechat.model import ops
 from voicechat.model.config import AudioConfig
@@ -330,6 +331,65 @@ class RnntStream:
         st.tokens.extend(new)
         st.frames += 1
         return new
+
+
+def step_rows(streams: list[RnntStream], enc_frames: list[mx.array]) -> list[list[int]]:
+    """`RnntStream.step` of several conversations' streams of one model (each its own last token,
+    LSTM state and memoised prediction) -> each one's new token ids. Symbol by symbol in lockstep:
+    the encoder projection, the prediction network of every conversation whose prediction is not
+    memoised, and the joint of every conversation still emitting run over their rows together,
+    and one host read per symbol serves all of them. Each conversation makes exactly the decisions
+    it makes alone (row-wise arithmetic). One stream: its `step`."""
+    if len(streams) == 1:
+        return [streams[0].step(enc_frames[0])]
+    first = streams[0]
+    decoder, joint, blank = first.decoder, first.joint, first.decoder.blank_id
+    enc_proj = joint.project_encoder(mx.stack([e.reshape(-1) for e in enc_frames]))
+    new: list[list[int]] = [[] for _ in streams]
+    active = list(range(len(streams)))
+    for _ in range(first.max_symbols):
+        stale = [b for b in active if streams[b].state.pred_out is None]
+        if stale:
+            _predict_rows(decoder, joint, [streams[b].state for b in stale])
+        pred_proj = mx.stack([streams[b].state.pred_proj for b in active])
+        rows = enc_proj if len(active) == len(streams) else enc_proj[mx.array(active)]
+        ks = np.array(mx.argmax(joint.logits(rows, pred_proj), axis=-1)).tolist()
+        still = []
+        for b, k in zip(active, ks, strict=True):
+            if k == blank:
+                continue  # memoised prediction stays valid: its input did not change
+            st = streams[b].state
+            st.last_token, st.lstm = k, st.pred_state
+            st.pred_out = st.pred_proj = st.pred_state = None
+            if k not in streams[b].skip_ids:
+                new[b].append(k)
+            still.append(b)
+        active = still
+        if not active:
+            break
+    for stream, tokens in zip(streams, new, strict=True):
+        stream.state.tokens.extend(tokens)
+        stream.state.frames += 1
+    return new
+
+
+def _predict_rows(decoder: RnntDecoder, joint: RnntJoint, states: list[RnntState]) -> None:
+    """The memoised prediction of each state (`RnntStream._prediction`), computed over their rows together."""
+    tokens = [st.last_token for st in states]
+    embedded = decoder.prediction.embed(mx.array(tokens)).astype(mx.float32)  # (n, hidden)
+    is_blank = mx.array([t == decoder.blank_id for t in tokens])[:, None]
+    x = mx.where(is_blank, mx.zeros_like(embedded), embedded)  # the blank feeds a zero vector
+    initial = decoder.initial_state()
+    lstm = [st.lstm if st.lstm is not None else initial for st in states]
+    stacked = tuple(
+        (mx.stack([s[layer][0] for s in lstm]), mx.stack([s[layer][1] for s in lstm])) for layer in range(len(initial))
+    )
+    pred, proposed = decoder._layers(x, stacked)
+    proj = joint.project_prediction(pred)
+    for r, st in enumerate(states):
+        st.pred_out, st.pred_proj = pred[r], proj[r]
+        st.pred_state = tuple((h[r], c[r]) for h, c in proposed)
+        st.prediction_calls += 1
 
 
 def _masked_update(blank: int, active, k, last, *arrays):
