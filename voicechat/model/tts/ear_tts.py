@@ -494,7 +494,8 @@ def _mog_sample_core(static: MogSampling, x, u, eps, mus, low_mat, proj):
         static.mus_quant,
     )
     proj_logits, proj_logs, proj_else = proj
-    logits = apply(x, proj_logits)[None].astype(mx.float32)  # (1, 1, P)
+    n = x.shape[0]  # conversations (one row each); every operation below is row-wise
+    logits = apply(x, proj_logits)[:, None].astype(mx.float32)  # (n, 1, P)
     filtered = mx.where(top_p_keep(mx.softmax(logits, axis=-1), top_p), logits, -mx.inf)
     if log_of_softmax:
         log_probs = mx.log(mx.softmax(filtered, axis=-1))  # the reference's rounding
@@ -502,12 +503,15 @@ def _mog_sample_core(static: MogSampling, x, u, eps, mus, low_mat, proj):
         log_probs = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
     # Gumbel-max with the reference's guards.
     gumbel = -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
-    k = mx.argmax(log_probs + gumbel, axis=-1).reshape(())
+    k = mx.argmax(log_probs + gumbel, axis=-1).reshape(() if n == 1 else (n,))
     # Only the chosen component's low_rank rows of proj_mus are needed.
     hidden = x.shape[-1]
     mus_rows = _mus_rows(mus, k, num_predictions, low_rank, hidden, mus_quant)
-    low = mx.take(low_mat, k, axis=0).astype(mx.float32)  # (latent, R)
-    mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
+    low = mx.take(low_mat, k, axis=0).astype(mx.float32)  # (latent, R) per row
+    if n == 1:
+        mu = (low @ (mus_rows.astype(mx.float32) @ x[0]))[None]  # (1, latent)
+    else:
+        mu = (low @ (mus_rows.astype(mx.float32) @ x[:, :, None]))[..., 0]  # (n, latent)
     log_std = mx.maximum(apply(x, proj_logs), min_log_std)  # (1, 1)
     std = mx.exp(log_std)
     mean = mu * std + apply(x, proj_else)
@@ -523,6 +527,17 @@ def _rvq_core(count, residual, books_t, books, norms):
         residual = residual - mx.take(book, j, axis=0)  # row j* (1, latent)
         codes.append(j)
     return mx.concatenate(codes).astype(mx.int32), residual
+
+
+def _rvq_rows_core(count, residual, books_t, books, norms):
+    """`_rvq_core` of n conversations' residuals (n, latent) -> (codes (n, count) int32, residuals)."""
+    codes = []
+    for book_t, book, norm in zip(books_t, books, norms, strict=True):
+        dist = norm - 2.0 * ops.float32_matmul(residual, book_t)
+        j = mx.argmin(dist, axis=-1)  # (n,) uint32
+        residual = residual - mx.take(book, j, axis=0)  # row j* of each
+        codes.append(j)
+    return mx.stack(codes, axis=-1).astype(mx.int32), residual
 
 
 def _depth_sum(books: mx.array, index: mx.array, codes: mx.array, mask_code: int) -> mx.array:
@@ -776,8 +791,19 @@ class MogHead(nn.Module):
         (1, 1, num_predictions) then one normal (1, 1, latent) from `rng`. `log_of_softmax`: the
         component log-probabilities as log(softmax(·)) (the reference's rounding) instead of
         logits - logsumexp."""
-        u, eps = rng.uniform_then_normal((1, 1, self.num_predictions), (1, 1, self.low_mat.shape[1]))
-        eps = eps[0]
+        return self.sample_residual_rows(x, [rng], top_p=top_p, noise_scale=noise_scale, log_of_softmax=log_of_softmax)
+
+    def sample_residual_rows(
+        self, x: mx.array, rngs: list[SessionRandom], *, top_p: float, noise_scale: float, log_of_softmax: bool = False
+    ) -> mx.array:
+        """`sample_residual` of n conversations: x (n, hidden), row r drawing from `rngs[r]` (its own
+        draws, in its own order) -> (n, latent). The component choice and the latent are row-wise."""
+        draws = [rng.uniform_then_normal((1, 1, self.num_predictions), (1, 1, self.low_mat.shape[1])) for rng in rngs]
+        if len(draws) == 1:
+            u, eps = draws[0][0], draws[0][1][0]
+        else:
+            u = mx.concatenate([d[0] for d in draws], axis=0)  # (n, 1, P)
+            eps = mx.concatenate([d[1][0] for d in draws], axis=0)  # (n, latent)
         mus = self.proj_mus
         quantized = isinstance(mus, nn.QuantizedLinear)
         mus_quant = (mus.group_size, mus.bits, mus.mode) if quantized else None
@@ -1049,19 +1075,25 @@ class EarTts(nn.Module):
             else:
                 rows = [e[c : c + 1] + hidden[2 * c + g : 2 * c + g + 1] for c in range(count_c) for g in (0, 1)]
             feats = self.mog_head.trunk(mx.concatenate(rows, axis=0))
-            for c, rng in enumerate(rngs):
-                cond, uncond = feats[2 * c : 2 * c + 1], feats[2 * c + 1 : 2 * c + 2]
-                guided = cond + cfg.guidance_scale * (cond - uncond)
-                residual = self.mog_head.sample_residual(
-                    guided,
-                    rng,
-                    top_p=cfg.top_p,
-                    noise_scale=cfg.noise_scale,
-                    log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax,
-                )
-                pass_codes, _ = self.quantize_pass(residual, done, count)
-                ops.after_layer(pass_codes)  # this pass may run while the next one is built
-                assigned[c].append(pass_codes)
+            if count_c == 1:
+                cond, uncond = feats[0:1], feats[1:2]
+            else:
+                cond, uncond = feats[0::2], feats[1::2]
+            guided = cond + cfg.guidance_scale * (cond - uncond)
+            residual = self.mog_head.sample_residual_rows(
+                guided,
+                rngs,
+                top_p=cfg.top_p,
+                noise_scale=cfg.noise_scale,
+                log_of_softmax=self.numerics.mog_log_probs_as_log_of_softmax,
+            )
+            if count_c == 1:
+                pass_codes = [self.quantize_pass(residual, done, count)[0]]
+            else:
+                pass_codes = self.quantize_pass_rows(residual, done, count)
+            ops.after_layer(*pass_codes)  # this pass may run while the next one is built
+            for a, c in zip(assigned, pass_codes, strict=True):
+                a.append(c)
             done += count
         return [mx.concatenate(a) for a in assigned]
 
@@ -1085,6 +1117,21 @@ class EarTts(nn.Module):
         core = ops.fused(("rvq", count), lambda: functools.partial(_rvq_core, count))
         part = slice(first, first + count)
         return core(residual, books_t[part], books[part], all_norms[part])
+
+    def quantize_pass_rows(self, residual: mx.array, first: int, count: int) -> list[mx.array]:
+        """`quantize_pass` of n conversations' residuals (n, latent) -> each one's (count,) codes. Where
+        the CPU kernel serves the pass (one row per dispatch) each row takes it; otherwise the pass's
+        operations run over all rows at once (each row's own products, distances and argmin)."""
+        books_all, norms_all = self.rvq_books()
+        books_t_all, norms = books_all[first : first + count], norms_all[first : first + count]
+        rows = [ops.rvq_pass(residual[r : r + 1], books_t_all, norms) for r in range(residual.shape[0])]
+        if all(r is not None for r in rows):
+            return [r[0] for r in rows]  # type: ignore[index]
+        books_t, books, all_norms = self.rvq_book_list()
+        core = ops.fused(("rvq_rows", count), lambda: functools.partial(_rvq_rows_core, count))
+        part = slice(first, first + count)
+        codes, _ = core(residual, books_t[part], books[part], all_norms[part])
+        return [codes[r] for r in range(residual.shape[0])]
 
     def rvq_book_list(self) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
         """`rvq_books` per codebook: the (latent, C) codebook, its transpose (C, latent) for the
