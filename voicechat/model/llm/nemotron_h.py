@@ -146,35 +146,81 @@ def _segment_sums(log_decay: mx.array) -> mx.array:
 # --------------------------------------------------------------------------- state
 
 
+class MambaRows:
+    """The Mamba states of several conversations as one stacked block: the conv rows (each
+    (C, 1, conv_dim)) and SSM states (C, heads, head_dim, state) a batched step produced. While the
+    next step takes the same conversations in the same order, each still row i of the block, it
+    reads the block as it is: no stacking and no per-row slices between steps."""
+
+    def __init__(self, rows: list[mx.array], ssm: mx.array, size: int):
+        self.rows, self.ssm, self.size = rows, ssm, size
+
+
 class MambaLayerState:
     """Cache of one Mamba-2 layer: conv inputs of the last K-1 steps and the SSM state."""
 
     def __init__(self, conv: mx.array, ssm: mx.array):
+        self._block: tuple[MambaRows, int] | None = None
         self.conv = conv  # (1, K-1, conv_dim), activation dtype
         self.ssm = ssm  # (1, heads, head_dim, state), float32
 
     # The single step reads and writes the conv state as its K-1 rows (1, 1, conv_dim): no
     # concatenate and slices per step. `conv` and `conv_rows` are two views of one state; each
-    # is made from the other only when asked for (inspection, the sequence pass).
+    # is made from the other only when asked for (inspection, the sequence pass). After a batched
+    # step the state is row i of a `MambaRows` block; its own arrays are cut from it when asked for.
+
+    def _own(self) -> None:
+        if self._block is not None:
+            block, i = self._block
+            self._block = None
+            self._conv, self._rows = None, [r[i : i + 1] for r in block.rows]
+            self._ssm = block.ssm[i : i + 1]
+
+    def in_block(self, block: MambaRows, index: int) -> None:
+        """This state is now row `index` of `block` (a batched step's result)."""
+        self._block = (block, index)
+        self._conv = self._rows = self._ssm = None
+
+    @property
+    def block(self) -> MambaRows | None:
+        return None if self._block is None else self._block[0]
+
+    def row_of(self, block: MambaRows) -> int | None:
+        """This state's row in `block`, or None when it is not (or no longer) there."""
+        return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    @property
+    def ssm(self) -> mx.array:
+        self._own()
+        return self._ssm
+
+    @ssm.setter
+    def ssm(self, value: mx.array) -> None:
+        self._own()
+        self._ssm = value
 
     @property
     def conv(self) -> mx.array:
+        self._own()
         if self._conv is None:
             self._conv = mx.concatenate(self._rows, axis=1)
         return self._conv
 
     @conv.setter
     def conv(self, value: mx.array) -> None:
+        self._own()
         self._conv, self._rows = value, None
 
     @property
     def conv_rows(self) -> list[mx.array]:
+        self._own()
         if self._rows is None:
             self._rows = [self._conv[:, j : j + 1] for j in range(self._conv.shape[1])]
         return self._rows
 
     @conv_rows.setter
     def conv_rows(self, rows: list[mx.array]) -> None:
+        self._own()
         self._conv, self._rows = None, list(rows)
 
     def copy(self) -> MambaLayerState:
@@ -570,15 +616,26 @@ class Mamba2Mixer(nn.Module):
         core = ops.fused(("mamba_step", dims), lambda: functools.partial(_mamba_step_core, dims))
         extra = (conv_bias,) if conv_bias is not None else ()
         # The conversations' states stacked along the batch axis for the step (fixed-size states:
-        # the stack costs the same at any conversation length), each row's new state a row of the
-        # result.
-        conv_rows = [stack_rows(list(r)) for r in zip(*(st.conv_rows for st in states), strict=True)]
-        ssm = stack_rows([st.ssm for st in states])
+        # the stack costs the same at any conversation length); when the previous step took the same
+        # conversations in the same order, its result block is read as it is.
+        block = states[0].block
+        if (
+            len(states) > 1
+            and block is not None
+            and block.size == len(states)
+            and all(st.row_of(block) == i for i, st in enumerate(states))
+        ):
+            conv_rows, ssm = block.rows, block.ssm
+        else:
+            conv_rows = [stack_rows(list(r)) for r in zip(*(st.conv_rows for st in states), strict=True)]
+            ssm = stack_rows([st.ssm for st in states])
         u, *new_rows, new_ssm = core(zxbcdt, conv_rows, ssm, dt_bias, a_g, d_g, self._norm_weight(), *taps, *extra)
-        per_row = [rows_of(r, len(states)) for r in new_rows]
-        for b, (state, ssm_b) in enumerate(zip(states, rows_of(new_ssm, len(states)), strict=True)):
-            state.conv_rows = [r[b] for r in per_row]
-            state.ssm = ssm_b
+        if len(states) == 1:
+            states[0].conv_rows, states[0].ssm = new_rows, new_ssm
+        else:
+            new_block = MambaRows(new_rows, new_ssm, len(states))
+            for i, state in enumerate(states):
+                state.in_block(new_block, i)
         return self.out_proj(u).astype(mx.float32)
 
     def sequence(self, x: mx.array, state: MambaLayerState, chunk_size: int) -> mx.array:
