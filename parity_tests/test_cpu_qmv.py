@@ -127,7 +127,7 @@ def test_several_rows_are_each_row_alone_bit_for_bit(module, isa, bits, group):
             w, scales, biases = _quantized(rng, n, k, group, bits, dtype)
             for m in (1, 2, 3, 4, 5, 6, 7, 8, 9):
                 rows = rng.standard_normal((m, k)) * 10.0 ** rng.integers(-3, 5, size=(m, 1))
-                if dtype == mx.float16 and n == 200 and m >= 3:  # one non-finite value per row (see below)
+                if dtype == mx.float16 and n == 200 and m >= 3:  # one non-finite value per row (docstring)
                     rows[1, 5], rows[2, 100] = np.inf, np.nan
                 x = mx.array(rows.astype(np.float32))
                 ours = _bits(module.quantized_matvec(x, w, scales, biases, group, bits))
