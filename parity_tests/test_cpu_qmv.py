@@ -105,6 +105,39 @@ def test_bit_for_bit_mx_quantized_matmul(module, isa, bits, group):
                 assert np.array_equal(_bits(ours), _bits(ref)), (dtype, n, shape)
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=ISA_NAMES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUP_SIZES)
+def test_several_rows_are_each_row_alone_bit_for_bit(module, isa, bits, group):
+    """M rows of x (a batch's sessions, 1 to 9: each count the kernel takes together and 8 + 1)
+    give `mx.quantized_matmul`'s bits and, row by row, the bits of that row computed alone: the
+    rows share the weights' reads and dequantization, not their sums. The rows differ (other
+    values, magnitudes 1e-3 to 1e4); one case puts inf in one middle row and NaN in another, which
+    must stay in theirs (one non-finite source per row: where a chain meets two NaNs, inf * 0's
+    and x's, which payload survives depends on the operand order the compiler picked for
+    `sum + x * t`, in MLX as here). 93 and 200 output rows: every block width, the 8-lane block
+    and single rows; float32, bfloat16 and float16 scales."""
+    if isa > module.cpu_isa():
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    module.set_isa(isa)
+    rng = np.random.default_rng(3000 + 10 * bits + group + isa)
+    k = 2 * max(group, 64)
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for n in (93, 200):
+            w, scales, biases = _quantized(rng, n, k, group, bits, dtype)
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+                rows = rng.standard_normal((m, k)) * 10.0 ** rng.integers(-3, 5, size=(m, 1))
+                if dtype == mx.float16 and n == 200 and m >= 3:  # one non-finite value per row (docstring)
+                    rows[1, 5], rows[2, 100] = np.inf, np.nan
+                x = mx.array(rows.astype(np.float32))
+                ours = _bits(module.quantized_matvec(x, w, scales, biases, group, bits))
+                assert ours.shape == (m, n)
+                assert np.array_equal(ours, _bits(_reference(x, w, scales, biases, group, bits))), (dtype, n, m)
+                for r in range(m):
+                    alone = _bits(module.quantized_matvec(x[r : r + 1], w, scales, biases, group, bits))
+                    assert np.array_equal(ours[r : r + 1], alone), (dtype, n, m, r)
+
+
 @pytest.mark.parametrize("isa", [1, 2], ids=ISA_NAMES[1:])
 def test_strided_and_offset_arrays(module, isa):
     """Views as the language path makes them (row halves at an offset) and stranger ones (every

@@ -6,21 +6,25 @@ MLX's Linux x86-64 wheels have no SIMD for float in their CPU backend, so `mx.qu
 runs one scalar multiply-add chain per output row: 0.7 GB/s of 4-bit weights on the benchmark
 machine, the largest part of a frame's language stage. `csrc/cpu_qmv.cpp` is an MLX primitive
 that does the same operations in the same order for each row (so every output is MLX's bit for
-bit), with 16 rows in the lanes of an AVX-512 register (8 with AVX2). Their float32 `mx.matmul`
-calls the Netlib reference sgemm, one sequential chain `c = c + x[m, k] * w[k, n]` per output
-(k ascending, no FMA); the extension's float32 product runs the same chains for 16 (8) columns
-in a vector's lanes and reads each weight row once per 4 rows of x. Two more primitives save
-dispatches rather than time per operation: `rms_norm` / `layer_norm` (MLX runs `mx.fast`'s norms
-as their compositions on a CPU, 3 / 5 dispatches; its sums there are one sequential chain per
-row) and `rvq_pass` (EAR-TTS's greedy RVQ over a pass's codebooks, 5 dispatches per codebook on
-MLX), each the same operations in the same order in one dispatch.
+bit), with 16 rows in the lanes of an AVX-512 register (8 with AVX2). With several rows of x (a
+batch's sessions) it reads and dequantizes each block of weights once for up to 8 rows of x;
+each row keeps its own chain (the same dequantized values, its own products and sums, in the
+same order), so each row's output is the bits of that row computed alone. MLX's float32
+`mx.matmul` calls the Netlib reference sgemm, one sequential chain `c = c + x[m, k] * w[k, n]`
+per output (k ascending, no FMA); the extension's float32 product runs the same chains for 16
+(8) columns in a vector's lanes and reads each weight row once per 4 rows of x. Two more
+primitives save dispatches rather than time per operation: `rms_norm` / `layer_norm` (MLX runs
+`mx.fast`'s norms as their compositions on a CPU, 3 / 5 dispatches; its sums there are one
+sequential chain per row) and `rvq_pass` (EAR-TTS's greedy RVQ over a pass's codebooks, 5
+dispatches per codebook on MLX), each the same operations in the same order in one dispatch.
 
 It is a C++ extension built on first use, not at install: it links MLX's C++ library and passes
 `mx.array` through nanobind, so it must be built against the exact MLX it runs with. The build
 (CMake + the C++ compiler, ~15 s, one line on stderr) goes to `$VOICECHAT_CACHE/cpu_qmv/<key>`,
 the key covering the sources and the MLX, nanobind and Python versions; later processes import it.
 Before first use the module is checked against `mx.quantized_matmul` and `mx.matmul` on random
-inputs (every bits / group size, every instruction set); any difference and it is not used.
+inputs (every bits / group size, 1 to 9 rows of x, every instruction set); any difference and it
+is not used.
 
 `quantized_matmul(..., enabled=...)` takes the extension when `enabled` (the policy's
 `cpu_kernels`, passed by the runtime that calls it) and the call is one it serves (float32
@@ -58,6 +62,7 @@ SOURCES = ("CMakeLists.txt", "cpu_qmv.cpp", "qmv_avx2.cpp", "qmv_avx512.cpp", "q
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 ISA_NAMES = ("scalar", "AVX2", "AVX-512")  # the extension's isa() / set_isa() levels
+SELF_CHECK_ROWS = tuple(range(1, 10))  # input rows: each count the kernel takes together, and 8 + 1
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" (or None) and "reason" once `_load` has run
@@ -156,12 +161,13 @@ def _import(path: Path):
 
 def self_check(module) -> str | None:
     """None when `module.quantized_matvec` equals `mx.quantized_matmul` bit for bit on random
-    weights (every bits / group size served; float32 and bfloat16 scales; 3 input rows; 45 output
-    rows: 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals `mx.matmul`
-    (three shapes covering its column blocks and single columns; float32 and bfloat16 weights),
-    with each instruction set this
-    CPU runs, its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights) and
-    its `rvq_pass` MLX's per-codebook ops, else what differed."""
+    weights (every bits / group size served; float32, bfloat16 and float16 scales; 1 to 9 input
+    rows, so every group of rows the kernel takes together and a remainder; 93 output rows: the
+    widest blocks, 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals
+    `mx.matmul` (three shapes covering its column blocks and single columns; float32 and bfloat16
+    weights), with each instruction set this CPU runs, its `rms_norm` / `layer_norm` equal
+    `mx.fast`'s (float32 and bfloat16 weights) and its `rvq_pass` MLX's per-codebook ops, else
+    what differed."""
     rng = np.random.default_rng(20261202)
     top = module.isa()
     try:
@@ -169,29 +175,30 @@ def self_check(module) -> str | None:
             module.set_isa(isa)
             for bits in BITS:
                 for group in GROUP_SIZES:
-                    for dtype in (mx.float32, mx.bfloat16):
-                        n, k = 45, 2 * max(GROUP_SIZES)
+                    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+                        n, k = 93, 2 * max(GROUP_SIZES)
                         w, scales, biases = mx.quantize(
                             mx.array(rng.standard_normal((n, k)).astype(np.float32)), group_size=group, bits=bits
                         )
                         scales, biases = scales.astype(dtype), biases.astype(dtype)
-                        x = mx.array(rng.standard_normal((3, k)).astype(np.float32) * 4)
-                        ours = module.quantized_matvec(x, w, scales, biases, group, bits, stream=mx.cpu)
-                        theirs = mx.quantized_matmul(
-                            x,
-                            w,
-                            scales=scales,
-                            biases=biases,
-                            transpose=True,
-                            group_size=group,
-                            bits=bits,
-                            stream=mx.cpu,
-                        )
-                        if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
-                            return (
-                                f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
-                                f"scales {dtype}, instruction set {ISA_NAMES[isa]}"
+                        for m in SELF_CHECK_ROWS:
+                            x = mx.array(rng.standard_normal((m, k)).astype(np.float32) * 4)
+                            ours = module.quantized_matvec(x, w, scales, biases, group, bits, stream=mx.cpu)
+                            theirs = mx.quantized_matmul(
+                                x,
+                                w,
+                                scales=scales,
+                                biases=biases,
+                                transpose=True,
+                                group_size=group,
+                                bits=bits,
+                                stream=mx.cpu,
                             )
+                            if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                                return (
+                                    f"differs from mx.quantized_matmul at bits={bits}, group_size={group}, "
+                                    f"scales {dtype}, {m} input rows, instruction set {ISA_NAMES[isa]}"
+                                )
             for m, k, n in ((1, 72, 72), (2, 40, 100), (5, 33, 17)):  # 64-, 16-, 8-lane, single columns
                 x = mx.array(rng.standard_normal((m, k)).astype(np.float32) * 4)
                 for wdtype in (mx.float32, mx.bfloat16):

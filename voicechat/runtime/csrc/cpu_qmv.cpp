@@ -6,9 +6,10 @@
 //     sum += x[k] * (scale * float(q[n, k]) + bias)
 // rounding after each multiply and add (the library has no FMA instructions). This kernel does
 // the same operations in the same order for every row, with one row per lane of an AVX-512 or
-// AVX2 register (qmv_kernel.h) instead of one scalar chain per row. IEEE single multiply / add /
-// int->float conversion round the same in a lane as in a scalar register, and the build turns
-// FMA contraction off, so each output element is MLX's bit for bit (checked at load against
+// AVX2 register (qmv_kernel.h) instead of one scalar chain per row, and several rows of x per
+// read of the weights (each row's chain its own). IEEE single multiply / add / int->float
+// conversion round the same in a lane as in a scalar register, and the build turns FMA
+// contraction off, so each output element is MLX's bit for bit (checked at load against
 // mx.quantized_matmul, and by the tests).
 
 #include <algorithm>
@@ -73,18 +74,17 @@ std::atomic<int> isa_in_use{cpu_isa()};
 template <int bits, int G, typename S>
 void qmv(float* out, const float* x, const uint32_t* w, const S* sc, const S* bi, int M, int N, int K) {
   const int isa = isa_in_use.load(std::memory_order_relaxed);
-  const bool avx512 = isa >= 2, avx2 = isa >= 1;
   const size_t words = K * bits / 32, groups = K / G;
-  for (int m = 0; m < M; m++) {
-    int n = 0;
-    if (avx512) n = voicechat_qmv::rows_avx512(bits, G, out, x, w, sc, bi, N, K);
-    if (avx2 && n < N) {  // the rows after the 16-lane blocks, 8 at a time
-      n += voicechat_qmv::rows_avx2(bits, G, out + n, x, w + n * words, sc + n * groups, bi + n * groups, N - n, K);
-    }
-    for (; n < N; n++) row_scalar<bits, G, S>(out + n, x, w + n * words, sc + n * groups, bi + n * groups, K);
-    out += N;
-    x += K;
+  int n = 0;  // the vector kernels take every row of x for a block of weight rows (qmv_kernel.h)
+  if (isa >= 2) n = voicechat_qmv::rows_avx512(bits, G, out, N, x, w, sc, bi, M, N, K);
+  if (isa >= 1 && n < N) {  // the rows after the 16-lane blocks, 8 at a time
+    n += voicechat_qmv::rows_avx2(bits, G, out + n, N, x, w + n * words, sc + n * groups, bi + n * groups, M, N - n,
+                                  K);
   }
+  for (; n < N; n++)
+    for (int m = 0; m < M; m++)
+      row_scalar<bits, G, S>(out + static_cast<size_t>(m) * N + n, x + static_cast<size_t>(m) * K, w + n * words,
+                             sc + n * groups, bi + n * groups, K);
 }
 
 template <typename S>
