@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 
-def start_server(checkpoint, **limits):
+def start_server(checkpoint, *, max_sessions=1, **limits):
     from voicechat.server.app import ServerLimits, ServerSecurity
     from voicechat.server.runner import ServerThread, make_state
 
@@ -19,7 +19,13 @@ def start_server(checkpoint, **limits):
         allowed_origins=tuple(limits.pop("origins", ())),
         allowed_hosts=tuple(limits.pop("hosts", ())),
     )
-    state = make_state(str(checkpoint), limits=ServerLimits(**limits), security=security, warmup_seconds=0.0)
+    state = make_state(
+        str(checkpoint),
+        limits=ServerLimits(**limits),
+        security=security,
+        warmup_seconds=0.0,
+        max_sessions=max_sessions,
+    )
     return ServerThread(state).start()
 
 
@@ -91,12 +97,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def wait_released(srv, timeout=10.0) -> bool:
-    """The slot frees a moment after the client sees the close (the worker closes the session first)."""
+def wait_released(srv, timeout=10.0, active=0) -> bool:
+    """The slot frees a moment after the client sees the close (the worker closes the session first):
+    wait until at most `active` sessions hold a slot."""
     import time
 
     deadline = time.monotonic() + timeout
-    while srv.state.active_session is not None:
+    while srv.state.active_sessions > active:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -265,51 +272,41 @@ def make_server(tiny_ckpt):
         stop_server(s)
 
 
-class SessionProxy:
-    """A real streaming session that forwards everything; subclasses change how its frames are
-    computed (`push_frames`, what the server's worker calls; `push_audio`): a model that cannot
-    keep up, a fault mid-frame."""
+def slow_frames(delay):
+    """A frame hook (WrappedServer): every frame takes `delay` s longer, a model that cannot keep up."""
 
-    def __init__(self, session):
-        object.__setattr__(self, "_s", session)
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._s, name, value)
-
-
-class SlowSession(SessionProxy):
-    """Every frame takes `delay` s longer: a model that cannot keep up with real time."""
-
-    def __init__(self, session, delay):
-        super().__init__(session)
-        object.__setattr__(self, "_delay", delay)
-
-    def push_audio(self, samples, sample_rate=16000):
-        return [e for frame in self.push_frames(samples, sample_rate) for e in frame]
-
-    def push_frames(self, samples, sample_rate=16000):
+    def hook(record):
         import time
 
-        frames = self._s.push_frames(samples, sample_rate)
+        time.sleep(delay)
 
-        def slow():
-            for events in frames:
-                if any(e.kind == "audio" for e in events):
-                    time.sleep(self._delay)
-                yield events
+    return hook
 
-        return slow()
+
+def failing_frame(at):
+    """A frame hook (WrappedServer): the session's frame `at` fails after the tick's shared pass (as a
+    bug in turning one session's outputs into events would)."""
+
+    def hook(record):
+        if record.frame_index == at:
+            raise RuntimeError("injected fault /secret/path/model.safetensors")
+
+    return hook
 
 
 class WrappedServer:
-    """A server (ServerThread) on a worker whose model hands out `wrap(session)` for each session,
-    so a test can make the model slow or faulty; `.srv`, `.worker`, `.metrics`; stopped on exit."""
+    """A server (ServerThread) on a worker whose model lets a test make frames slow or faulty;
+    `.srv`, `.worker`, `.metrics`; stopped on exit.
 
-    def __init__(self, checkpoint, wrap, limits=None):
-        self.checkpoint, self.wrap, self.limits = checkpoint, wrap, limits
+    `frame_hook(open_kwargs) -> on_frame or None`: asked as each session opens (its keyword arguments:
+    system_prompt, seed, ...); the returned callable is the session's `on_frame`, run in each tick after
+    the shared pass, with the session's FrameRecord (`slow_frames`, `failing_frame`).
+    `engine_hook(states)`: run before every pass of the frame engine (a tick, or a commit's frame) with
+    the conversation states it is about to compute; raise to fail the shared pass."""
+
+    def __init__(self, checkpoint, frame_hook=None, limits=None, *, max_sessions=1, engine_hook=None):
+        self.checkpoint, self.frame_hook, self.limits = checkpoint, frame_hook, limits
+        self.max_sessions, self.engine_hook = max_sessions, engine_hook
 
     def __enter__(self):
         import voicechat
@@ -319,7 +316,7 @@ class WrappedServer:
         from voicechat.server.runner import ServerThread
         from voicechat.server.worker import ModelWorker
 
-        wrap = self.wrap
+        frame_hook, engine_hook = self.frame_hook, self.engine_hook
 
         class Model:
             def __init__(self, model):
@@ -328,11 +325,31 @@ class WrappedServer:
             def __getattr__(self, name):
                 return getattr(self._m, name)
 
-            def create_streaming_session(self, **kw):
-                return wrap(self._m.create_streaming_session(**kw))
+            def create_session_batch(self, max_sessions):
+                batch = self._m.create_session_batch(max_sessions)
+                opener = batch.open
+
+                def open_(**kw):
+                    hook = frame_hook(kw) if frame_hook is not None else None
+                    if hook is not None:
+                        kw["on_frame"] = hook
+                    return opener(**kw)
+
+                batch.open = open_
+                if engine_hook is not None:
+                    step_batch = batch.engine.step_batch
+
+                    def hooked(states, *a, **k):
+                        engine_hook(states)
+                        return step_batch(states, *a, **k)
+
+                    batch.engine.step_batch = hooked
+                return batch
 
         self.metrics = ServerMetrics()
-        self.worker = ModelWorker(lambda: Model(voicechat.load(self.checkpoint)), metrics=self.metrics).start()
+        self.worker = ModelWorker(
+            lambda: Model(voicechat.load(self.checkpoint)), metrics=self.metrics, max_sessions=self.max_sessions
+        ).start()
         self.worker.wait_ready(60)
         self.srv = ServerThread(
             ServerState(worker=self.worker, metrics=self.metrics, limits=self.limits or ServerLimits())

@@ -18,7 +18,7 @@ import pytest
 
 from voicechat.server.client import run_stream_audio, to_pcm16
 
-from .server_util import Raw, SlowSession, WrappedServer, append_msg, run, wait_released
+from .server_util import Raw, WrappedServer, append_msg, run, slow_frames, wait_released
 
 PROMPT = "You are a helpful assistant."
 
@@ -425,7 +425,10 @@ def test_page_assets_and_nothing_else(server):
 
 def test_healthz_and_metrics(server, question_wav):
     h = json.loads(urllib.request.urlopen(server.http + "/healthz").read())
-    assert h == {"status": "ok"}  # nothing else: no path, no queue (those are in /metrics, behind the key)
+    # Nothing else: no path, no queue (those are in /metrics, behind the key).
+    assert set(h) == {"status", "active_sessions", "max_sessions", "slot_bytes_at_limit"}
+    assert h["status"] == "ok" and h["active_sessions"] == 0 and h["max_sessions"] == 1
+    assert h["slot_bytes_at_limit"] == server.state.worker.memory["slot_bytes"] > 0
 
     def frames():
         text = urllib.request.urlopen(server.http + "/metrics").read().decode()
@@ -503,7 +506,7 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
 
 def test_slow_model_shows_growing_lag_not_a_stall(tiny_ckpt, question_wav):
     """Frames computed at ~2.5x real time: every frame's delta still arrives as it is done, with its lag."""
-    with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.2)) as w:
+    with WrappedServer(tiny_ckpt, lambda kw: slow_frames(0.2)) as w:
         pcm = to_pcm16(question_wav[: 24 * 1280])  # 1.92 s of input; ~4.8 s of compute
         arrivals = []
         r = run_stream_audio(

@@ -22,12 +22,12 @@ from voicechat.server.client import to_pcm16
 from .server_util import (
     Raw,
     RawSocketWS,
-    SessionProxy,
-    SlowSession,
     WrappedServer,
     append_msg,
+    failing_frame,
     http_raw,
     run,
+    slow_frames,
     wait_released,
 )
 
@@ -215,7 +215,7 @@ def test_key_edge_cases_live(make_server):
     assert http_raw(port, "/metrics", own)[0] == 401
     assert http_raw(port, "/metrics", {**own, "Authorization": "Bearer s3cret"})[0] == 200
     status, body = http_raw(port, "/healthz", own)
-    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert status == 200 and json.loads(body)["status"] == "ok"
 
 
 # -- malformed and extreme JSON: every class gets its error, the session goes on
@@ -623,35 +623,10 @@ def test_outbound_queue_is_bounded(make_server):
 # -- faults: a worker exception mid-frame; the wall-clock cap
 
 
-class _FailingSession(SessionProxy):
-    """A real session whose third frame raises."""
-
-    def __init__(self, session, fail_at):
-        super().__init__(session)
-        object.__setattr__(self, "_fail_at", fail_at)
-
-    def push_audio(self, samples, sample_rate=16000):
-        return [e for frame in self.push_frames(samples, sample_rate) for e in frame]
-
-    def push_frames(self, samples, sample_rate=16000):
-        frames, s = self._s.push_frames(samples, sample_rate), self._s
-
-        def failing():
-            while True:
-                if s.frame_index == self._fail_at and s.pending_samples >= s.frame_samples:
-                    raise RuntimeError("injected fault /secret/path/model.safetensors")
-                events = next(frames, None)
-                if events is None:
-                    return
-                yield events
-
-        return failing()
-
-
 def test_worker_exception_mid_frame_ends_the_session_with_1011(tiny_ckpt, question_wav, caplog):
     failing = {"on": True}
     pcm = to_pcm16(question_wav[: 8 * 1280])
-    with WrappedServer(tiny_ckpt, lambda s: _FailingSession(s, 3) if failing["on"] else s) as w:
+    with WrappedServer(tiny_ckpt, lambda kw: failing_frame(3) if failing["on"] else None) as w:
         srv, metrics = w.srv, w.metrics
 
         async def go():
@@ -719,9 +694,11 @@ def test_healthz_says_busy_during_a_session(server):
             await c.recv()
             return json.loads(urllib.request.urlopen(server.http + "/healthz").read())
 
-    assert run(go()) == {"status": "busy"}
+    busy = run(go())
+    assert busy["status"] == "busy" and busy["active_sessions"] == busy["max_sessions"] == 1
     assert wait_released(server)
-    assert json.loads(urllib.request.urlopen(server.http + "/healthz").read()) == {"status": "ok"}
+    idle = json.loads(urllib.request.urlopen(server.http + "/healthz").read())
+    assert idle["status"] == "ok" and idle["active_sessions"] == 0
 
 
 # -- SIGTERM during a session (the real command)
@@ -793,7 +770,7 @@ def test_input_overflow_only_when_the_model_makes_no_room(tiny_ckpt):
     from voicechat.server.limits import ServerLimits
 
     limits = ServerLimits(max_queued_audio_seconds=0.16, backpressure_timeout=0.3)
-    with WrappedServer(tiny_ckpt, lambda s: SlowSession(s, 0.3), limits) as w:
+    with WrappedServer(tiny_ckpt, lambda kw: slow_frames(0.3), limits) as w:
 
         async def go():
             async with Raw(w.srv.url) as c:
@@ -863,7 +840,7 @@ def test_tls(tiny_ckpt, tmp_path):
         assert run(go())
         # The slot frees once the worker has closed the session, a moment after the client's close.
         assert wait_released(srv)
-        assert json.loads(urllib.request.urlopen(srv.http + "/healthz", context=ctx).read()) == {"status": "ok"}
+        assert json.loads(urllib.request.urlopen(srv.http + "/healthz", context=ctx).read())["status"] == "ok"
     finally:
         srv.stop()
         state.worker.stop()

@@ -107,6 +107,20 @@ def add_server_parsers(sub) -> None:
         help=f"SIGTERM / SIGINT: seconds for live sessions to close with 1001 (default {d.shutdown_timeout:g})",
     )
     s.add_argument(
+        "--max-sessions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="concurrent sessions, their frames computed together in one batch (default 1); the "
+        "connection after the N-th gets server_busy (close 1013)",
+    )
+    s.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even when --max-sessions slots at the session length limit (--max-session-audio-seconds) "
+        "and the model do not fit in the machine's memory (the startup line gives the figures)",
+    )
+    s.add_argument(
         "--warmup-seconds",
         type=float,
         default=0.5,
@@ -262,6 +276,9 @@ def run_serve(args) -> int:
     if args.prompt_cache_entries < 0 or not args.prompt_cache_mb >= 0:
         print("voicechat serve: error: --prompt-cache-entries and --prompt-cache-mb must be >= 0", file=sys.stderr)
         return 2
+    if args.max_sessions < 1:
+        print(f"voicechat serve: error: --max-sessions must be >= 1, got {args.max_sessions}", file=sys.stderr)
+        return 2
     if args.silence_frames < 1:
         print(f"voicechat serve: error: --silence-frames must be >= 1, got {args.silence_frames}", file=sys.stderr)
         return 2
@@ -283,20 +300,37 @@ def run_serve(args) -> int:
         max_bytes=int(args.prompt_cache_mb * 2**20),
         metrics=metrics,
     )
-    state = make_state(
-        args.model,
-        limits=limits,
-        security=security,
-        warmup_seconds=args.warmup_seconds,
-        load_kwargs={"numerics": args.numerics},
-        stage_metrics_every=args.stage_metrics_every,
-        prompt_states=prompts,
-        metrics=metrics,
-        tool_runner=runner,
-        dialect_options=DialectOptions(silence_frames=args.silence_frames),
-    )
+    try:
+        state = make_state(
+            args.model,
+            limits=limits,
+            security=security,
+            warmup_seconds=args.warmup_seconds,
+            load_kwargs={"numerics": args.numerics},
+            stage_metrics_every=args.stage_metrics_every,
+            prompt_states=prompts,
+            metrics=metrics,
+            tool_runner=runner,
+            dialect_options=DialectOptions(silence_frames=args.silence_frames),
+            max_sessions=args.max_sessions,
+            memory_check=not args.no_memory_check,
+        )
+    except BaseException:
+        if runner is not None:
+            runner.close()
+        raise
     info = state.worker.info
+    mem = state.worker.memory
     tls = args.tls_cert is not None
+    from voicechat.server.memory import gib
+
+    print(
+        f"voicechat serve: {args.max_sessions} session slot(s), each up to {gib(mem['slot_bytes'])} at "
+        f"{mem['session_seconds']:g} s (--max-session-audio-seconds); with the model {gib(mem['needed_bytes'])}"
+        + (f" of {gib(mem['machine_bytes'])}" if mem.get("machine_bytes") else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     print(
         f"voicechat serve: model {args.model} ready ({info['frame_samples']} samples/frame in, "
         f"{info['output_frame_samples']} out at {info['output_sample_rate']} Hz); "

@@ -3,9 +3,10 @@ browser page at `/`.
 
 Starlette under uvicorn. The asyncio side parses, validates and admits messages and
 forwards them to the MLX worker thread (`worker.ModelWorker`) as commands
-(voicechat.server.messages); it never touches MLX. One active session per process: a second
-connection gets `server_busy` and close 1013. A connection (`RealtimeConnection`) keeps the
-lifecycle; its dialect (voicechat.server.dialects) speaks the wire through its public surface.
+(voicechat.server.messages); it never touches MLX. `--max-sessions N` session slots per process
+(default 1): the connection after the N-th gets `server_busy` and close 1013. A connection
+(`RealtimeConnection`) keeps the lifecycle; its dialect (voicechat.server.dialects) speaks the wire
+through its public surface.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     # The OpenAI dialects' serving options (voicechat.server.dialects.common.DialectOptions).
     dialect_options: DialectOptions = field(default_factory=DialectOptions)
-    _slot: str | None = None
+    _slots: dict = field(default_factory=dict)  # session id -> None, in the order the slots were taken
     _slot_lock: threading.Lock = field(default_factory=threading.Lock)
     connections: set = field(default_factory=set)  # live RealtimeConnections (closed with 1001 at shutdown)
 
@@ -96,21 +97,30 @@ class ServerState:
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
+    @property
+    def max_sessions(self) -> int:
+        """Session slots: the worker's batch (`voicechat serve --max-sessions`)."""
+        return int(getattr(self.worker, "max_sessions", 1))
+
     def try_acquire(self, session_id: str) -> bool:
         with self._slot_lock:
-            if self._slot is not None:
+            if len(self._slots) >= self.max_sessions:
                 return False
-            self._slot = session_id
+            self._slots[session_id] = None
             return True
 
     def release(self, session_id: str) -> None:
         with self._slot_lock:
-            if self._slot == session_id:
-                self._slot = None
+            self._slots.pop(session_id, None)
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._slots)
 
     @property
     def active_session(self) -> str | None:
-        return self._slot
+        """The oldest session holding a slot (None: every slot is free)."""
+        return next(iter(list(self._slots)), None)
 
 
 def _asset(name: str) -> bytes:
@@ -129,11 +139,16 @@ def create_app(state: ServerState) -> Starlette:
         return Response(_asset(name), media_type=ctype, headers=page_headers)
 
     async def healthz(request):
-        # ok / busy / unavailable only: the model's path and the queue are for /metrics (behind the key).
+        # ok / busy / unavailable, the slots and a slot's memory at the session length limit; the model's
+        # path and the queue are for /metrics (behind the key).
         w = state.worker
         ok = w.ready.is_set() and w.load_error is None and w.alive
-        status = ("busy" if state.active_session is not None else "ok") if ok else "unavailable"
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+        active, slots = state.active_sessions, state.max_sessions
+        status = ("busy" if active >= slots else "ok") if ok else "unavailable"
+        body = {"status": status, "active_sessions": active, "max_sessions": slots}
+        if ok and w.memory:
+            body["slot_bytes_at_limit"] = int(w.memory["slot_bytes"])
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request):
         # The key (when set) is checked by SecurityMiddleware, as for every upgrade.
@@ -321,17 +336,17 @@ class RealtimeConnection:
         if not await self._acquire():
             self.metrics.sessions_refused.labels(reason="busy").inc()
             await ws.accept(subprotocol=subprotocol)
-            await ws.send_text(
-                self._envelope(
-                    self.dialect.error_payload(
-                        "server_busy", "another session is active on this server (one session per process); retry later"
-                    )
-                )
+            n = st.max_sessions
+            busy = (
+                "another session is active on this server (one session per process); retry later"
+                if n == 1
+                else f"all {n} session slots of this server are taken (--max-sessions {n}); retry later"
             )
+            await ws.send_text(self._envelope(self.dialect.error_payload("server_busy", busy)))
             await ws.close(code=CLOSE_TRY_AGAIN)
             return
         self.metrics.sessions_opened.inc()
-        self.metrics.sessions_active.set(1)
+        self.metrics.sessions_active.set(st.active_sessions)
         loop = asyncio.get_running_loop()
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
         self.channel = Channel(
@@ -388,7 +403,7 @@ class RealtimeConnection:
             if ch.end not in ("done", "cancelled", "disconnect"):
                 self.metrics.sessions_errored.labels(reason=ch.end).inc()
             st.release(self.session_id)
-            self.metrics.sessions_active.set(0 if st.active_session is None else 1)
+            self.metrics.sessions_active.set(st.active_sessions)
 
     async def _final_close(self) -> None:
         end, code, error_code, message = self._stop_reason
@@ -407,7 +422,7 @@ class RealtimeConnection:
             await asyncio.wait_for(self.ws.close(code=code), CLOSE_WAIT_SECONDS)
 
     async def _acquire(self) -> bool:
-        """Take the slot; a session that is just closing (its client reconnects at once) gets a short grace."""
+        """Take a slot; a session that is just closing (its client reconnects at once) gets a short grace."""
         deadline = time.monotonic() + self.limits.busy_grace_seconds
         while not self.state.try_acquire(self.session_id):
             if time.monotonic() >= deadline:

@@ -112,9 +112,9 @@ class SessionRefused:
 
 @dataclass(frozen=True, eq=False)
 class FrameEvents:
-    """The session's events of one push (at most one frame: the worker pushes one frame per call) with
-    the frame's compute time on the worker and its lag (audio received but not computed) when it
-    completed; 0.0 when the push completed no frame."""
+    """The session's events of one frame (a tick of the worker's batch, or a commit's flush) with the
+    compute time of that tick (all its sessions' frames, computed together) and the lag (audio
+    received but not computed) when the frame completed; 0.0 when no frame was computed."""
 
     events: tuple[object, ...]
     compute_ms: float = 0.0

@@ -26,12 +26,17 @@ def make_state(
     metrics=None,
     tool_runner=None,
     dialect_options=None,
+    max_sessions: int = 1,
+    memory_check: bool = True,
 ) -> ServerState:
-    """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it."""
+    """Load `model` (folder, repo id or synthetic:PRESET) on a new worker thread and wait for it;
+    `max_sessions` slots (the worker's session batch), checked against the machine's memory at the
+    session length limit (`memory_check`; voicechat.server.memory)."""
 
     def load_model():
         return load(resolve_model_arg(model), **(load_kwargs or {}))
 
+    limits = limits or ServerLimits()
     metrics = metrics or ServerMetrics()
     worker = ModelWorker(
         load_model,
@@ -40,11 +45,15 @@ def make_state(
         warmup_seconds=warmup_seconds,
         prompt_states=prompt_states,
         tool_runner=tool_runner,
+        max_sessions=max_sessions,
+        session_seconds=limits.max_session_audio_seconds,
+        prompt_tokens=limits.max_prompt_tokens,
+        memory_check=memory_check,
     ).start()
     worker.wait_ready(load_timeout)
     state = ServerState(
         worker=worker,
-        limits=limits or ServerLimits(),
+        limits=limits,
         security=security or ServerSecurity(),
         model_name=str(model),
         metrics=metrics,

@@ -1,4 +1,4 @@
-"""The MLX worker: one thread that owns the model and the (single) streaming session.
+"""The MLX worker: one thread that owns the model and its sessions (`voicechat serve --max-sessions N`).
 
 The network side (asyncio) never touches MLX. It hands commands (voicechat.server.messages:
 OpenSession, AppendAudio, Commit, Cancel, Sync, SubmitToolResult, Close) to this thread through a
@@ -7,6 +7,17 @@ queue whose audio is bounded by admission control (`Channel.queued_samples` and
 commands are at most three per connection. Outputs (SessionOpened, FrameEvents, Finished, ...) go
 back to the connection's asyncio queue with `loop.call_soon_threadsafe`; the session's events travel
 as they are, and each dialect renders them.
+
+The sessions live in one `SessionBatch(max_sessions=N)` (voicechat.streaming.batch), one per
+connection. The loop (docs/server.md, "Many sessions"): take every queued command (blocking only
+while no session has a frame ready), apply each connection's commands in its own order, then run
+one tick, `batch.step()`: the next frame of every session that has one buffered, as one pass per
+stage, each session's events to its own connection. A commit, a Sync and a tool result wait
+behind their own session's buffered frames (so they land where they would in a session of one);
+nothing waits for another connection. A prompt's prefill pauses between its pieces of 32
+positions to run the other sessions' ready frames (as many ticks as the piece took frames of
+time). An exception ends only the session it belongs to; one that escapes the engine's shared
+pass ends the sessions of that tick (logged).
 """
 
 from __future__ import annotations
@@ -16,16 +27,18 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from voicechat.errors import ContextLimitError, PrefillStoppedError, VoiceChatError
+from voicechat.errors import BatchFullError, ContextLimitError, PrefillStoppedError, VoiceChatError
 from voicechat.events import Audio, ToolCall
 from voicechat.server.messages import (
     AppendAudio,
@@ -52,9 +65,12 @@ from voicechat.streaming.profiler import percentile
 log = logging.getLogger("voicechat.server")
 
 STAGE_FIELDS = ("perception_ms", "rnnt_ms", "language_ms", "tts_ms", "codec_ms")
+# Commands that wait until their session's buffered frames are computed (they act after that audio).
+AFTER_FRAMES = (Commit, Sync, SubmitToolResult)
+INTERNAL_ERROR = "the server failed while computing this session; the session was ended. Start a new session"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the worker keys its sessions by channel
 class Channel:
     """One connection's link to the worker; fields written by one side and read by the other are plain
     ints / Events (atomic under the GIL)."""
@@ -105,10 +121,17 @@ class _Active:
     stages_seen: int = 0
     profile: Any = None  # the session's Profile; attached to the session only on sampled frames
     runs_tools: bool = False  # --mcp: the session's tools are the runner's, and the server answers its calls
+    appended: int = 0  # samples of this connection's appends (given to the session or discarded)
+    counted: int = 0  # of those, counted in channel.consumed_samples
 
 
 class ModelWorker:
-    """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread."""
+    """Start with `start()`, then `wait_ready()`; `load_model` runs on the worker thread.
+
+    `max_sessions`: slots of the session batch. `session_seconds` / `prompt_tokens`: the session
+    length and prompt limits the startup memory figure counts (voicechat.server.memory);
+    `memory_check`: refuse to start (`MemoryBudgetError`) when more than one slot at the limit and
+    the model do not fit in the machine's memory (one slot only warns, as the server always ran)."""
 
     def __init__(
         self,
@@ -119,7 +142,13 @@ class ModelWorker:
         warmup_seconds: float = 0.0,
         prompt_states=None,
         tool_runner=None,
+        max_sessions: int = 1,
+        session_seconds: float | None = None,
+        prompt_tokens: int | None = None,
+        memory_check: bool = True,
     ):
+        from voicechat.server.limits import ServerLimits
+
         self._load_model = load_model
         # voicechat.server.prompt_cache.PromptStates: sessions start from prompt states (None: each prefills).
         self.prompt_states = prompt_states
@@ -131,14 +160,30 @@ class ModelWorker:
         # per-stage histograms while costing the other frames nothing (0 = never).
         if isinstance(stage_metrics_every, bool) or not isinstance(stage_metrics_every, int) or stage_metrics_every < 0:
             raise ValueError(f"stage_metrics_every must be an int >= 0, got {stage_metrics_every!r}")
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.stage_metrics_every = stage_metrics_every
         self.warmup_seconds = warmup_seconds
+        self.max_sessions = max_sessions
+        d = ServerLimits()
+        self.session_seconds = float(d.max_session_audio_seconds if session_seconds is None else session_seconds)
+        self.prompt_tokens = int(d.max_prompt_tokens if prompt_tokens is None else prompt_tokens)
+        self.memory_check = memory_check
         self._commands: queue.Queue[tuple[Channel | None, Command]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="voicechat-mlx-worker", daemon=True)
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.info: dict = {}
+        self.memory: dict = {}  # voicechat.server.memory.MemoryPlan.as_dict() of the loaded model
         self.model = None
+        # Worker-thread state: the batch, one entry per connection with a session, each connection's
+        # commands not yet applied (in its order), the connection whose prompt is being prefilled.
+        self._batch = None
+        self._active: dict[Channel, _Active] = {}
+        self._waiting: dict[Channel, deque] = {}
+        self._prefilling: Channel | None = None
+        self._pause_mark = 0.0  # when the prefill's last pause ended (its next piece started)
+        self._stopping = False
 
     # -- network side
 
@@ -181,6 +226,8 @@ class ModelWorker:
         finally:
             # MLX streams belong to the thread that made them; a thread that ends with live streams
             # aborts the interpreter at exit ("terminate called without an active exception").
+            self._batch = None
+            self._active.clear()
             self.model = None
             gc.collect()
             import mlx.core as mx
@@ -201,6 +248,8 @@ class ModelWorker:
                 "num_codebooks": int(cfg.codec_config.num_quantizers),
                 "silence_codes": [int(c) for c in np.asarray(model.tts_model.codec_silence_tokens).reshape(-1)],
             }
+            self._check_memory(model)
+            self._batch = model.create_session_batch(self.max_sessions)
             if self.warmup_seconds > 0:
                 self._warmup(model)
             if self.prompt_states is not None:
@@ -209,57 +258,155 @@ class ModelWorker:
             self.load_error = e
             self.ready.set()
             return
+        if self.metrics is not None:
+            self.metrics.sessions_max.set(self.max_sessions)
+            self.metrics.slot_bytes.set(self.memory.get("slot_bytes", 0))
         self.ready.set()
-        active: _Active | None = None
-        while True:
-            ch, cmd = self._commands.get()
-            if self.metrics is not None:
-                self.metrics.queue_depth.set(self._commands.qsize())
-            if isinstance(cmd, Stop):
-                if active is not None:
-                    self._close(active)
-                return
-            try:
-                active = self._handle(ch, cmd, active)
-            except Exception:  # never let one session kill the worker
-                # The traceback goes to the log; the client gets a code and a message without internals.
-                log.exception(
-                    "worker command %s of session %s failed",
-                    type(cmd).__name__,
-                    ch.session_id if ch is not None else "-",
-                )
-                if ch is not None:
-                    ch.emit(
-                        SessionError(
-                            "internal_error",
-                            "the server failed while computing this session; "
-                            "the session was ended. Start a new session",
-                        )
-                    )
-                    ch.emit(Finished("internal_error"))
-                if active is not None and (ch is None or active.channel is ch):
-                    active.session = None
+        try:
+            while not self._stopping:
+                try:
+                    self._take(block=not self._any_ready())
+                    self._advance_all()
+                    if self._stopping:
+                        break
+                    self._tick()
+                    self._advance_all()  # commands that waited for the frames this tick computed
+                except Exception:  # the loop's own machinery (each command and tick isolates its errors)
+                    log.exception("the worker loop failed; ending every session (the server goes on)")
+                    for ch in list(self._active):
+                        self._fail(ch)
+        finally:
+            for a in list(self._active.values()):
+                with contextlib.suppress(Exception):
+                    self._close(a)
+            self._active.clear()
+
+    def _check_memory(self, model) -> None:
+        from voicechat.server import memory
+
+        prompt = max(self.prompt_tokens, _prompt_tokens(model, None))
+        plan = memory.plan(
+            model, slots=self.max_sessions, session_seconds=self.session_seconds, prompt_positions=prompt
+        )
+        self.memory = plan.as_dict()
+        if plan.fits:
+            log.info("memory: %s", plan.describe())
+        elif self.max_sessions > 1 and self.memory_check:
+            raise memory.MemoryBudgetError(plan.refusal())
+        else:
+            log.warning("memory: %s: more than this machine has (sessions that long may not fit)", plan.describe())
 
     def _warmup(self, model) -> None:
         n = int(round(self.warmup_seconds * model.config.input_sample_rate))
-        s = model.create_streaming_session(profile=self.stage_metrics_every > 0)
-        s.push_audio(np.zeros(n, np.float32))
-        s.flush()
+        b = self._batch
+        sessions = [b.open(profile=self.stage_metrics_every > 0)]
+        if self.max_sessions > 1:  # the language stage's batched step too (no second prefill)
+            sessions.append(b.open(system_prompt=""))
+        b.push({s: np.zeros(n, np.float32) for s in sessions})
+        for s in sessions:
+            s.flush()
         gc.collect()
 
-    def _handle(self, ch: Channel | None, cmd: Command, active: _Active | None) -> _Active | None:
+    # -- the loop's parts
+
+    def _take(self, block: bool) -> None:
+        """Every queued command into its connection's waiting line (waiting for one when `block`)."""
+        items = [self._commands.get()] if block else []
+        while True:
+            try:
+                items.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._commands.qsize())
+        for ch, cmd in items:
+            if isinstance(cmd, Stop):
+                self._stopping = True
+            elif ch is not None:
+                self._waiting.setdefault(ch, deque()).append(cmd)
+
+    def _advance_all(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for ch in list(self._waiting):
+                progress = self._advance(ch) or progress
+
+    def _advance(self, ch: Channel) -> bool:
+        """Apply `ch`'s waiting commands in order while the first can go; -> any applied."""
+        line = self._waiting.get(ch)
+        if line is None:
+            return False
+        applied = False
+        while line:
+            cmd = line[0]
+            if ch is self._prefilling:  # its session does not exist until the prefill returns
+                break
+            if self._prefilling is not None and isinstance(cmd, OpenSession):  # one prefill at a time
+                break
+            if isinstance(cmd, AFTER_FRAMES) and (a := self._active.get(ch)) is not None and self._ready(a):
+                break  # after this session's buffered frames (the next ticks)
+            line.popleft()
+            applied = True
+            self._apply(ch, cmd)
+        if not line and self._waiting.get(ch) is line:
+            del self._waiting[ch]
+        return applied
+
+    def _ready(self, a: _Active) -> bool:
+        """The session takes part in the next tick: open, its connection live, a complete frame buffered."""
+        s, ch = a.session, a.channel
+        return (
+            s is not None
+            and not s.closed
+            and not ch.gone.is_set()
+            and not ch.cancel_requested.is_set()
+            and s.pending_samples >= s.frame_samples
+        )
+
+    def _any_ready(self) -> bool:
+        return any(self._ready(a) for a in self._active.values())
+
+    def _apply(self, ch: Channel, cmd: Command) -> None:
+        try:
+            self._handle(ch, cmd)
+        except Exception:  # never let one session kill the worker, nor touch another session
+            # The traceback goes to the log; the client gets a code and a message without internals.
+            log.exception("worker command %s of session %s failed", type(cmd).__name__, ch.session_id)
+            self._fail(ch)
+
+    def _fail(self, ch: Channel) -> None:
+        """End `ch`'s session with internal_error (its slot freed); the others are not touched."""
+        ch.emit(SessionError("internal_error", INTERNAL_ERROR))
+        ch.emit(Finished("internal_error"))
+        a = self._active.get(ch)
+        if a is None:
+            return
+        s, a.session = a.session, None
+        if s is not None and not s.closed:
+            try:
+                a.discarded_samples += s.pending_samples
+                s.cancel()  # frees its batch slot
+            except Exception:
+                log.exception("session %s: could not cancel the failed session", ch.session_id)
+        self._sync_consumed(a)
+
+    def _handle(self, ch: Channel, cmd: Command) -> None:
         if isinstance(cmd, OpenSession):
-            if active is not None:  # the network side's slot makes this unreachable; be loud if not
-                self._close(active)
-                active = None
-            return self._open(ch, cmd.params)
+            old = self._active.pop(ch, None)
+            if old is not None:  # one session per connection: the dialects never ask twice; be loud if so
+                log.error("session %s: a second OpenSession; the first session is closed", ch.session_id)
+                self._close(old)
+            a = self._open(ch, cmd.params)
+            if a is not None:
+                self._active[ch] = a
+            return
         if isinstance(cmd, Sync):  # a marker: every command before it is done (the GA dialect's commit)
             ch.emit(Synced(cmd.tag))
-            return active
-        if active is None or active.channel is not ch:
+            return
+        a = self._active.get(ch)
+        if a is None:
             # Commands of a connection that never opened a session (or was already closed).
-            if ch is None:
-                return active
             match cmd:
                 case AppendAudio(pcm=pcm):
                     ch.consumed_samples += int(pcm.size)
@@ -270,33 +417,34 @@ class ModelWorker:
                     ch.emit(Finished("done"))
                 case Cancel():
                     ch.emit(Finished("cancelled"))
-            return active
+            return
         match cmd:
             case AppendAudio(pcm=pcm):
-                self._append(active, pcm)
+                self._append(a, pcm)
             case Commit(pad_partial=pad):
                 ch.emit(Committed())
-                self._finish(active, lambda s: s.flush(pad_partial=bool(pad)), "done")
+                if ch.gone.is_set():  # nobody reads the last frames: their audio is not computed
+                    self._finish(a, lambda s: s.cancel(), "done", drops=True)
+                else:
+                    self._finish(a, lambda s: s.flush(pad_partial=bool(pad)), "done")
             case Cancel():
-                self._finish(active, lambda s: s.cancel(), "cancelled")
+                self._finish(a, lambda s: s.cancel(), "cancelled", drops=True)
             case Close():
-                self._close(active)
-                return None
+                del self._active[ch]
+                self._close(a)
             case SubmitToolResult(call_id=call_id, output=output, by_server=by_server):
-                s = active.session
+                s = a.session
                 if s is None or s.closed:
-                    return active
+                    return
                 try:
                     s.submit_tool_result(call_id, output)
                 except ValueError as e:  # unknown or already answered call_id: nothing changed
                     ch.emit(SessionError("invalid_tool_result", str(e)))
-                    return active
+                    return
                 if by_server:  # the client may be shown what the server answered (mlx-vlm's dialect: the page)
                     ch.emit(ToolOutputSent(s.frame_index, call_id, output))
-        return active
 
     def _open(self, ch: Channel, p) -> _Active | None:
-
         tools = p.tools
         runs_tools = not tools and self.tool_runner is not None  # a client with tools answers its own calls
         if runs_tools:
@@ -317,67 +465,155 @@ class ModelWorker:
                     )
                 )
                 return None
+
+        def should_stop() -> bool:  # between two pieces of the prefill
+            return self._prefill_pause(ch)
+
+        self._prefilling = ch
+        self._pause_mark = time.perf_counter()
         try:
             prompt = {"system_prompt": p.system_prompt, "seed": p.seed, "tools": tools}
             if self.prompt_states is not None:  # a cached state: no prefill
                 prompt = {
                     "prompt_state": self.prompt_states.state_for(
-                        self.model, p.system_prompt, p.seed, tools=tools, should_stop=ch.gone.is_set
+                        self.model, p.system_prompt, p.seed, tools=tools, should_stop=should_stop
                     )
                 }
-            session = self.model.create_streaming_session(
+            session = self._batch.open(
                 max_streaming_seconds=p.max_streaming_seconds,
                 profile=self.stage_metrics_every > 0,
-                should_stop=ch.gone.is_set,
+                should_stop=should_stop,
                 **prompt,
             )
         except PrefillStoppedError:
-            # The client left during the prefill: nothing to answer; its Close command follows.
+            # The client left during the prefill (or the server stops): nothing to answer; its Close follows.
             log.info("session %s: prefill stopped, the client left", ch.session_id)
+            return None
+        except BatchFullError as e:  # the network side's slots make this unreachable; be loud if not
+            log.error("session %s: %s", ch.session_id, e)
+            ch.emit(SessionRefused("session_initialization_failed", "every session slot of this server is taken"))
             return None
         except (VoiceChatError, ValueError, TypeError) as e:
             # e.g. a system prompt longer than the context: the client may send another session.update.
             ch.emit(SessionRefused("session_initialization_failed", str(e)[:300]))
             return None
+        finally:
+            self._prefilling = None
         ch.emit(SessionOpened(dict(self.info)))
         return _Active(ch, session, profile=session.profile, runs_tools=runs_tools)
 
+    def _prefill_pause(self, ch: Channel) -> bool:
+        """Between two pieces of `ch`'s prefill (32 prompt positions): the other connections' queued
+        commands are applied and ticks run for their ready frames, as many as frames of audio the
+        clients sent in real time while the piece ran (its time / the frame duration, at least one,
+        fewer when fewer are ready): the others keep pace while the prompt is prefilled, and a pause
+        is bounded (a deeper backlog is computed once the new session has joined the ticks). ->
+        stop the prefill (the client left, or the server stops)."""
+        if ch.gone.is_set() or self._stopping:
+            return True
+        try:
+            piece = time.perf_counter() - self._pause_mark
+            budget = max(1, math.ceil(piece * 1000.0 / self.info["frame_ms"]))
+            self._take(block=False)
+            self._advance_all()
+            for _ in range(budget):
+                if self._stopping or not self._tick():
+                    break
+                self._advance_all()
+        except Exception:  # the pause's own parts isolate their errors; this is a last resort
+            log.exception("session %s: the other sessions' frames between prefill pieces failed", ch.session_id)
+        self._pause_mark = time.perf_counter()
+        return ch.gone.is_set() or self._stopping
+
     def _append(self, a: _Active, pcm: np.ndarray) -> None:
         ch, s = a.channel, a.session
+        a.appended += int(pcm.size)
         if s is None or s.closed or ch.gone.is_set() or ch.cancel_requested.is_set():
             a.discarded_samples += int(pcm.size)
-            ch.consumed_samples += int(pcm.size)
-            return
-        given_before = s.frame_index * s.frame_samples + s.pending_samples  # samples the session had
-        frames = s.push_frames(pcm)  # checked and buffered; the session cuts the frames
-        counted = 0  # samples of `pcm` counted as consumed
+        else:
+            self._batch.append({s: pcm})  # checked and buffered; the ticks compute its frames
+        self._sync_consumed(a)
 
-        def consumed_upto(k: int) -> None:
-            nonlocal counted
-            ch.consumed_samples += k - counted
-            counted = k
+    def _sync_consumed(self, a: _Active) -> None:
+        """The connection's consumed samples: its appends, less the complete frames its session has
+        buffered but not computed (a partial frame's samples count as consumed, as they always have).
+        Never decreases."""
+        s = a.session
+        waiting = 0
+        if s is not None and not s.closed:
+            waiting = (s.pending_samples // s.frame_samples) * s.frame_samples
+        target = a.appended - waiting
+        if target > a.counted:
+            a.channel.consumed_samples += target - a.counted
+            a.counted = target
 
-        while True:
-            if ch.gone.is_set() or ch.cancel_requested.is_set():
-                a.discarded_samples += int(pcm.size - counted)
-                consumed_upto(int(pcm.size))
-                return
-            if a.profile is not None:  # the next step computes frame `s.frame_index`
-                s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
-            t0 = time.perf_counter()
+    def _tick(self) -> bool:
+        """One tick: the next frame of every ready session, as one pass (`SessionBatch.step`), each
+        session's events to its connection. -> whether any session was ready."""
+        ready = sorted((a for a in self._active.values() if self._ready(a)), key=lambda a: a.session.slot)
+        if not ready:
+            return False
+        every = self.stage_metrics_every
+        # Stage timing synchronises every stage of the tick: it is sampled by the first session's frame
+        # index (every Kth frame of a session alone, as before).
+        timed = every > 0 and ready[0].session.frame_index % every == 0
+        for a in ready:
+            if a.profile is not None:
+                a.session.profile = a.profile if timed else None
+        failed: dict = {}
+        limited: list = []
+        t0 = time.perf_counter()
+        try:
+            results = self._batch.step([a.session for a in ready], on_error=failed.__setitem__)
+        except ContextLimitError as e:
+            results = e.events if isinstance(e.events, dict) else {}
+            limited = list(e.sessions)
+        except Exception:
+            # The shared pass failed: which session's data caused it cannot be told, and every session of
+            # the tick was advanced in part (their caches no longer agree), so all of them end.
+            log.exception(
+                "a tick of %d session(s) failed in the frame engine's shared pass; ending all of them: %s",
+                len(ready),
+                ", ".join(a.channel.session_id for a in ready),
+            )
+            for a in ready:
+                self._fail(a.channel)
+            return True
+        tick_ms = (time.perf_counter() - t0) * 1000.0
+        self._observe_tick(tick_ms, len(ready) - len(limited))
+        observed_stages = False
+        for a in ready:
+            s = a.session
+            ch = a.channel
+            err = failed.get(s)
+            if err is not None:
+                log.error(
+                    "session %s: its frame failed after the tick's shared pass; it alone is ended",
+                    ch.session_id,
+                    exc_info=(type(err), err, err.__traceback__),
+                )
+                self._fail(ch)
+                continue
             try:
-                events = next(frames, None)  # one frame, so each frame's events leave as soon as it is done
-            except ContextLimitError as e:
-                consumed_upto(int(pcm.size))
-                self._send_events(a, e.events, (time.perf_counter() - t0) * 1000.0)
-                ch.emit(SessionError("context_limit", str(e)))
-                ch.emit(Finished("context_limit"))
-                return
-            if events is None:
-                consumed_upto(int(pcm.size))  # the rest waits in the session for its frame
-                return
-            consumed_upto(min(int(pcm.size), s.frame_index * s.frame_samples - given_before))
-            self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
+                if a.profile is not None:
+                    observed_stages = self._observe_stages(a, count=not observed_stages) or observed_stages
+                events = results.get(s)
+                if events:
+                    self._send_events(a, events, tick_ms)
+                if s in limited:
+                    ch.emit(
+                        SessionError(
+                            "context_limit",
+                            f"max_streaming_seconds reached ({s.max_frames} frames of "
+                            f"{self.info['frame_ms']:g} ms); the session is closed",
+                        )
+                    )
+                    ch.emit(Finished("context_limit"))
+                self._sync_consumed(a)
+            except Exception:
+                log.exception("session %s: its frame's events could not be sent; it alone is ended", ch.session_id)
+                self._fail(ch)
+        return True
 
     def _send_events(self, a: _Active, events, compute_ms: float) -> None:
         if not events:
@@ -390,7 +626,7 @@ class ModelWorker:
                 lag = max(0, ch.received_samples - done) * 1000.0 / self.info["input_sample_rate"]
                 a.compute_ms.append(compute_ms)
                 a.lag_ms.append(lag)
-                self._observe(a, compute_ms, lag)
+                self._observe(compute_ms, lag)
             elif isinstance(e, ToolCall) and a.runs_tools:
                 self._run_tool(ch, e)
         # The session's own events; each dialect renders them (mlx-vlm: protocol.event_payload).
@@ -409,7 +645,7 @@ class ModelWorker:
 
         threading.Thread(target=run, name="voicechat-tool-call", daemon=True).start()
 
-    def _observe(self, a: _Active, compute_ms: float, lag_ms: float) -> None:
+    def _observe(self, compute_ms: float, lag_ms: float) -> None:
         m = self.metrics
         if m is None:
             return
@@ -417,27 +653,50 @@ class ModelWorker:
         m.frame_seconds.observe(compute_ms / 1000.0)
         m.lag_seconds.observe(lag_ms / 1000.0)
         m.lag_current.set(lag_ms / 1000.0)
+
+    def _observe_stages(self, a: _Active, count: bool = True) -> bool:
+        """The stage times the session's profile gained since last seen (`count`: into the histograms;
+        a tick's sessions share one set of stage times, counted once). -> whether any were new."""
         prof = a.profile
-        if prof is not None:
-            for t in prof.frames[a.stages_seen :]:
+        new = prof.frames[a.stages_seen :]
+        a.stages_seen = len(prof.frames)
+        m = self.metrics
+        if count and m is not None:
+            for t in new:
                 for f in STAGE_FIELDS:
                     m.stage_seconds.labels(stage=f[:-3]).observe(getattr(t, f) / 1000.0)
-            a.stages_seen = len(prof.frames)
+        return bool(new)
 
-    def _finish(self, a: _Active, end, reason: str) -> None:
+    def _observe_tick(self, tick_ms: float, frames: int) -> None:
+        m = self.metrics
+        if m is None or frames <= 0:
+            return
+        m.tick_seconds.observe(tick_ms / 1000.0)
+        m.tick_frames.observe(frames)
+        if tick_ms > self.info["frame_ms"]:  # each frame of a tick longer than a frame missed its deadline
+            m.frames_missed.inc(frames)
+
+    def _finish(self, a: _Active, end, reason: str, drops: bool = False) -> None:
+        """`end(session)` (flush or cancel; `drops`: its buffered audio is dropped), its events, Finished."""
         if a.session is None or a.session.closed:
             return
         t0 = time.perf_counter()
+        s = a.session
         if a.profile is not None:
-            s = a.session
             s.profile = a.profile if s.frame_index % self.stage_metrics_every == 0 else None
-        events = end(a.session)
+        if drops:
+            a.discarded_samples += s.pending_samples
+        events = end(s)
+        if a.profile is not None:
+            self._observe_stages(a)
         self._send_events(a, events, (time.perf_counter() - t0) * 1000.0)
+        self._sync_consumed(a)
         a.channel.emit(Finished(reason))
 
     def _close(self, a: _Active) -> None:
         s = a.session
         if s is not None and not s.closed:
+            a.discarded_samples += s.pending_samples
             s.cancel()
         ch = a.channel
         frames = s.frame_index if s is not None else 0
@@ -467,6 +726,7 @@ class ModelWorker:
             }
         log.info(json.dumps(line, sort_keys=False))
         a.session = None
+        self._sync_consumed(a)
         ch.emit(Closed(line))
 
 

@@ -129,12 +129,20 @@ class SessionBatch:
         for session, a in checked:
             session._append(a)
 
-    def step(self, sessions=None) -> dict[BatchedSession, list]:
+    def step(self, sessions=None, *, on_error=None) -> dict[BatchedSession, list]:
         """One tick: the next frame of each session (of `sessions`, default all) that has a complete
         frame buffered, computed together -> {session: that frame's events} (only sessions that
         computed a frame). A session at its `max_streaming_seconds` closes and frees its slot instead;
         the tick's other frames are computed, then `ContextLimitError` is raised with `events` the
-        tick's {session: events} and `sessions` the sessions that closed."""
+        tick's {session: events} and `sessions` the sessions that closed.
+
+        `on_error(session, exception)` (a server's isolation): after the shared pass, each session
+        turns its outputs into events on its own (its decoders, tool channel, `on_frame`); with
+        `on_error`, a session that fails there is closed (its slot freed), reported to `on_error` and
+        left out of the result, and the tick's other sessions keep their events. Without it the
+        exception propagates (the other sessions' frames are then computed but their events lost).
+        An exception in the shared pass always propagates: every session of the tick may then have
+        been advanced in part."""
         self._check_thread()
         candidates = self.sessions if sessions is None else list(sessions)
         for session in candidates:
@@ -160,7 +168,16 @@ class SessionBatch:
             for s, (i, forced), out in zip(ready, inputs, outs, strict=True):
                 if s.profile is None:
                     out.stage_ms = None
-                results[s] = s._frame_done(i, out, forced)
+                if on_error is None:
+                    results[s] = s._frame_done(i, out, forced)
+                    continue
+                try:
+                    results[s] = s._frame_done(i, out, forced)
+                except Exception as err:  # this session's own part: it alone ends
+                    s.closed = True
+                    s._pending = np.zeros(0, dtype=np.float32)
+                    self._release(s)
+                    on_error(s, err)
         if limited:
             raise self._limit_reached(limited, results)
         return results
