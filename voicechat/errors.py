@@ -1,5 +1,7 @@
 """Exceptions raised by the project (all subclass the builtin a caller expects)."""
 
+from typing import Any
+
 
 class VoiceChatError(Exception):
     """Base class of this project's own errors."""
@@ -18,10 +20,15 @@ class ContextLimitError(VoiceChatError, RuntimeError):
     completed before it (a `push_audio` that raises loses none of them). From a `SessionBatch`'s
     `push` / `step`: `events` is {session: events} of the call and `sessions` the sessions that closed."""
 
-    def __init__(self, message: str, events: list[object] | dict | None = None, sessions: list | None = None):
+    def __init__(
+        self,
+        message: str,
+        events: list[object] | dict[Any, list[Any]] | None = None,
+        sessions: list[Any] | None = None,
+    ):
         super().__init__(message)
-        self.events: list[object] | dict = [] if events is None else events
-        self.sessions: list = [] if sessions is None else sessions
+        self.events: list[object] | dict[Any, list[Any]] = [] if events is None else events
+        self.sessions: list[Any] = [] if sessions is None else sessions
 
 
 class SessionClosedError(VoiceChatError, RuntimeError):
