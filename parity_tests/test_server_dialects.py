@@ -320,13 +320,16 @@ def test_every_ga_client_event_is_acknowledged_without_error(server, question_wa
                 }
             )
             await until("session.updated")
+            # Before any audio (no response can be open yet): the model's first stretch answers it and
+            # carries its metadata (LiveKit's generate_reply waits for exactly that).
+            await conn.response.create(response={"metadata": {"client_event_id": "early"}})
             for i in range(0, pcm.size, 1920):
                 await conn.input_audio_buffer.append(audio=b64(pcm[i : i + 1920]))
             await conn.input_audio_buffer.commit()
+            await until("response.created")
             await until("input_audio_buffer.committed")
             await conn.input_audio_buffer.clear()
             await until("input_audio_buffer.cleared")
-            await conn.response.create()
             await conn.response.cancel()
             await conn.send({"type": "output_audio_buffer.clear"})
             await until("output_audio_buffer.cleared")
@@ -351,6 +354,8 @@ def test_every_ga_client_event_is_acknowledged_without_error(server, question_wa
     for e in seen:
         ga_validate(e)
     assert seen[1]["session"]["instructions"] == "Be brief."
+    first = next(e for e in seen if e["type"] == "response.created")
+    assert first["response"]["metadata"] == {"client_event_id": "early"}
     assert wait_released(server)
 
 
@@ -744,6 +749,42 @@ def test_mapping_response_create_while_silent_completes_empty_after_the_wait():
     out = _run_from(m, 1, [(False, None, None)] * 4)
     types = [e["type"] for e in out]
     assert types == ["response.created", "response.done"] and out[1]["response"]["output"] == []
+
+
+def test_mapping_response_create_metadata_is_echoed_by_its_response():
+    """LiveKit's generate_reply resolves on the response.created carrying its request's metadata: the
+    response a response.create opens (the model's next stretch, or an empty one) echoes the metadata
+    in response.created and response.done; a stretch the model opens on its own carries none."""
+    m = _mapper(response_wait_frames=4)
+    _run(m, [(False, None, None)])
+    assert m.request({"client_event_id": "evt_1"})
+    out = _run_from(m, 1, [(False, None, None), (True, None, "Hi"), (True, None, None)] + [(False, None, None)] * 3)
+    created = [e for e in out if e["type"] == "response.created"]
+    done = [e for e in out if e["type"] == "response.done"]
+    assert len(created) == len(done) == 1
+    assert created[0]["response"]["metadata"] == done[0]["response"]["metadata"] == {"client_event_id": "evt_1"}
+    out = _run_from(m, 7, [(True, None, "Again"), (True, None, None)] + [(False, None, None)] * 3)
+    created = [e for e in out if e["type"] == "response.created"]
+    assert len(created) == 1 and created[0]["response"]["metadata"] is None
+
+
+def test_mapping_response_create_while_a_response_is_open_is_refused():
+    m = _mapper(response_wait_frames=4)
+    _run(m, [(True, None, "Hello"), (True, None, None)])
+    assert m.resp is not None
+    opened = m.resp["id"]
+    assert not m.request({"client_event_id": "evt_2"})
+    assert m.requested_at is None and m.requested_metadata is None and m.resp["id"] == opened
+
+
+def test_response_create_metadata_is_checked():
+    from voicechat.server.dialects.ga import _metadata
+    from voicechat.server.protocol import ProtocolError
+
+    assert _metadata(None) is None and _metadata({"a": "b"}) == {"a": "b"}
+    for bad in ([], {"a": 1}, {1: "a"}, {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(ProtocolError):
+            _metadata(bad)
 
 
 # -- voicechat serve --mcp: the server runs the tools

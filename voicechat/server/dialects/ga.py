@@ -97,6 +97,26 @@ def parse_format(fmt, where: str, rates=GA_RATES) -> int | None:
     return int(rate)
 
 
+NO_REQUEST = object()
+
+
+def _metadata(value) -> dict | None:
+    """`response.metadata` as GA defines it: None, or at most 16 string keys (<= 64 characters) with
+    string values (<= 512 characters); anything else is refused (invalid_value) by name."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16:
+        raise P.ProtocolError("invalid_value", "response.metadata must be an object of at most 16 string pairs")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise P.ProtocolError(
+                "invalid_value",
+                "response.metadata: keys must be strings of at most 64 characters and values strings of at "
+                f"most 512 characters (key {str(k)[:64]!r})",
+            )
+    return dict(value)
+
+
 def _hz(rates) -> str:
     return " or ".join(str(r) for r in rates) + " Hz"
 
@@ -118,6 +138,7 @@ class GaMapper:
         self.user: dict | None = None  # the open user turn
         self.pending_text = ""  # text-channel deltas while no response is open: the next response's start
         self.requested_at: int | None = None  # response.create while silent: the frame it came at
+        self.requested_metadata: dict | None = None  # that request's `response.metadata`, echoed by its response
         self.items: dict[str, dict] = {}  # conversation items by id (retrieve / truncate / delete)
         self.segments: dict[str, list] = {}  # assistant audio items: (ms of audio before the delta, text delta)
         self.last_item_id: str | None = None
@@ -190,17 +211,24 @@ class GaMapper:
             "conversation_id": "conv_voicechat",
             "output": list(r["output"]),
             "output_modalities": ["text"] if self.text_only else ["audio"],
-            "metadata": None,
+            "metadata": r.get("metadata"),
         }
         if status == "cancelled":
             obj["status_details"] = {"type": "cancelled", "reason": r.get("reason", "client_cancelled")}
         return obj
 
     def open_response(self, out: list, *, audio: bool = True) -> dict:
-        r = {"id": _id("resp"), "output": [], "audio_item": None, "status": "in_progress"}
+        r = {
+            "id": _id("resp"),
+            "output": [],
+            "audio_item": None,
+            "status": "in_progress",
+            "metadata": self.requested_metadata,
+        }
         self.resp = r
         self.last_response_id = r["id"]
         self.requested_at = None
+        self.requested_metadata = None
         out.append({"type": "response.created", "response": self._response_obj(r, "in_progress")})
         if audio:
             item = {
@@ -361,12 +389,16 @@ class GaMapper:
             item["status"] = "incomplete"
         return True
 
-    def request(self) -> list:
-        """response.create: the open response answers it; while silent, a response opens now (module doc)."""
-        out: list = []
-        if self.resp is None and self.requested_at is None:
+    def request(self, metadata: dict | None = None) -> bool:
+        """response.create: while silent, the model's next speech stretch (or an empty response after
+        `response_wait_frames`) is the response, carrying `metadata`; -> False (nothing changes) when a
+        response is open: OpenAI's server refuses a second one (module doc)."""
+        if self.resp is not None:
+            return False
+        if self.requested_at is None:
             self.requested_at = self.frame
-        return out
+        self.requested_metadata = metadata
+        return True
 
     # -- the session's events
 
@@ -458,6 +490,7 @@ class GaDialect(Dialect):
         self.out_rate = 24000
         self.instructions: str | None = None
         self.tools: list = []
+        self.early_request: object = NO_REQUEST  # a response.create's metadata before the session opened
         self.text_only = False
         self.opened = False  # the model session (opened at the first audio, with the session's settings)
         self.failed = False  # the model refused the session: audio is dropped until a session.update
@@ -572,6 +605,9 @@ class GaDialect(Dialect):
             options=self.options,
             text_only=self.text_only,
         )
+        if self.early_request is not NO_REQUEST:  # a response.create before the first audio
+            self.mapper.request(self.early_request)
+            self.early_request = NO_REQUEST
         self.conn.open_session(
             SessionParams(
                 system_prompt=self.instructions or None,
@@ -631,15 +667,31 @@ class GaDialect(Dialect):
         self.send({"type": "output_audio_buffer.cleared", "response_id": rid or _id("resp")})
 
     def _on_response_create(self, msg):
+        response = msg.get("response")
+        if response is None:
+            response = {}
+        if not isinstance(response, dict):
+            raise P.ProtocolError("invalid_value", "response.create: 'response' must be an object")
+        metadata = _metadata(response.get("metadata"))
         if self.mapper is None:  # no audio yet: the model has not started; the first stretch answers it
+            self.early_request = metadata
             return
-        self.mapper.request()
+        if not self.mapper.request(metadata):
+            rid = self.mapper.resp["id"] if self.mapper.resp is not None else ""
+            self.error(
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {rid}. Wait until the response "
+                "is finished before creating a new one (this model decides itself when it speaks; the open "
+                "response is its current speech).",
+                msg.get("event_id"),
+            )
 
     def _on_response_cancel(self, msg):
         out: list = []
         if self.mapper is not None:
             self.mapper.cancel(out)
             self.mapper.requested_at = None
+            self.mapper.requested_metadata = None
         for p in out:
             self.send(p)
 
