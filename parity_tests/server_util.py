@@ -359,3 +359,19 @@ class WrappedServer:
     def __exit__(self, *exc):
         self.srv.stop()
         self.worker.stop()
+
+
+FRAME = 1280  # input samples per model frame (16 kHz)
+
+
+def pcm16(x) -> np.ndarray:
+    """float samples -> little-endian PCM16 (clipped)."""
+    return np.round(np.clip(np.asarray(x, np.float32), -1, 1) * 32767).astype("<i2")
+
+
+def b64(pcm) -> str:
+    return base64.b64encode(np.asarray(pcm, "<i2").tobytes()).decode()
+
+
+def unb64(s) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(s), "<i2")

@@ -11,7 +11,6 @@ seconds of audio per client.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import socket
@@ -24,22 +23,21 @@ import soxr
 
 from voicechat.server.client import to_pcm16
 
-from .server_util import Raw, RawSocketWS, WrappedServer, append_msg, failing_frame, run, slow_frames, wait_released
+from .server_util import (
+    FRAME,
+    Raw,
+    RawSocketWS,
+    WrappedServer,
+    append_msg,
+    b64,
+    failing_frame,
+    pcm16,
+    run,
+    slow_frames,
+    unb64,
+    wait_released,
+)
 from .test_server import PROMPT, _expected_events, _wire_events
-
-FRAME = 1280
-
-
-def pcm16(x) -> np.ndarray:
-    return np.round(np.clip(np.asarray(x, np.float32), -1, 1) * 32767).astype("<i2")
-
-
-def b64(pcm) -> str:
-    return base64.b64encode(np.asarray(pcm, "<i2").tobytes()).decode()
-
-
-def unb64(s) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(s), "<i2")
 
 
 def live_reference(model, pcm24):

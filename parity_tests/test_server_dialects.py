@@ -15,7 +15,6 @@ frame; the tiny preset's 24-sample frames stay inside soxr's block latency until
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import signal
 import sys
@@ -26,23 +25,9 @@ import soxr
 
 from parity_tests.conftest import TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
 
-from .server_util import Raw, run, wait_released
+from .server_util import FRAME, Raw, b64, pcm16, run, unb64, wait_released
 
 openai = pytest.importorskip("openai")
-
-FRAME = 1280
-
-
-def pcm16(x) -> np.ndarray:
-    return np.round(np.clip(np.asarray(x, np.float32), -1, 1) * 32767).astype("<i2")
-
-
-def b64(pcm) -> str:
-    return base64.b64encode(np.asarray(pcm, "<i2").tobytes()).decode()
-
-
-def unb64(s) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(s), "<i2")
 
 
 def ga_validate(raw: dict):

@@ -410,18 +410,9 @@ class ConformerLayer(nn.Module):
         xn = ops.fused_layer_norm(x, p.get("weight"), p.get("bias"), self.norm_self_att.eps)
         att, keys, values = self.self_attn.step(xn, k_cache, v_cache, pos_proj, left)
         x = x + att
-        conv = self.conv
-        p1, p2 = conv.pointwise_weights()
-        norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
-        eps = (self.norm_conv.eps, conv.batch_norm.eps)
-        key = (eps, structure(norms), structure((p1, p2)))
-        glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
+        glu, finish, (taps, bias, norms, p1, p2) = self._conv_pieces(rows=False)
         din = mx.concatenate([conv_cache, glu(x, norms, p1)])
-        taps, bias = conv.taps()
-        finish = ops.fused(
-            ("conformer_conv_out", conv.kernel, bias is not None) + key, lambda: functools.partial(_conv_out_core, eps)
-        )
-        x = finish(x, din, taps, [] if bias is None else [bias], norms, p2)
+        x = finish(x, din, taps, bias, norms, p2)
         x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
         keep = keys.shape[0] - min(left, keys.shape[0])
         return x, keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (self.conv.kernel - 1) :]
@@ -439,25 +430,35 @@ class ConformerLayer(nn.Module):
         xn = ops.fused_layer_norm(x, p.get("weight"), p.get("bias"), self.norm_self_att.eps)
         att, kept = self.self_attn.step_rows(xn, [c[:2] for c in caches], pos_proj, left)
         x = x + att
+        glu, finish, (taps, bias, norms, p1, p2) = self._conv_pieces(rows=True)
+        glu_rows = glu(x, norms, p1)
+        dins = [mx.concatenate([c[2], glu_rows[i : i + 1]]) for i, c in enumerate(caches)]
+        x = finish(x, mx.stack(dins), taps, bias, norms, p2)
+        x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
+        new = []
+        for (keys, values), din in zip(kept, dins, strict=True):
+            keep = keys.shape[0] - min(left, keys.shape[0])
+            new.append(
+                (keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (self.conv.kernel - 1) :])
+            )
+        return x, new
+
+    def _conv_pieces(self, *, rows: bool):
+        """The conv module's two fused pieces around its cache (GLU in; depthwise, norm, SiLU and 1x1
+        out, over one conversation's window or, `rows`, over C stacked windows) and their arrays."""
         conv = self.conv
         p1, p2 = conv.pointwise_weights()
         norms = (norm_params(self.norm_conv), norm_params(conv.batch_norm))
         eps = (self.norm_conv.eps, conv.batch_norm.eps)
         key = (eps, structure(norms), structure((p1, p2)))
-        glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))(x, norms, p1)
-        dins = [mx.concatenate([c[2], glu[i : i + 1]]) for i, c in enumerate(caches)]
+        glu = ops.fused(("conformer_glu",) + key, lambda: functools.partial(_glu_core, eps))
         taps, bias = conv.taps()
+        core = _conv_out_rows_core if rows else _conv_out_core
         finish = ops.fused(
-            ("conformer_conv_out_rows", conv.kernel, bias is not None) + key,
-            lambda: functools.partial(_conv_out_rows_core, eps),
+            ("conformer_conv_out_rows" if rows else "conformer_conv_out", conv.kernel, bias is not None) + key,
+            lambda: functools.partial(core, eps),
         )
-        x = finish(x, mx.stack(dins), taps, [] if bias is None else [bias], norms, p2)
-        x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
-        new = []
-        for (keys, values), din in zip(kept, dins, strict=True):
-            keep = keys.shape[0] - min(left, keys.shape[0])
-            new.append((keys[keep:], values[max(0, values.shape[0] - left) :], din[din.shape[0] - (conv.kernel - 1) :]))
-        return x, new
+        return glu, finish, (taps, [] if bias is None else [bias], norms, p1, p2)
 
     @staticmethod
     def _feed_forward(x, norm, ff, out_norm):
