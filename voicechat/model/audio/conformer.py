@@ -313,6 +313,29 @@ class RelPositionAttention(nn.Module):
             kept.append((keys, values))
         return self.linear_out(mx.concatenate(merged)), kept
 
+    def step_block(self, x, k_cache, v_cache, pos_proj, left):
+        """`step` of C conversations whose windows have the same length, one new frame each: x (C, d),
+        k_cache / v_cache (C, lc, d) -> (out (C, d), keys, values (C, lc+1, d)). Every operation is
+        `step`'s for each conversation, batched over the leading axis."""
+        c, lc = x.shape[0], k_cache.shape[1]
+        h, hd = self.n_heads, self.head_dim
+        keys = mx.concatenate([k_cache, self.linear_k(x)[:, None]], axis=1)
+        values = mx.concatenate([v_cache, self.linear_v(x)[:, None]], axis=1)
+        q = self.linear_q(x).reshape(c, 1, h, hd).transpose(0, 2, 1, 3)  # (C, H, 1, hd)
+        kh = keys.reshape(c, lc + 1, h, hd).transpose(0, 2, 1, 3)
+        vh = values.reshape(c, lc + 1, h, hd).transpose(0, 2, 1, 3)
+        pos_bias_v = derived(self, "pos_bias_v", (self.pos_bias_v,), lambda b: b.astype(mx.float32)[:, None, :])
+        idx, mask = _step_index_and_mask(h, 1, lc, left)
+        bd = mx.take_along_axis(
+            (q + pos_bias_v) @ pos_proj.transpose(0, 2, 1), mx.broadcast_to(idx, (c, *idx.shape)), axis=-1
+        )
+        u = derived(self, "pos_bias_u", (self.pos_bias_u,), lambda b: b.astype(mx.float32)[:, None, :])
+        ac = (q + u) @ kh.transpose(0, 1, 3, 2)
+        scores = (ac + (bd + mask)) * (1.0 / math.sqrt(hd))
+        weights = mx.softmax(scores, axis=-1)
+        merged = (weights @ vh).transpose(0, 2, 1, 3).reshape(c, h * hd)
+        return self.linear_out(merged), keys, values
+
 
 class ConvModule(nn.Module):
     """pointwise (d -> 2d) -> GLU -> causal depthwise (k) -> LayerNorm -> SiLU -> pointwise."""
@@ -443,6 +466,27 @@ class ConformerLayer(nn.Module):
             )
         return x, new
 
+    def step_block(self, x, k_cache, v_cache, conv_cache, pos_proj, left):
+        """`step` of C conversations with windows of one length, one new frame each: x (C, d),
+        k_cache / v_cache (C, lc, d), conv_cache (C, K-1, d) -> (out (C, d), new k, v, conv caches
+        stacked the same way)."""
+        x = self._feed_forward(x, self.norm_feed_forward1, self.feed_forward1, None)
+        p = norm_params(self.norm_self_att)
+        xn = ops.fused_layer_norm(x, p.get("weight"), p.get("bias"), self.norm_self_att.eps)
+        att, keys, values = self.self_attn.step_block(xn, k_cache, v_cache, pos_proj, left)
+        x = x + att
+        glu, finish, (taps, bias, norms, p1, p2) = self._conv_pieces(rows=True)
+        din = mx.concatenate([conv_cache, glu(x, norms, p1)[:, None]], axis=1)
+        x = finish(x, din, taps, bias, norms, p2)
+        x = self._feed_forward(x, self.norm_feed_forward2, self.feed_forward2, self.norm_out)
+        n = keys.shape[1]
+        return (
+            x,
+            keys[:, n - min(left, n) :],
+            values[:, max(0, n - left) :],
+            din[:, din.shape[1] - (self.conv.kernel - 1) :],
+        )
+
     def _conv_pieces(self, *, rows: bool):
         """The conv module's two fused pieces around its cache (GLU in; depthwise, norm, SiLU and 1x1
         out, over one conversation's window or, `rows`, over C stacked windows) and their arrays."""
@@ -512,6 +556,15 @@ class FastConformer(nn.Module):
         return x
 
 
+class ConformerRows:
+    """The conformer caches of C conversations at the same window length, stacked: per layer K and V
+    (C, lc, d) and the conv tail (C, K-1, d), as a batched step left them. The next step over the
+    same conversations in the same order reads them as they are."""
+
+    def __init__(self, k: list[mx.array], v: list[mx.array], conv: list[mx.array], size: int):
+        self.k, self.v, self.conv, self.size = k, v, conv, size
+
+
 class ConformerState:
     """Streaming state of a FastConformer (bounded for any stream length).
 
@@ -529,22 +582,60 @@ class ConformerState:
 
     def reset(self) -> None:
         d, c = self.cfg.d_model, self.cfg.conv_kernel_size - 1
+        self._block: tuple[ConformerRows, int] | None = None
         self.mel_cache = mx.zeros((0, self.cfg.feat_in), dtype=mx.float32)
         self.mel_consumed = 0
         self.frames_emitted = 0
-        self.k_cache = [mx.zeros((0, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
-        self.v_cache = [mx.zeros((0, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
-        self.conv_cache = [mx.zeros((c, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
+        self._k = [mx.zeros((0, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
+        self._v = [mx.zeros((0, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
+        self._conv = [mx.zeros((c, d), dtype=mx.float32) for _ in range(self.cfg.n_layers)]
+
+    # After a batched step the per-layer caches are row i of a `ConformerRows` block; the state's own
+    # lists are cut from it when read.
+
+    def _own(self) -> None:
+        if self._block is not None:
+            block, i = self._block
+            self._block = None
+            self._k = [k[i] for k in block.k]
+            self._v = [v[i] for v in block.v]
+            self._conv = [c[i] for c in block.conv]
+
+    def in_block(self, block: ConformerRows, index: int) -> None:
+        self._block = (block, index)
+
+    @property
+    def block(self) -> ConformerRows | None:
+        return None if self._block is None else self._block[0]
+
+    def row_of(self, block: ConformerRows) -> int | None:
+        return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    @property
+    def k_cache(self) -> list[mx.array]:
+        self._own()
+        return self._k
+
+    @property
+    def v_cache(self) -> list[mx.array]:
+        self._own()
+        return self._v
+
+    @property
+    def conv_cache(self) -> list[mx.array]:
+        self._own()
+        return self._conv
 
     def copy(self) -> ConformerState:
         other = object.__new__(ConformerState)
         other.cfg = self.cfg
+        other._block = None
         other.mel_cache = self.mel_cache
         other.mel_consumed = self.mel_consumed
         other.frames_emitted = self.frames_emitted
-        other.k_cache = list(self.k_cache)
-        other.v_cache = list(self.v_cache)
-        other.conv_cache = list(self.conv_cache)
+        other._k = list(self.k_cache)
+        other._v = list(self.v_cache)
+        other._conv = list(self.conv_cache)
         return other
 
     def arrays(self) -> dict[str, mx.array]:
@@ -716,15 +807,40 @@ def advance_rows(streams: list[ConformerStream], mels: list[mx.array]) -> list[m
         windows.append(window)
     x = mx.concatenate([w[0] for w in windows])
     encoder = streams[0].encoder
-    for i, layer in enumerate(encoder.layers):
-        caches = [(s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i]) for s in streams]
-        x, new = layer.step_rows(x, caches, streams[0].pos_proj[i], encoder.left_context)
-        for s, (k, v, c) in zip(streams, new, strict=True):
-            s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i] = k, v, c
-        ops.after_layer(x)
+    states = [s.state for s in streams]
+    block = states[0].block
+    if block is not None and block.size == len(states) and all(st.row_of(block) == c for c, st in enumerate(states)):
+        k, v, conv = block.k, block.v, block.conv  # as the previous step left them
+    elif len({st.k_cache[0].shape[0] for st in states}) == 1:  # windows of one length: stack them
+        n_layers = len(encoder.layers)
+        k = [mx.stack([st.k_cache[i] for st in states]) for i in range(n_layers)]
+        v = [mx.stack([st.v_cache[i] for st in states]) for i in range(n_layers)]
+        conv = [mx.stack([st.conv_cache[i] for st in states]) for i in range(n_layers)]
+    else:  # windows still filling at different lengths: each attends over its own
+        k = v = conv = None
+    if k is not None and v is not None and conv is not None:
+        new_k, new_v, new_conv = [], [], []
+        for i, layer in enumerate(encoder.layers):
+            x, ki, vi, ci = layer.step_block(x, k[i], v[i], conv[i], streams[0].pos_proj[i], encoder.left_context)
+            new_k.append(ki)
+            new_v.append(vi)
+            new_conv.append(ci)
+            ops.after_layer(x)
+        rows = ConformerRows(new_k, new_v, new_conv, len(states))
+        for c, st in enumerate(states):
+            st.in_block(rows, c)
+    else:
+        for i, layer in enumerate(encoder.layers):
+            caches = [(s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i]) for s in streams]
+            x, new = layer.step_rows(x, caches, streams[0].pos_proj[i], encoder.left_context)
+            for s, (ki, vi, ci) in zip(streams, new, strict=True):
+                s.state.k_cache[i], s.state.v_cache[i], s.state.conv_cache[i] = ki, vi, ci
+            ops.after_layer(x)
     for _, after in windows:
         after()
-    mx.async_eval(x, [s.state.arrays() for s in streams])
+    block = states[0].block  # the frame's state, cut from its history; no wait
+    caches = [block.k, block.v, block.conv] if block is not None else [st.arrays() for st in states]
+    mx.async_eval(x, caches, [st.mel_cache for st in states])
     return [x[c] for c in range(len(streams))]
 
 
