@@ -55,6 +55,9 @@ class PlainOps:
     def float32_matmul(self, x, wt):
         return mx.matmul(x, wt)
 
+    def float32_matmul_t(self, x, w, owner, name):
+        return x @ w.T
+
     def rvq_pass(self, residual, books_t, norms):
         return None
 
@@ -152,6 +155,12 @@ def fused_layer_norm(x, weight, bias, eps):
 def float32_matmul(x, wt):
     """x @ wt for float32 x and a 2-D wt (K, N) stored as the product reads it."""
     return _bound.ops.float32_matmul(x, wt)
+
+
+def float32_matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
+    """x @ w.T for float32 x and a 2-D w (O, I), the bits of `mx.matmul`; a runtime may run it on a
+    contiguous w.T kept once per weights (`owner` / `name` key it)."""
+    return _bound.ops.float32_matmul_t(x, w, owner, name)
 
 
 def rvq_pass(residual, books_t, norms):

@@ -11,7 +11,10 @@ a policy up.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from voicechat.model import ops
+from voicechat.model.derived import derived
 from voicechat.runtime import compiled, host_products, kernels, linear, overlap
 from voicechat.runtime.policy import ExecutionPolicy
 
@@ -58,6 +61,14 @@ class Runtime(ops.PlainOps):
 
     def float32_matmul(self, x, wt):
         return kernels.float32_matmul(x, wt, enabled=self.policy.cpu_kernels)
+
+    def float32_matmul_t(self, x, w, owner, name):
+        # The CPU kernel reads a contiguous W.T (made once per weights, in the stored dtype: the
+        # kernel widens bf16 exactly); without the kernels MLX's own product takes w.T as it is.
+        if not self.policy.cpu_kernels or w.dtype not in (mx.float32, mx.bfloat16):
+            return x @ w.T
+        wt = derived(owner, "transposed_" + name, (w,), lambda a: mx.contiguous(a.T))
+        return kernels.float32_matmul(x, wt, enabled=True)
 
     def rvq_pass(self, residual, books_t, norms):
         return kernels.rvq_pass(residual, books_t, norms, enabled=self.policy.cpu_kernels)

@@ -42,7 +42,7 @@ class LstmCell(nn.Module):
         self.bias = mx.random.uniform(-scale, scale, (4 * hidden,))
 
     def __call__(self, x: mx.array, h: mx.array, c: mx.array) -> tuple[mx.array, mx.array]:
-        gates = x @ self.Wx.T + h @ self.Wh.T + self.bias
+        gates = ops.float32_matmul_t(x, self.Wx, self, "Wx") + ops.float32_matmul_t(h, self.Wh, self, "Wh") + self.bias
         return ops.fused(("lstm_cell_update",), lambda: _lstm_cell_update)(gates, c)
 
 
