@@ -322,6 +322,22 @@ def _table(headers: list[str], rows: list[list[str]], align: str | None = None) 
     return "\n".join(lines)
 
 
+def machine_load_line(machine: dict, under_load: str) -> str | None:
+    """The summary's machine-load line from env.json's `machine` (None without load averages); when the
+    1-minute load exceeded 0.75 of the usable cores it adds "other processes were competing for the
+    CPU: " + `under_load`."""
+    la0, la1 = machine.get("load_average_start"), machine.get("load_average_end")
+    if not (la0 or la1):
+        return None
+    busy = max((la0 or [0])[:1] + (la1 or [0])[:1]) > (machine.get("usable_cpus") or 1) * 0.75
+    return (
+        f"- **Machine load** (1/5/15-min load average, {machine.get('usable_cpus')} cores): "
+        f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
+        f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
+        + (f" (other processes were competing for the CPU: {under_load})" if busy else "")
+    )
+
+
 def _short(h) -> str:
     return str(h)[:12] if h else "n/a"
 
@@ -435,19 +451,9 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                 else ""
             )
         )
-    la0, la1 = m.get("load_average_start"), m.get("load_average_end")
-    if la0 or la1:
-        out.append(
-            f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
-            f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
-            f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
-            + (
-                " (other processes were competing for the CPU: absolute times are pessimistic; the "
-                "interleaved backends saw the same load)"
-                if max((la0 or [0])[:1] + (la1 or [0])[:1]) > (m.get("usable_cpus") or 1) * 0.75
-                else ""
-            )
-        )
+    load = machine_load_line(m, "absolute times are pessimistic; the interleaved backends saw the same load")
+    if load:
+        out.append(load)
     ws = env.get("wall_seconds")
     out.append(f"- **Date:** {date} (UTC)" + (f"; the benchmark took {ws / 60:.0f} min" if ws else ""))
     out.append("")

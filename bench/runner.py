@@ -188,6 +188,18 @@ def _release_memory() -> None:
 # -- checkpoints and inputs
 
 
+def resolve_checkpoints(specs, progress) -> list[dict]:
+    """[{"spec", "folder", "info"}] of each checkpoint spec, resolved (written or found) in turn."""
+    from .env import checkpoint_info
+
+    ckpts = []
+    for spec in specs:
+        progress(f"resolving checkpoint {spec}")
+        folder = resolve_checkpoint(spec)
+        ckpts.append({"spec": spec, "folder": folder, "info": checkpoint_info(spec, folder)})
+    return ckpts
+
+
 def resolve_checkpoint(spec: str) -> Path:
     """A -m value -> a local checkpoint folder (synthetic specs are written to the cache on first use)."""
     from voicechat.io.loading import resolve_checkpoint as resolve
@@ -380,7 +392,7 @@ def run_bench(
 ) -> BenchResult:
     """Run everything `opts` asks and write the run folder (see bench.report). Returns counts of runs."""
     from . import report
-    from .env import checkpoint_info, environment, sha256_file
+    from .env import environment, sha256_file
 
     opts.validate()
     progress = progress or Progress()
@@ -400,11 +412,7 @@ def run_bench(
         )
 
     out.mkdir(parents=True, exist_ok=True)
-    ckpts = []
-    for spec in opts.checkpoints:
-        progress(f"resolving checkpoint {spec}")
-        folder = resolve_checkpoint(spec)
-        ckpts.append({"spec": spec, "folder": folder, "info": checkpoint_info(spec, folder)})
+    ckpts = resolve_checkpoints(opts.checkpoints, progress)
 
     bandwidth = None
     if opts.floor:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .runner import FRAME_MS, FRAME_SAMPLES, BenchOptions, Progress, _release_memory, load_input, resolve_checkpoint
+from .runner import FRAME_MS, FRAME_SAMPLES, BenchOptions, Progress, _release_memory, load_input, resolve_checkpoints
 
 # Backends with a batch API: this project under its execution policies.
 BATCH_BACKENDS = ("voicechat", "voicechat-serial", "voicechat-gpu-policy")
@@ -228,7 +228,7 @@ def run_sessions(
 ) -> Path:
     """Measure ticks of N sessions for every N in `counts` and write the run folder `opts.out`."""
     from .dispatch import count_batch
-    from .env import checkpoint_info, environment, sha256_file
+    from .env import environment, sha256_file
 
     counts = sorted(counts)
     validate_sessions(opts, counts)
@@ -251,11 +251,7 @@ def run_sessions(
         )
     input_name = Path(path).name
     out.mkdir(parents=True, exist_ok=True)
-    ckpts = []
-    for spec in opts.checkpoints:
-        progress(f"resolving checkpoint {spec}")
-        folder = resolve_checkpoint(spec)
-        ckpts.append({"spec": spec, "folder": folder, "info": checkpoint_info(spec, folder)})
+    ckpts = resolve_checkpoints(opts.checkpoints, progress)
 
     prompts = session_prompts(max(counts), opts.system_prompt)
     orders = round_orders(counts, opts.warmup + opts.runs)
@@ -407,7 +403,7 @@ def _capacity_text(c: dict) -> str:
 def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, title: str | None = None) -> str:
     """The run's Markdown: capacity, tick statistics per N, dispatches per tick, the plot. Deterministic:
     depends only on the folder's files (the statistics are recomputed from ticks.csv)."""
-    from .report import _ckpt_label, _fmt, _ms, _short, _table
+    from .report import _ckpt_label, _fmt, _ms, _short, _table, machine_load_line
 
     run_dir = Path(run_dir)
     env = json.loads((run_dir / "env.json").read_text())
@@ -438,19 +434,11 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
         f"`{_short(env.get('git_revision'))}`"
     )
-    la0, la1 = m.get("load_average_start"), m.get("load_average_end")
-    if la0 or la1:
-        out.append(
-            f"- **Machine load** (1/5/15-min load average, {m.get('usable_cpus')} cores): "
-            f"{' / '.join(f'{x:g}' for x in la0) if la0 else 'n/a'} at the start, "
-            f"{' / '.join(f'{x:g}' for x in la1) if la1 else 'n/a'} at the end"
-            + (
-                " (other processes were competing for the CPU: absolute times are pessimistic, and the "
-                "capacity with them; the interleaved N saw the same load)"
-                if max((la0 or [0])[:1] + (la1 or [0])[:1]) > (m.get("usable_cpus") or 1) * 0.75
-                else ""
-            )
-        )
+    load = machine_load_line(
+        m, "absolute times are pessimistic, and the capacity with them; the interleaved N saw the same load"
+    )
+    if load:
+        out.append(load)
     ws = env.get("wall_seconds")
     out.append(f"- **Date:** {date} (UTC)" + (f"; the benchmark took {ws / 60:.0f} min" if ws else ""))
     out.append("- **Checkpoints:** " + ", ".join(_ckpt_label(c) for c in env["checkpoints"]))
