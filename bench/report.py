@@ -322,6 +322,26 @@ def _table(headers: list[str], rows: list[list[str]], align: str | None = None) 
     return "\n".join(lines)
 
 
+def machine_line(env: dict) -> str:
+    """The summary's machine line from env.json."""
+    m = env["machine"]
+    return (
+        f"- **Machine:** {m.get('cpu')}, {m.get('usable_cpus')} usable CPU cores "
+        f"({m.get('cpu_count')} online), {m.get('memory_gib')} GiB RAM; {m.get('platform')}"
+    )
+
+
+def software_line(env: dict) -> str:
+    """The summary's software line from env.json: MLX, its device, Python, this project at its revision."""
+    mlx, pk = env["mlx"], env["packages"]
+    return (
+        f"- **Software:** MLX {mlx.get('version')} on `{mlx.get('default_device')}` "
+        f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
+        f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
+        f"`{_short(env.get('git_revision'))}`"
+    )
+
+
 def machine_load_line(machine: dict, under_load: str) -> str | None:
     """The summary's machine-load line from env.json's `machine` (None without load averages); when the
     1-minute load exceeded 0.75 of the usable cores it adds "other processes were competing for the
@@ -393,16 +413,8 @@ def render_markdown(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
         out.append("")
     m, pk, mlx = env["machine"], env["packages"], env["mlx"]
     peers = [f"{p} {pk[p]}" for p in ("mlx-vlm", "mlx-audio") if pk.get(p)]
-    out.append(
-        f"- **Machine:** {m.get('cpu')}, {m.get('usable_cpus')} usable CPU cores "
-        f"({m.get('cpu_count')} online), {m.get('memory_gib')} GiB RAM; {m.get('platform')}"
-    )
-    out.append(
-        f"- **Software:** MLX {mlx.get('version')} on `{mlx.get('default_device')}` "
-        f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
-        f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
-        f"`{_short(env.get('git_revision'))}`" + (", " + ", ".join(peers) if peers else "")
-    )
+    out.append(machine_line(env))
+    out.append(software_line(env) + (", " + ", ".join(peers) if peers else ""))
     policy = mlx.get("voicechat_policy")
     if policy is not None:
         from voicechat.runtime.policy import switched_on

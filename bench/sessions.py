@@ -403,7 +403,7 @@ def _capacity_text(c: dict) -> str:
 def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, title: str | None = None) -> str:
     """The run's Markdown: capacity, tick statistics per N, dispatches per tick, the plot. Deterministic:
     depends only on the folder's files (the statistics are recomputed from ticks.csv)."""
-    from .report import _ckpt_label, _fmt, _ms, _short, _table, machine_load_line
+    from .report import _ckpt_label, _fmt, _ms, _table, machine_line, machine_load_line, software_line
 
     run_dir = Path(run_dir)
     env = json.loads((run_dir / "env.json").read_text())
@@ -412,7 +412,7 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     method = env["method"]
     h = "#" * level
     date = env.get("date", "n/a")
-    m, mlx, pk = env["machine"], env["mlx"], env["packages"]
+    m = env["machine"]
     out = [f"{h} {title or 'Many sessions on one model: tick time against N'}: {date[:10]}", ""]
     synth = [c for c in env["checkpoints"] if c.get("synthetic")]
     if synth:
@@ -424,16 +424,8 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
             "and quantization, not the trained model; these timings are not the 11B model's.",
             "",
         ]
-    out.append(
-        f"- **Machine:** {m.get('cpu')}, {m.get('usable_cpus')} usable CPU cores "
-        f"({m.get('cpu_count')} online), {m.get('memory_gib')} GiB RAM; {m.get('platform')}"
-    )
-    out.append(
-        f"- **Software:** MLX {mlx.get('version')} on `{mlx.get('default_device')}` "
-        f"(Metal {'available' if mlx.get('metal_available') else 'not available'}), "
-        f"Python {env['python']['version']}, voicechat-mlx {pk.get('voicechat-mlx')} at git "
-        f"`{_short(env.get('git_revision'))}`"
-    )
+    out.append(machine_line(env))
+    out.append(software_line(env))
     load = machine_load_line(
         m, "absolute times are pessimistic, and the capacity with them; the interleaved N saw the same load"
     )
