@@ -26,7 +26,7 @@ import numpy as np
 
 from voicechat.model import ops
 from voicechat.model.audio.codec import CodecState
-from voicechat.model.audio.rnnt import RnntStream, step_rows as rnnt_steps
+from voicechat.model.audio.rnnt import RnntStream, step_rows as rnnt_steps, step_rows_on_device as rnnt_steps_on_device
 from voicechat.model.tts.ear_tts import replace_control_codes
 from voicechat.streaming.perception import StreamingPerception, perceive
 from voicechat.streaming.timeline import Timeline, advance, language_steps, tts_steps
@@ -160,7 +160,7 @@ class FrameEngine:
         t1 = time.perf_counter()
         on_stage("rnnt")
         if self.rnnt_on_device:
-            rnnt_ids = [st.rnnt.step_on_device(enc) for st, (enc, _) in zip(states, perceived, strict=True)]
+            rnnt_ids = rnnt_steps_on_device([st.rnnt for st in states], [enc for enc, _ in perceived])
             if prof:
                 mx.eval(rnnt_ids)
         else:

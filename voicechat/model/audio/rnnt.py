@@ -373,6 +373,62 @@ def step_rows(streams: list[RnntStream], enc_frames: list[mx.array]) -> list[lis
     return new
 
 
+def step_rows_on_device(streams: list[RnntStream], enc_frames: list[mx.array]) -> list[mx.array]:
+    """`RnntStream.step_on_device` of several conversations' streams of one model, over their rows
+    together: each iteration's prediction network, joint and masked bookkeeping run once for all
+    rows (each row its own last token, LSTM state and mask), so the dispatches do not grow with
+    the conversations. -> each stream's (max_symbols,) ids; `finish_on_device` completes each
+    stream as alone. One stream: its `step_on_device`."""
+    if len(streams) == 1:
+        return [streams[0].step_on_device(enc_frames[0])]
+    first = streams[0]
+    decoder, joint, blank = first.decoder, first.joint, first.decoder.blank_id
+    d = joint.encoder_hidden
+    for stream, enc in zip(streams, enc_frames, strict=True):
+        if not isinstance(enc, mx.array) or enc.reshape(-1).shape != (d,):
+            raise ValueError(f"step_rows_on_device: expected one encoder frame of shape ({d},) per stream")
+        if not isinstance(stream.state.last_token, int):
+            raise RuntimeError("step_rows_on_device: a previous frame was not finished (finish_on_device)")
+    enc_proj = joint.project_encoder(mx.stack([e.reshape(-1) for e in enc_frames]))
+    initial = decoder.initial_state()
+    lstm = [st.state.lstm if st.state.lstm is not None else initial for st in streams]
+    for stream in streams:
+        stream._frame_start = (stream.state.last_token, stream.state.lstm)
+    last = mx.array([st.state.last_token for st in streams], dtype=mx.int32)
+    flat = [mx.stack([s[layer][i] for s in lstm]) for layer in range(len(initial)) for i in (0, 1)]
+    update = ops.fused(
+        ("rnnt_masked_update_rows", blank, len(flat)),
+        lambda: functools.partial(_masked_update_rows, blank),
+    )
+    active = mx.ones((len(streams),), dtype=mx.bool_)
+    ids = []
+    for _ in range(first.max_symbols):
+        embedded = decoder.prediction.embed(last).astype(mx.float32)  # (n, hidden)
+        x = mx.where((last == blank)[:, None], mx.zeros_like(embedded), embedded)
+        pred, proposed = decoder._layers(x, tuple(zip(flat[0::2], flat[1::2], strict=True)))
+        k = mx.argmax(joint.logits(enc_proj, joint.project_prediction(pred)), axis=-1)
+        active, emitted, last, *flat = update(active, k.astype(mx.int32), last, *[a for p in proposed for a in p], *flat)
+        ids.append(emitted)
+    for stream in streams:
+        stream.state.prediction_calls += first.max_symbols
+    stacked = mx.stack(ids, axis=1)  # (n, max_symbols)
+    for r, stream in enumerate(streams):
+        st = stream.state
+        st.last_token = last[r]
+        st.lstm = tuple((h[r], c[r]) for h, c in zip(flat[0::2], flat[1::2], strict=True))
+        st.pred_out = st.pred_proj = st.pred_state = None
+    return [stacked[r] for r in range(len(streams))]
+
+
+def _masked_update_rows(blank: int, active, k, last, *arrays):
+    """`_masked_update` over rows: active, k and last (n,), the LSTM state halves (n, hidden)."""
+    active = active & (k != blank)
+    n = len(arrays) // 2
+    keep = active[:, None]
+    state = [mx.where(keep, proposed, current) for proposed, current in zip(arrays[:n], arrays[n:], strict=True)]
+    return (active, mx.where(active, k, -1), mx.where(active, k, last), *state)
+
+
 def _predict_rows(decoder: RnntDecoder, joint: RnntJoint, states: list[RnntState]) -> None:
     """The memoised prediction of each state (`RnntStream._prediction`), computed over their rows together."""
     tokens = [st.last_token for st in states]
