@@ -357,6 +357,16 @@ def floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict]) -> float:
     return total * 1e3
 
 
+def tick_floor_ms(stage_bytes: StageBytes, bandwidth: dict[str, dict], sessions: int) -> float:
+    """A tick of `sessions` conversations in one batch: the weights read once (every row of a product
+    shares them), each conversation's own state bytes read and written (`floor_ms` at sessions = 1)."""
+    if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1:
+        raise ValueError(f"sessions must be an int >= 1, got {sessions!r}")
+    weights = floor_ms(StageBytes(stage_bytes.stage, dict(stage_bytes.by_format)), bandwidth)
+    state = sessions * stage_bytes.state_bytes / (bandwidth["f32"]["gbps"] * 1e9) * 1e3
+    return weights + state
+
+
 def resident_bytes_by_stage(model) -> dict[str, int]:
     """Bytes each stage keeps resident after `voicechat.load`: its parameters (float32 copies
     replace their 16-bit originals, voicechat.runtime.linear) plus the derived arrays cached on its
@@ -403,5 +413,6 @@ __all__ = [
     "resident_bytes_by_stage",
     "measure_bandwidth",
     "floor_ms",
+    "tick_floor_ms",
     "floor_table",
 ]

@@ -78,6 +78,17 @@ DISPATCH_COLUMNS = [
     "dispatches_per_tick",
     "syncs_per_tick",
 ]
+STAGE_COLUMNS = [
+    "checkpoint",
+    "backend",
+    "sessions",
+    "stage",
+    "ticks_profiled",
+    "stage_ms",
+    "stage_vs_1",
+    "floor_ms",
+    "floor_vs_1",
+]
 DISPATCH_TICKS = 12  # ticks per pass counted (as the solo bench's DISPATCH_FRAMES)
 PLOT = ("sessions.png", "Tick time against the number of sessions")
 PROMPT_BASE = "You are a friendly voice assistant."
@@ -188,6 +199,70 @@ def _batch_run(model, states: list, n: int, wave: np.ndarray, ticks: int, drop_f
     return rows
 
 
+def _stage_run(model, states: list, n: int, wave: np.ndarray, ticks: int, drop_first: int) -> tuple[dict, int]:
+    """A profiled batch of n sessions: per stage (and "total") the mean over the kept ticks of its
+    milliseconds in a tick (every stage ends evaluated; means, so the stages add up to the total),
+    and the number of ticks kept."""
+    from voicechat.streaming.engine import STAGES
+
+    batch = model.create_session_batch(max_sessions=n)
+    sessions = [batch.open(prompt_state=states[i], profile=True) for i in range(n)]
+    per_tick = []
+    try:
+        for t in range(ticks):
+            frame = wave[t * FRAME_SAMPLES : (t + 1) * FRAME_SAMPLES]
+            batch.append(dict.fromkeys(sessions, frame))
+            batch.step()
+            timing = sessions[0].profile.frames[-1]  # the tick's stage times (each session holds the same)
+            if t >= drop_first:
+                per_tick.append([getattr(timing, f"{st}_ms") for st in STAGES] + [timing.total_ms])
+    finally:
+        for s in sessions:
+            if not s.closed:
+                s.cancel()
+    mean = np.mean(np.array(per_tick), axis=0)
+    return dict(zip((*STAGES, "total"), (float(v) for v in mean), strict=True)), len(per_tick)
+
+
+def stage_rows(spec: str, backend: str, model, states: list, counts: list[int], wave, ticks: int, drop: int, bandwidth):
+    """Per N and stage: the profiled tick's stage milliseconds against the per-tick floor (bench/floor.py,
+    `tick_floor_ms`: the stage's weights read once, each session's state bytes), each as a ratio to N=1."""
+    from voicechat.streaming.engine import STAGES
+
+    from .floor import StageBytes, frame_weight_bytes, tick_floor_ms
+
+    per_stage = frame_weight_bytes(model)
+    total = StageBytes("total")
+    for b in per_stage.values():
+        for fmt, v in b.by_format.items():
+            total.add(fmt, v)
+        total.state_bytes += b.state_bytes
+    per_stage["total"] = total
+    measured = {n: _stage_run(model, states, n, wave, ticks, drop) for n in counts}
+    base_n = min(counts)
+    base_ms = measured[base_n][0]
+    rows = []
+    for n in counts:
+        ms, kept = measured[n]
+        for stage in (*STAGES, "total"):
+            floor = tick_floor_ms(per_stage[stage], bandwidth, n)
+            floor_1 = tick_floor_ms(per_stage[stage], bandwidth, base_n)
+            rows.append(
+                {
+                    "checkpoint": spec,
+                    "backend": backend,
+                    "sessions": n,
+                    "stage": stage,
+                    "ticks_profiled": kept,
+                    "stage_ms": ms[stage],
+                    "stage_vs_1": ms[stage] / base_ms[stage] if base_ms[stage] else float("nan"),
+                    "floor_ms": floor,
+                    "floor_vs_1": floor / floor_1 if floor_1 else float("nan"),
+                }
+            )
+    return rows
+
+
 def _default_factory(name: str):
     from harness.backends import get_backend
 
@@ -283,8 +358,18 @@ def run_sessions(
         "prompt_positions": {},
     }
 
+    bandwidth = None
+    if opts.floor:
+        progress(f"measuring MLX matrix-vector bandwidth (~{opts.bandwidth_mb:g} MB per format)")
+        from .floor import measure_bandwidth
+
+        bandwidth = measure_bandwidth(opts.bandwidth_mb)
+        progress("    " + ", ".join(f"{k} {v['gbps']:.2f} GB/s" for k, v in bandwidth.items()))
+        env["bandwidth"] = bandwidth
+
     tick_rows: list[dict] = []
     dispatch_rows: list[dict] = []
+    stage_rows_all: list[dict] = []
     errors: list[str] = []
     for ci, ck in enumerate(ckpts):
         spec, folder = ck["spec"], ck["folder"]
@@ -316,6 +401,12 @@ def run_sessions(
                                 **r,
                             }
                             for r in rows
+                        )
+                    ns = ", ".join(map(str, counts))
+                    progress(f"    profiling stages per tick: {name}, N={ns}, {ticks_counted} ticks")
+                    with b.execution_settings():
+                        stage_rows_all.extend(
+                            stage_rows(spec, name, b.model, states, counts, stream, ticks_counted, drop, bandwidth)
                         )
             for r, order in enumerate(orders):
                 phase, run = ("warmup", r + 1) if r < opts.warmup else ("measured", r + 1 - opts.warmup)
@@ -349,13 +440,21 @@ def run_sessions(
     env["errors"] = errors
     env["machine"]["load_average_end"] = _loadavg()
     env["wall_seconds"] = time.perf_counter() - progress.t0
-    write_sessions_folder(out, env=env, tick_rows=tick_rows, dispatch_rows=dispatch_rows, plots=opts.plots)
+    write_sessions_folder(
+        out, env=env, tick_rows=tick_rows, dispatch_rows=dispatch_rows, stage_rows=stage_rows_all, plots=opts.plots
+    )
     progress(f"wrote {out}")
     return out
 
 
 def write_sessions_folder(
-    out: Path, *, env: dict, tick_rows: list[dict], dispatch_rows: list[dict], plots: bool = True
+    out: Path,
+    *,
+    env: dict,
+    tick_rows: list[dict],
+    dispatch_rows: list[dict],
+    stage_rows: list[dict] | None = None,
+    plots: bool = True,
 ) -> None:
     from .report import _json_default
 
@@ -366,6 +465,8 @@ def write_sessions_folder(
     summarize_ticks(ticks).to_csv(out / "sessions.csv", index=False)
     if dispatch_rows:
         pd.DataFrame(dispatch_rows, columns=DISPATCH_COLUMNS).to_csv(out / "dispatch.csv", index=False)
+    if stage_rows:
+        pd.DataFrame(stage_rows, columns=STAGE_COLUMNS).to_csv(out / "stages.csv", index=False)
     (out / "env.json").write_text(json.dumps(env, indent=2, default=_json_default, allow_nan=True) + "\n")
     if plots:
         make_sessions_plot(out)
@@ -576,11 +677,53 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
                 "in dispatch.csv."
             )
             out.append("")
+    if (run_dir / "stages.csv").is_file():
+        out += _render_stages(pd.read_csv(run_dir / "stages.csv"), h)
     for e in env.get("errors") or []:
         out.append(f"- failed: {e}")
     if (run_dir / PLOT[0]).is_file():
         out += [f"{h}# Plot", "", f"![{PLOT[1]}]({link_prefix}{PLOT[0]})", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _render_stages(st: pd.DataFrame, h: str) -> list[str]:
+    """What bounds a tick: per stage the profiled milliseconds against the per-tick floor, as ratios to N=1."""
+    from .report import _fmt, _table
+
+    if not len(st):
+        return []
+    out = [f"{h}# What bounds a tick: each stage against its floor", ""]
+    rows = [
+        [
+            f"`{r.checkpoint}`",
+            r.backend,
+            str(int(r.sessions)),
+            r.stage,
+            _fmt(r.stage_ms, 1),
+            _fmt(r.stage_vs_1, 2),
+            _fmt(r.floor_ms, 2),
+            _fmt(r.floor_vs_1, 2),
+        ]
+        for r in st.itertuples()
+    ]
+    out.append(
+        _table(
+            ["checkpoint", "backend", "N", "stage", "ms per tick", "vs N=1", "floor ms", "floor vs N=1"],
+            rows,
+            "lllrrrrr",
+        )
+    )
+    out.append("")
+    out.append(
+        "Profiled ticks (every stage ends evaluated, so stages do not overlap; mean over the kept ticks "
+        "of a pass as long as the dispatch count's). The floor of a stage in a tick of N sessions (bench/floor.py, "
+        "`tick_floor_ms`): its weights read once at the measured matrix-vector bandwidth plus each "
+        "session's Mamba SSM state read and written. A stage whose time grows faster than its floor is "
+        "bound by what it computes per session (its attention over its own caches, its draws, the codec's "
+        "arithmetic), not by reading weights."
+    )
+    out.append("")
+    return out
 
 
 __all__ = [
@@ -596,4 +739,6 @@ __all__ = [
     "TICK_COLUMNS",
     "SESSIONS_COLUMNS",
     "DISPATCH_COLUMNS",
+    "STAGE_COLUMNS",
+    "stage_rows",
 ]

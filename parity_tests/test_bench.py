@@ -859,6 +859,55 @@ def test_sessions_dispatch_counts_per_tick(sessions_run):
         _shown(cells[5], r.syncs_per_tick)
 
 
+def test_sessions_stage_times_against_the_per_tick_floor(sessions_run, tiny_ckpt_4bit):
+    """stages.csv: per backend, N and stage the profiled tick's milliseconds and the per-tick floor.
+    The floor recomputed here from the config and the recorded bandwidth: the language stage's grows
+    by one session's Mamba state traffic per added session; the other stages' (weights only) do not
+    grow with N. The summary's table shows the CSV."""
+    import voicechat
+    from bench.sessions import STAGE_COLUMNS
+
+    out = sessions_run["out"]
+    st = pd.read_csv(out / "stages.csv")
+    assert list(st.columns) == STAGE_COLUMNS
+    stages = ["perception", "rnnt", "language", "tts", "codec"]
+    assert len(st) == len(SESSION_BACKENDS) * len(SESSION_COUNTS) * (len(stages) + 1)
+    bw = json.loads((out / "env.json").read_text())["bandwidth"]["f32"]["gbps"]
+    t = voicechat.load(str(tiny_ckpt_4bit), warmup=False).config.text_config
+    state_ms = 2 * t.hybrid_override_pattern.count("M") * t.mamba_num_heads * t.mamba_head_dim * t.ssm_state_size * 4
+    state_ms = state_ms / (bw * 1e9) * 1e3
+    assert state_ms > 0
+    for (_be, n), g in st.groupby(["backend", "sessions"]):
+        g = g.set_index("stage")
+        assert (g.stage_ms > 0).all() and (g.ticks_profiled >= 1).all()
+        # the stages follow one another inside the tick: their times add up to the tick's
+        assert math.isclose(g.loc["total", "stage_ms"], g.loc[stages, "stage_ms"].sum(), rel_tol=1e-6)
+        one = st[(st.backend == _be) & (st.sessions == 1)].set_index("stage")
+        for stage in stages:
+            grow = g.loc[stage, "floor_ms"] - one.loc[stage, "floor_ms"]
+            want = (int(n) - 1) * state_ms if stage == "language" else 0.0
+            assert math.isclose(grow, want, rel_tol=1e-9, abs_tol=1e-12), (stage, n, grow, want)
+            assert math.isclose(g.loc[stage, "stage_vs_1"], g.loc[stage, "stage_ms"] / one.loc[stage, "stage_ms"])
+    table = _md_table((out / "summary.md").read_text(), "## What bounds a tick: each stage against its floor")
+    assert len(table) == len(st)
+    for cells, r in zip(table, st.itertuples(), strict=True):
+        assert (cells[1], int(cells[2]), cells[3]) == (r.backend, r.sessions, r.stage)
+        _shown(cells[4], r.stage_ms)
+        _shown(cells[6], r.floor_ms)
+
+
+def test_tick_floor_needs_a_session_count():
+    from bench.floor import StageBytes, tick_floor_ms
+
+    bw = {f: {"gbps": 10.0} for f in ("bf16", "f32", "q4", "q8")}
+    b = StageBytes("language", state_bytes=1e6)
+    b.add("q4", 4e6)
+    assert math.isclose(tick_floor_ms(b, bw, 3), (4e6 + 3e6) / 1e10 * 1e3)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="sessions must be an int >= 1"):
+            tick_floor_ms(b, bw, bad)
+
+
 def _hand_made_ticks(path: Path, ckpt: str, p95s: dict[str, dict[int, float]]) -> None:
     """ticks.csv whose kept ticks of each backend x N all take p95s[backend][N] ms (so every statistic
     is that value), plus warm-up and dropped ticks far above 80 ms that must not count."""

@@ -407,7 +407,8 @@ def step_rows_on_device(streams: list[RnntStream], enc_frames: list[mx.array]) -
         x = mx.where((last == blank)[:, None], mx.zeros_like(embedded), embedded)
         pred, proposed = decoder._layers(x, tuple(zip(flat[0::2], flat[1::2], strict=True)))
         k = mx.argmax(joint.logits(enc_proj, joint.project_prediction(pred)), axis=-1)
-        active, emitted, last, *flat = update(active, k.astype(mx.int32), last, *[a for p in proposed for a in p], *flat)
+        proposed_flat = [a for pair in proposed for a in pair]
+        active, emitted, last, *flat = update(active, k.astype(mx.int32), last, *proposed_flat, *flat)
         ids.append(emitted)
     for stream in streams:
         stream.state.prediction_calls += first.max_symbols
