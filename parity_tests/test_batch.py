@@ -235,13 +235,15 @@ def test_small16_sessions_in_a_batch_equal_their_solo_runs(small16, question_wav
     check_batch_equals_alone(small16, plans, max_sessions=3)
 
 
-@pytest.mark.parametrize("bits", [4, None], ids=["4bit", "bf16"])
-def test_independent_real_depth_sessions_in_a_batch_equal_their_solo_runs(tmp_path_factory, question_wav, bits):
+@pytest.mark.parametrize("bits,policy", [(4, None), (None, None), (4, "gpu")], ids=["4bit", "bf16", "4bit-gpu-policy"])
+def test_independent_real_depth_sessions_in_a_batch_equal_their_solo_runs(tmp_path_factory, question_wav, bits, policy):
     """The independent writer's real-depth checkpoint (published layout, 4-bit and bf16; not this
-    project's writer)."""
+    project's writer); and under the GPU policy (MLX's own kernels, the RNNT on the device, the codec
+    over all conversations' rows), here on the CPU device."""
     from .independent_writer import Spec, write
 
-    model = voicechat.load(write(tmp_path_factory.mktemp("batch_independent"), Spec(depth="real", bits=bits)))
+    path = write(tmp_path_factory.mktemp("batch_independent"), Spec(depth="real", bits=bits))
+    model = voicechat.load(path, policy=ExecutionPolicy.gpu() if policy == "gpu" else None)
     check_batch_equals_alone(model, mixed_plans(model, question_wav, 8), max_sessions=4)
 
 

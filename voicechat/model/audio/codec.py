@@ -84,12 +84,13 @@ def erf_rational(x: mx.array) -> mx.array:
 def _depthwise_norm_core(
     k: int, padded: mx.array, taps: list, bias: mx.array, norm_w: mx.array, norm_b: mx.array
 ) -> mx.array:
-    """LayerNorm(causal depthwise conv) of the (k - 1 + L, C) left-padded frames; the conv as k
-    shifted multiply-adds (same result as the grouped Conv1d, without its per-channel dispatch)."""
-    length = padded.shape[0] - (k - 1)
-    y = padded[0:length] * taps[0]
+    """LayerNorm(causal depthwise conv) of the (..., k - 1 + L, C) left-padded frames (leading axes:
+    conversations); the conv as k shifted multiply-adds (same result as the grouped Conv1d, without
+    its per-channel dispatch)."""
+    length = padded.shape[-2] - (k - 1)
+    y = padded[..., 0:length, :] * taps[0]
     for j in range(1, k):
-        y = y + padded[j : j + length] * taps[j]
+        y = y + padded[..., j : j + length, :] * taps[j]
     return ops.layer_norm(y + bias, norm_w, norm_b, LAYER_NORM_EPS)
 
 
@@ -198,10 +199,12 @@ class ConvNeXtBlock(nn.Module):
         return self._channels
 
     def __call__(self, x: mx.array, history: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """x (L, C) -> (L, C) and the new history (k - 1, C); or C conversations' frames stacked,
+        x (C, L, C) with histories (C, k - 1, C): each conversation's rows as alone."""
         k = self._kernel_size
         if history is None:
-            history = mx.zeros((k - 1, x.shape[1]), dtype=mx.float32)
-        padded = mx.concatenate([history, x], axis=0)
+            history = mx.zeros((*x.shape[:-2], k - 1, x.shape[-1]), dtype=mx.float32)
+        padded = mx.concatenate([history, x], axis=-2)
         # Depthwise weight (C, k, 1) as k per-channel taps.
         taps, bias = derived(
             self,
@@ -213,8 +216,11 @@ class ConvNeXtBlock(nn.Module):
         y = ops.fused(("codec_dwconv_norm", k), lambda: functools.partial(_depthwise_norm_core, k))(
             padded, taps, bias, p["norm_w"], p["norm_b"]
         )
-        y = ops.rowwise(self._pointwise_part, y)  # the rest is row-wise
-        return x + _f32(y), padded[padded.shape[0] - (k - 1) :]
+        if y.ndim == 2:
+            y = ops.rowwise(self._pointwise_part, y)  # the rest is row-wise
+        else:  # conversations' frames: the products over all their rows at once
+            y = ops.rowwise(self._pointwise_part, y.reshape(-1, y.shape[-1])).reshape(y.shape)
+        return x + _f32(y), padded[..., padded.shape[-2] - (k - 1) :, :]
 
     def _float32_params(self) -> dict[str, mx.array]:
         """The norm's and the biases' parameters in float32, converted once per weights (lazily:
@@ -305,9 +311,11 @@ class CodecDecoder(nn.Module):
         return [n for n, layer in enumerate(self.layers) if isinstance(layer, ConvNeXtBlock)]
 
     def __call__(
-        self, latent: mx.array, histories: dict[int, mx.array] | None = None
+        self, latent: mx.array, histories: dict[int, mx.array] | None = None, conversations: int = 0
     ) -> tuple[mx.array, dict[int, mx.array]]:
-        """latent (T, latent_dim) -> spectrum (T * ratio / hop, stft_channels) and new block histories."""
+        """latent (T, latent_dim) -> spectrum (T * ratio / hop, stft_channels) and new block histories.
+        With `conversations` = C > 0: latent (C T, latent_dim), C conversations' rows one after the
+        other, histories (C, k - 1, channels) -> (C F, stft_channels) and (C, k - 1, channels)."""
         x = latent
         new_histories: dict[int, mx.array] = {}
         last = len(self.layers) - 1
@@ -316,6 +324,10 @@ class CodecDecoder(nn.Module):
                 x = _pointwise(layer, x)
             elif self.is_upsampler(n):
                 x = _upsample(layer, x)
+            elif conversations:
+                # the depthwise conv runs over each conversation's own frames and history
+                y, new_histories[n] = layer(x.reshape(conversations, -1, x.shape[-1]), histories[n])
+                x = y.reshape(-1, y.shape[-1])
             else:
                 x, new_histories[n] = layer(x, None if histories is None else histories[n])
         return x, new_histories
@@ -586,26 +598,27 @@ class Codec(nn.Module):
         return real, imag * mx.array(keep)
 
     def _overlap_add(self, real: mx.array, imag: mx.array) -> tuple[mx.array, mx.array]:
-        """(F, bins) spectra -> (numerator, window-square envelope), each ((F - 1) hop + n_fft,)."""
+        """(F, bins) spectra -> (numerator, window-square envelope), each ((F - 1) hop + n_fft,); with
+        leading axes (conversations) (..., F, bins) -> numerator (..., length), envelope (length,)."""
         n_fft, hop = self._cfg.n_fft, self._cfg.hop_length
-        frames = real.shape[0]
+        lead, frames = real.shape[:-2], real.shape[-2]
         window = self._window
         signal = mx.fft.irfft(real + 1j * imag, n=n_fft, axis=-1)  # 1/n_fft normalisation
         # "Constrain value range": clip to +-window, then apply the synthesis window.
         signal = mx.clip(signal, -window, window) * window
         parts = n_fft // hop
-        pieces = signal.reshape(frames, parts, hop)
+        pieces = signal.reshape(*lead, frames, parts, hop)
         w2 = (window * window).reshape(parts, hop)
         numerator = None
         envelope = None
         for r in range(parts):
             padding = [(r, parts - 1 - r), (0, 0)]
-            num_r = mx.pad(pieces[:, r, :], padding)
+            num_r = mx.pad(pieces[..., r, :], [(0, 0)] * len(lead) + padding)
             env_r = mx.pad(mx.broadcast_to(w2[r], (frames, hop)), padding)
             numerator = num_r if numerator is None else numerator + num_r
             envelope = env_r if envelope is None else envelope + env_r
         length = (frames + parts - 1) * hop
-        return numerator.reshape(length), envelope.reshape(length)
+        return numerator.reshape(*lead, length), envelope.reshape(length)
 
     def _istft(self, real: mx.array, imag: mx.array) -> mx.array:
         numerator, envelope = self._overlap_add(real, imag)
@@ -692,6 +705,50 @@ class Codec(nn.Module):
         state.frames_decoded += 1
         state.samples_emitted += geo.samples_per_frame
         return out
+
+    def decode_step_rows(self, codes: list, states: list[CodecState]) -> list[mx.array]:
+        """`decode_step` of C conversations (each one code frame and its own state) over their rows
+        together: one read of all the codes, the decoder's products over all rows, each block's
+        depthwise conv and each iSTFT over each conversation's own frames. Each conversation's samples
+        and state are what `decode_step` gives it where the products compute each row alone (MLX's
+        own products; not with the codec's products on the host, where the engine runs
+        `decode_step` per conversation). One conversation: `decode_step`."""
+        if len(codes) != len(states) or not states:
+            raise ValueError("Codec.decode_step_rows: one code frame per state, at least one")
+        if len(states) == 1:
+            return [self.decode_step(codes[0], states[0])]
+        q = self._cfg.num_quantizers
+        for c, st in zip(codes, states, strict=True):
+            self._check_state(st, "Codec.decode_step_rows")
+            if not isinstance(c, (mx.array, np.ndarray)) or tuple(c.shape) not in ((q,), (1, q)):
+                raise ValueError(f"Codec.decode_step_rows: each code frame must have shape ({q},) or (1, {q})")
+        stacked = [c.reshape(1, q) for c in codes]
+        host = self._check_codes(
+            mx.concatenate(stacked) if isinstance(stacked[0], mx.array) else np.concatenate(stacked),
+            "Codec.decode_step_rows",
+        )
+        geo = self._geometry
+        n = len(states)
+        histories = {b: mx.stack([st.block_histories[b] for st in states]) for b in self.decoder.block_indices}
+        with ops.products_scope():
+            spec, new = self.decoder(self._latent(host), histories, conversations=n)
+        real, imag = self._spectrum(spec)
+        real = mx.concatenate([mx.stack([st.istft_real for st in states]), real.reshape(n, -1, real.shape[-1])], 1)
+        imag = mx.concatenate([mx.stack([st.istft_imag for st in states]), imag.reshape(n, -1, imag.shape[-1])], 1)
+        audio = self._istft(real, imag)
+        new_frames = real.shape[1] - geo.cache_frames
+        out = audio[:, geo.emit_start : geo.emit_start + new_frames * geo.hop]
+        if out.shape != (n, geo.samples_per_frame):
+            raise RuntimeError(
+                f"Codec.decode_step_rows: produced {out.shape} samples, expected {n} x {geo.samples_per_frame}"
+            )
+        for r, st in enumerate(states):
+            st.block_histories = {b: h[r] for b, h in new.items()}
+            st.istft_real = real[r, real.shape[1] - geo.cache_frames :]
+            st.istft_imag = imag[r, imag.shape[1] - geo.cache_frames :]
+            st.frames_decoded += 1
+            st.samples_emitted += geo.samples_per_frame
+        return [out[r] for r in range(n)]
 
     def flush(self, state: CodecState) -> mx.array:
         """The held-back tail (lead_in samples): the end of the offline decode after the last step.
