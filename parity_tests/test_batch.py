@@ -349,3 +349,29 @@ def test_a_batched_sessions_own_methods_are_its_solo_methods(tiny_model_4bit, qu
     got += s.flush()
     assert digest(got) == digest(want)
     assert len(s.profile.frames) == len(solo.profile.frames) == s.frame_index
+
+
+def test_a_tts_state_in_a_block_is_copied_and_measured_where_it_is(tiny_ckpt_4bit, question_wav):
+    """While batched, a conversation's TTS K/V are a row pair of the tick's block. A copy taken then
+    keeps that moment's values while the block moves on; `nbytes` reports the state's own buffers
+    without taking it out of the block; the next tick over the same sessions reuses the block."""
+    model = voicechat.load(tiny_ckpt_4bit)
+    wave = np.asarray(question_wav, dtype=np.float32)
+    n = model.config.frame_samples
+    batch = model.create_session_batch(max_sessions=2)
+    a, b = batch.open(seed=1), batch.open(seed=2)
+    batch.push({a: wave[: 3 * n], b: wave[: 3 * n]})
+    tts = a.state.timeline.state.tts
+    block = tts.block
+    assert block is not None and tts.row_of(block) == 0
+    measured = tts.nbytes
+    snap = tts.copy()
+    assert tts.block is block  # neither the copy nor nbytes took it out
+    then = {k: np.array(v) for k, v in snap.arrays().items()}
+    batch.push({a: wave[3 * n : 5 * n], b: wave[3 * n : 5 * n]})
+    assert tts.block is block and tts.row_of(block) == 0 and tts.offset == snap.offset + 2
+    assert {k: np.array(v).tobytes() for k, v in snap.arrays().items()} == {k: v.tobytes() for k, v in then.items()}
+    now = tts.nbytes
+    own = sum(k.nbytes for k in tts.keys) + sum(v.nbytes for v in tts.values) + tts.previous_codes.nbytes
+    assert tts.block is None and now == own  # reading its buffers cut them out; nbytes said the same before
+    assert measured <= now

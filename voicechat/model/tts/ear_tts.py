@@ -157,6 +157,19 @@ class TextEmbeddingCache:
         return cache
 
 
+class TtsKvRows:
+    """The TTS K/V of several conversations as one block per layer: `keys[l]`, `values[l]`
+    (2C, kv_heads, capacity_l, head_dim), conversation c's guidance pair at rows 2c, 2c + 1, each at
+    the indices its own buffer would use (zeros beyond what it wrote). A batched single step writes
+    every pair's new K/V with one scatter and attends over the block with one masked attention
+    (each row sees its own valid entries, in its own order). While the next step takes the same
+    conversations in the same order it reads the block as it is; a conversation's own buffers are
+    cut from it when it is read alone."""
+
+    def __init__(self, keys: list[mx.array], values: list[mx.array], size: int):
+        self.keys, self.values, self.size = keys, values, size
+
+
 class EarTtsState:
     """Streaming state of the TTS backbone for the guidance pair (batch 2).
 
@@ -184,6 +197,8 @@ class EarTtsState:
         self.reset()
 
     def reset(self) -> None:
+        self._block: tuple[TtsKvRows, int] | None = None
+        self._caps: list[int] | None = None  # own capacities while in a block
         empty = mx.zeros((2, self.num_kv_heads, 0, self.head_dim), dtype=mx.float32)
         self.keys = [empty for _ in self.windows]
         self.values = [empty for _ in self.windows]
@@ -192,13 +207,64 @@ class EarTtsState:
         self.previous_codes = mx.full((1, self.num_quantizers), self.mask_code, dtype=mx.int32)
 
     def copy(self) -> EarTtsState:
-        # Buffers are only ever replaced (mx.slice_update returns new arrays), so sharing is safe.
+        # Buffers are only ever replaced (mx.slice_update returns new arrays), so sharing is safe;
+        # a copy of a state in a block gets its own cut buffers (the block moves on), this one stays.
         other = EarTtsState.__new__(EarTtsState)
         other.__dict__.update(self.__dict__)
         other.windows = list(self.windows)
-        other.keys, other.values = list(self.keys), list(self.values)
+        other._keys, other._values = self._own_buffers()
+        other._block, other._caps = None, None
         other.ring_origin = list(self.ring_origin)
         return other
+
+    # -- residence: own buffers, or a row pair of a `TtsKvRows` block
+
+    def _own_buffers(self) -> tuple[list[mx.array], list[mx.array]]:
+        if self._block is None:
+            return list(self._keys), list(self._values)
+        block, i = self._block
+        caps = self._caps or []
+        keys = [k[2 * i : 2 * i + 2, :, :cap] for k, cap in zip(block.keys, caps, strict=True)]
+        values = [v[2 * i : 2 * i + 2, :, :cap] for v, cap in zip(block.values, caps, strict=True)]
+        return keys, values
+
+    def _own(self) -> None:
+        if self._block is not None:
+            self._keys, self._values = self._own_buffers()
+            self._block, self._caps = None, None
+
+    def in_block(self, block: TtsKvRows, index: int, capacities: list[int]) -> None:
+        """This state's K/V are now row pair `index` of `block`, its own buffers' capacities `capacities`."""
+        self._block, self._caps = (block, index), list(capacities)
+        self._keys = self._values = []
+
+    def row_of(self, block: TtsKvRows) -> int | None:
+        """This state's pair index in `block`, or None when it is not (or no longer) there."""
+        return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    @property
+    def block(self) -> TtsKvRows | None:
+        return None if self._block is None else self._block[0]
+
+    @property
+    def keys(self) -> list[mx.array]:
+        self._own()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: list[mx.array]) -> None:
+        self._own()
+        self._keys = list(value)
+
+    @property
+    def values(self) -> list[mx.array]:
+        self._own()
+        return self._values
+
+    @values.setter
+    def values(self, value: list[mx.array]) -> None:
+        self._own()
+        self._values = list(value)
 
     # -- bookkeeping
 
@@ -213,6 +279,8 @@ class EarTtsState:
         return offset if w is None else min(offset, w)
 
     def capacity(self, layer: int) -> int:
+        if self._block is not None and self._caps is not None:
+            return self._caps[layer]
         return self.keys[layer].shape[2]
 
     def ordered_kv(self, layer: int) -> tuple[mx.array, mx.array]:
@@ -338,7 +406,10 @@ class EarTtsState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, allocated buffer capacity included."""
+        """Bytes held, allocated buffer capacity included (in a block: its own rows' share)."""
+        if self._block is not None and self._caps is not None:
+            row_pair = 2 * 2 * self.num_kv_heads * self.head_dim * 4  # K and V of the pair, float32
+            return sum(cap * row_pair for cap in self._caps) + self.previous_codes.nbytes
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) + self.previous_codes.nbytes
 
     def __repr__(self) -> str:
@@ -583,7 +654,12 @@ class BackboneAttention(nn.Module):
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
 
     def __call__(
-        self, x: mx.array, states: list, rope: tuple[mx.array, mx.array], input_norm: BackboneRMSNorm
+        self,
+        x: mx.array,
+        states: list,
+        rope: tuple[mx.array, mx.array],
+        input_norm: BackboneRMSNorm,
+        step: BlockStep | None = None,
     ) -> mx.array:
         """x (2C, n, hidden) before the layer's `input_norm`: the guidance pairs of C conversations,
         pair c continuing `states[c]` (a list of one None: no cache); `rope` = the cos / sin of each
@@ -603,6 +679,8 @@ class BackboneAttention(nn.Module):
         )
         if len(states) == 1:
             return self.attend(q, k, v, states[0], b, n)
+        if step is not None:  # one position of every pair, over their K/V block
+            return step.attend(self, q, k, v)
         pairs = [
             self.attend(q[2 * c : 2 * c + 2], k[2 * c : 2 * c + 2], v[2 * c : 2 * c + 2], state, 2, n)
             for c, state in enumerate(states)
@@ -632,8 +710,10 @@ class BackboneLayer(nn.Module):
         self.pre_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
         self.post_feedforward_layernorm = BackboneRMSNorm(cfg.hidden_size, eps, w)
 
-    def __call__(self, x: mx.array, states: list, rope: tuple[mx.array, mx.array]) -> mx.array:
-        merged = self.self_attn(x, states, rope, self.input_layernorm)
+    def __call__(
+        self, x: mx.array, states: list, rope: tuple[mx.array, mx.array], step: BlockStep | None = None
+    ) -> mx.array:
+        merged = self.self_attn(x, states, rope, self.input_layernorm, step)
         # Fixed shapes from here on: one fused piece.
         norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         mlp = self.mlp
@@ -668,9 +748,14 @@ class EarTtsBackbone(nn.Module):
         at its own offset, so its own RoPE angles and cache lengths) -> (2C, 1, hidden); advances the
         states. Pair c equals `self(x[2c:2c+2], states[c])` bit for bit where the products compute
         each row alone; with C == 1 it is that call."""
-        return self._layers(x, list(states), [st.offset for st in states])
+        states = list(states)
+        step = BlockStep(states) if len(states) > 1 and x.shape[1] == 1 else None
+        out = self._layers(x, states, [st.offset for st in states], step)
+        if step is not None:
+            step.settle()
+        return out
 
-    def _layers(self, x: mx.array, states: list, starts: list[int]) -> mx.array:
+    def _layers(self, x: mx.array, states: list, starts: list[int], step: BlockStep | None = None) -> mx.array:
         x = x.astype(mx.float32)
         n = x.shape[1]
         tables = {}  # one RoPE table per base (global / local layers) for the whole stack
@@ -680,7 +765,7 @@ class EarTtsBackbone(nn.Module):
             if rope is None:
                 per_pair = [self._rope(n, attn.head_dim, attn.rope_base, start) for start in starts]
                 rope = tables[attn.rope_base] = per_pair[0] if len(per_pair) == 1 else _pair_rows(per_pair)
-            x = layer(x, states, rope)
+            x = layer(x, states, rope, step)
             ops.after_layer(x)  # this layer may run while the next one is built
         for state in states:
             if state is not None:
@@ -706,6 +791,89 @@ class EarTtsBackbone(nn.Module):
             blocks[key] = block
         i = start - first
         return block[0][:, :, i : i + 1], block[1][:, :, i : i + 1]
+
+
+class BlockStep:
+    """One single-position step of C conversations' backbones over their `TtsKvRows` block: the
+    block of the previous step when it holds exactly these states in this order, else one made
+    from their own buffers (a copy once per change of the batch's members). For each layer the
+    host works out where each pair writes (its buffer index, as alone) and how many entries it
+    sees; the block grows as the pairs' own buffers would (`KV_ALLOC_STEP`, at most the window)."""
+
+    def __init__(self, states: list[EarTtsState]):
+        self.states = states
+        first = states[0]
+        block = first.block
+        reuse = block is not None and block.size == len(states)
+        reuse = reuse and all(st.row_of(block) == c for c, st in enumerate(states))
+        layers = first.num_layers
+        caps = [[st.capacity(layer) for layer in range(layers)] for st in states]
+        self.index, self.valid = [], []
+        for c, st in enumerate(states):
+            idx_c, valid_c = [], []
+            for layer, w in enumerate(st.windows):
+                index = st.offset if w is None else (st.offset - st.ring_origin[layer]) % w
+                if index + 1 > caps[c][layer]:  # as `_ensure_capacity`
+                    cap = -(-(index + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
+                    caps[c][layer] = cap if w is None else min(cap, w)
+                idx_c.append(index)
+                valid_c.append(st.stored_length(layer, st.offset + 1))
+            self.index.append(idx_c)
+            self.valid.append(valid_c)
+        self.caps = caps
+        need = [max(caps[c][layer] for c in range(len(states))) for layer in range(layers)]
+        if reuse:
+            assert block is not None
+            for layer in range(layers):
+                have = block.keys[layer].shape[2]
+                if need[layer] > have:
+                    pad = mx.zeros((*block.keys[layer].shape[:2], need[layer] - have, block.keys[layer].shape[3]))
+                    block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
+                    block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
+        else:
+            owned = [st.keys for st in states], [st.values for st in states]
+            block = TtsKvRows(
+                [_stack_padded([k[layer] for k in owned[0]], need[layer]) for layer in range(layers)],
+                [_stack_padded([v[layer] for v in owned[1]], need[layer]) for layer in range(layers)],
+                len(states),
+            )
+        self.block = block
+        self._masks: dict[tuple, mx.array] = {}
+
+    def attend(self, attn: BackboneAttention, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Write the pairs' new K/V (2C, kv, 1, D) at their indices and attend over the block."""
+        layer, block = attn.layer_index, self.block
+        rows = np.repeat(np.array([idx[layer] for idx in self.index], dtype=np.int32), 2)
+        where = mx.broadcast_to(mx.array(rows)[:, None, None, None], k.shape)
+        block.keys[layer] = mx.put_along_axis(block.keys[layer], where, k, axis=2)
+        block.values[layer] = mx.put_along_axis(block.values[layer], where, v, axis=2)
+        cap = block.keys[layer].shape[2]
+        valid = tuple(int(vc[layer]) for vc in self.valid)
+        mask = self._masks.get((cap, valid))
+        if mask is None:
+            seen = np.arange(cap)[None, :] < np.repeat(np.array(valid), 2)[:, None]
+            mask = self._masks[(cap, valid)] = mx.array(seen[:, None, None, :])
+        out = mx.fast.scaled_dot_product_attention(
+            q, block.keys[layer], block.values[layer], scale=attn.scale, mask=mask
+        )
+        b = q.shape[0]
+        return out.transpose(0, 2, 1, 3).reshape(b, 1, attn.num_heads * attn.head_dim)
+
+    def settle(self) -> None:
+        """After the step: each state is its pair of the block, with its own buffers' capacities."""
+        for c, st in enumerate(self.states):
+            st.in_block(self.block, c, self.caps[c])
+
+
+def _stack_padded(buffers: list[mx.array], capacity: int) -> mx.array:
+    """Pairs' buffers (2, kv, cap_c, D), each zero-padded to `capacity`, stacked -> (2C, kv, capacity, D)."""
+    parts = []
+    for buf in buffers:
+        if buf.shape[2] < capacity:
+            pad = mx.zeros((*buf.shape[:2], capacity - buf.shape[2], buf.shape[3]), dtype=buf.dtype)
+            buf = mx.concatenate([buf, pad], axis=2)
+        parts.append(buf)
+    return mx.concatenate(parts, axis=0)
 
 
 def _pair_rows(tables: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
