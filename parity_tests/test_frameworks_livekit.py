@@ -249,9 +249,7 @@ def test_realtime_model_tool_round_trip_generate_reply_and_close(lk_server, tool
     created = [e["item"] for e in sent if e["type"] == "conversation.item.create"]
     assert created == [
         {"id": output.id, "type": "function_call_output", "call_id": call.call_id, "output": output.output}
-    ] or [{k: c[k] for k in ("id", "type", "call_id", "output")} for c in created] == [
-        {"id": output.id, "type": "function_call_output", "call_id": call.call_id, "output": output.output}
-    ]
+    ], created
     assert refused_after < 5
     # generate_reply resolved with the response the server opened for it, and the model spoke again:
     # audio, and the transcript the in-process session says after the result (the result reached it).
