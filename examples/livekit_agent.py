@@ -19,9 +19,10 @@ Pinned: livekit-agents==1.8.9, livekit-plugins-openai==1.8.9 (`pip install -e ".
    OpenAI Realtime GA dialect (/v1/realtime).
 
 The worker reports the model server's slots as its load (`slot_load_fnc`: active_sessions /
-max_sessions from GET /healthz); with `load_threshold=1.0` LiveKit marks it full when every slot is
-taken and sends the next room to another worker. `python examples/livekit_agent.py dev` keeps
-LiveKit's development default (no threshold); `start` applies it.
+max_sessions from GET /healthz, or the worker's own jobs if more); with `load_threshold=1.0` LiveKit
+marks it full (WS_FULL, job requests refused) when every slot is taken, and available again when one
+frees. If the model server does not answer, the worker reports itself full. (LiveKit's built-in CLI
+is deprecated in favour of `lk agent` / `python -m livekit.agents`; it still runs this file.)
 """
 
 from __future__ import annotations
