@@ -762,6 +762,28 @@ def test_mapping_response_create_while_a_response_is_open_is_refused():
     assert m.requested_at is None and m.requested_metadata is None and m.resp["id"] == opened
 
 
+def test_mapping_response_create_after_a_cancel_reports_the_model_again():
+    """LiveKit answers a tool call with `interrupt()` (response.cancel) then `generate_reply()`
+    (response.create) while the model may still be talking: the cancel stops the report of the stretch,
+    the request resumes it, so the model's next loud frame opens the requested response (with its
+    metadata) instead of an empty one after the wait."""
+    m = _mapper(response_wait_frames=4)
+    _run(m, [(True, None, "Let"), (True, None, None)])
+    out: list = []
+    m.cancel(out)
+    assert [e["type"] for e in out][-1] == "response.done" and m.suppress
+    # Without a request the rest of the stretch stays unreported ...
+    assert _run_from(m, 2, [(True, None, "me")]) == []
+    # ... a request reports it from the next loud frame on.
+    assert m.request({"client_event_id": "evt_3"}) and not m.suppress
+    out = _run_from(m, 3, [(True, None, "It is"), (True, None, " noon")])
+    created = [e for e in out if e["type"] == "response.created"]
+    assert len(created) == 1 and created[0]["response"]["metadata"] == {"client_event_id": "evt_3"}
+    said = "".join(e["delta"] for e in out if e["type"] == "response.output_audio_transcript.delta")
+    assert said == "It is noon"
+    assert any(e["type"] == "response.output_audio.delta" for e in out)
+
+
 def test_response_create_metadata_is_checked():
     from voicechat.server.dialects.ga import _metadata
     from voicechat.server.protocol import ProtocolError

@@ -12,7 +12,10 @@ session's events, so it is tested without a socket):
 * transcript activity while no response is open yields `input_audio_buffer.speech_started`
   (and `speech_stopped` when the turn ends), so a client stops the playback it still holds;
 * a ToolCall is a `function_call` item (in the open response, or in a response of its own);
-  `conversation.item.create {function_call_output}` is the session's submit_tool_result.
+  `conversation.item.create {function_call_output}` is the session's submit_tool_result;
+* `response.cancel` / `conversation.item.truncate` stop the report of the model's current stretch
+  until it ends; a later `response.create` reports it again: the next non-silent frame opens the
+  requested response (LiveKit's tool reply: `interrupt()`, then `generate_reply()`).
 
 Audio is PCM16 at 24 kHz both ways (the only `audio/pcm` rate of the GA schema), resampled
 with soxr: input -> 16 kHz for the model, the model's 22.05 kHz -> the client's rate. Nothing the
@@ -392,12 +395,18 @@ class GaMapper:
     def request(self, metadata: dict | None = None) -> bool:
         """response.create: while silent, the model's next speech stretch (or an empty response after
         `response_wait_frames`) is the response, carrying `metadata`; -> False (nothing changes) when a
-        response is open: OpenAI's server refuses a second one (module doc)."""
+        response is open: OpenAI's server refuses a second one (module doc).
+
+        After a cancel / truncate the rest of the model's stretch is not reported (`suppress`); a
+        response.create ends that: the client asks to hear the model again, so its next non-silent
+        frame opens the requested response. LiveKit answers a tool call this way (`interrupt()`,
+        then `generate_reply()`), while the model may still be talking."""
         if self.resp is not None:
             return False
         if self.requested_at is None:
             self.requested_at = self.frame
         self.requested_metadata = metadata
+        self.suppress = False
         return True
 
     # -- the session's events
