@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 import urllib.request
+import wave
 
 import numpy as np
 import pytest
@@ -53,7 +56,7 @@ from pipecat.services.openai.live.llm import OpenAILiveLLMService
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
 from pipecat.workers.runner import WorkerRunner
 
-from parity_tests.conftest import TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
+from parity_tests.conftest import REPO, TIME_TOOL, TOOLCALL_ARGUMENTS, TOOLCALL_TOOL
 
 from .server_util import FRAME, pcm16
 from .test_server_dialects import frames_audio, reference, reported_transcript, serve, stop
@@ -367,4 +370,25 @@ def test_realtime_service_runs_the_registered_function_and_returns_its_result(to
     echoed = [i for i in items if i.type == "function_call_output"]
     assert [(i.call_id, json.loads(i.output)) for i in echoed] == [(call.call_id, result)]
     assert down.text(TTSTextFrame) == with_result  # the result reached the model at the same frame
+    assert slot_freed(port), healthz(port)
+
+
+# -- examples/pipecat_agent.py, as a user runs it
+
+
+def test_example_agent_calls_its_function_and_writes_the_speech(toolcall, tmp_path):
+    from voicechat.samples import sample_path
+
+    _, _, port = toolcall
+    out = tmp_path / "answer.wav"
+    cmd = [sys.executable, str(REPO / "examples" / "pipecat_agent.py"), "--url", f"ws://127.0.0.1:{port}"]
+    cmd += ["--input", str(sample_path("question.wav")), "--output", str(out), "--tail-seconds", "6"]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    # The toolcall model spells its call one token a frame: the call comes 6.2 s in (8.2 s played).
+    assert f"get_current_time({TOOLCALL_ARGUMENTS})" in p.stdout, p.stdout
+    with wave.open(str(out)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (RATE, 1, 2)
+        audio = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    assert audio.size and np.count_nonzero(audio), audio.size
     assert slot_freed(port), healthz(port)
