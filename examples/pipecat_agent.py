@@ -39,6 +39,7 @@ from pipecat.processors.aggregators.llm_response_universal import LLMContextAggr
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.services.openai.live.llm import OpenAILiveLLMService
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+from pipecat.services.openai.responses.llm import OpenAIResponsesLLMService
 from pipecat.workers.runner import WorkerRunner
 
 INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly."
@@ -104,9 +105,11 @@ class Recorder(FrameProcessor):
 
 async def main(args):
     ready = asyncio.Event()
-    if args.service == "live":
+    if args.service == "live":  # the tools travel in a Responses delegation; the model is its own backend
         settings = OpenAILiveLLMService.Settings(system_instruction=INSTRUCTIONS)
-        llm = OpenAILiveLLMService(api_key=args.api_key, base_url=f"{args.url}/v1/live/sessions", settings=settings)
+        backend = OpenAILiveLLMService.ResponsesDelegation(OpenAIResponsesLLMService.Settings(model="voicechat"))
+        url = f"{args.url}/v1/live/sessions"
+        llm = OpenAILiveLLMService(api_key=args.api_key, base_url=url, settings=settings, delegation=backend)
         llm.add_event_handler("on_session_started", lambda *_: ready.set())
     else:
         settings = OpenAIRealtimeLLMService.Settings(system_instruction=INSTRUCTIONS)

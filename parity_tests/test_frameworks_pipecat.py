@@ -8,11 +8,12 @@ over real sockets to `voicechat serve` processes on 127.0.0.1:
   `InputAudioRawFrame`s, and the output audio frames equal the in-process session's output for the
   same input (exactly, after the documented resampling); the user transcript and the model's text
   arrive as pipecat frames and equal the session's.
-* `toolcall` preset through the GA service: the function registered with `llm.register_function`
-  (its schema in the `LLMContext`) is called with the model's name and arguments, its result goes
-  back to the server (echoed, and what the model says next equals the in-process session given the
-  same result at the same frame).
-* `examples/pipecat_agent.py` run as a subprocess against a server: it writes the model's speech.
+* `toolcall` preset through both services: the function registered with `llm.register_function`
+  (its schema in the `LLMContext`) is called with the model's name, arguments and call id, its
+  result goes back to the server (what the model says next equals the in-process session given the
+  same result at the same frame; GA also echoes the item).
+* `examples/pipecat_agent.py` run as a subprocess against a server, per service: the function is
+  called and the model's speech written.
 
 Each pipeline ends with an `EndFrame` and the server's slot is free afterwards (`/healthz`).
 pipecat is imported here unconditionally: without the `frameworks` extra this module fails.
@@ -399,13 +400,15 @@ def test_service_runs_the_registered_function_and_returns_its_result(service, to
 # -- examples/pipecat_agent.py, as a user runs it
 
 
-def test_example_agent_calls_its_function_and_writes_the_speech(toolcall, tmp_path):
+@pytest.mark.parametrize("service", ["realtime", "live"])
+def test_example_agent_calls_its_function_and_writes_the_speech(service, toolcall, tmp_path):
     from voicechat.samples import sample_path
 
     _, _, port = toolcall
     out = tmp_path / "answer.wav"
     cmd = [sys.executable, str(REPO / "examples" / "pipecat_agent.py"), "--url", f"ws://127.0.0.1:{port}"]
-    cmd += ["--input", str(sample_path("question.wav")), "--output", str(out), "--tail-seconds", "6"]
+    cmd += ["--service", service, "--input", str(sample_path("question.wav")), "--output", str(out)]
+    cmd += ["--tail-seconds", "6"]
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     # The toolcall model spells its call one token a frame: the call comes 6.2 s in (8.2 s played).
