@@ -307,29 +307,39 @@ def test_live_service_audio_and_transcripts_equal_in_process(small, question_wav
 # -- a function call through pipecat's function registry (toolcall preset)
 
 
-@pytest.mark.parametrize("service", ["realtime", "live"])
-def test_service_runs_the_registered_function_and_returns_its_result(service, toolcall, question_wav):
-    """GA: the call is a function_call item, the result a function_call_output item (echoed by the server).
-    Live: pipecat's ResponsesDelegation (the tools go in session.start's delegation), the call is a
-    delegation's wrapped `response.output_item.done`, the result `response.item.create` (not acknowledged
-    in Live: what the model says next shows it arrived)."""
+RESULT = {"datetime": "2026-12-03T12:00:00+00:00"}
+
+
+@pytest.fixture(scope="module")
+def tool_reference(toolcall, question_wav):
+    """(24 kHz input, the in-process session's events, the sample after which the result goes in): the
+    result is submitted after the append whose frames brought the call (the pipelines below pause their
+    audio there until pipecat has sent the result)."""
     from voicechat.server.resample import StreamResampler
 
-    _, model, port = toolcall
-    result = {"datetime": "2026-12-03T12:00:00+00:00"}
     wave = np.zeros(200 * FRAME, np.float32)  # the forced result (~60 tokens, one a frame) and EOTR fit
     wave[: question_wav.size] = question_wav
     pcm24 = pcm16(soxr.resample(wave, 16000, RATE))
-    # The reference: the same appends; the result goes in after the append whose frames brought the call
-    # (the pipeline below pauses its audio there until pipecat has sent the result).
     r = StreamResampler(RATE, 16000)
-    s = model.create_streaming_session(tools=[TIME_TOOL])
+    s = toolcall[1].create_streaming_session(tools=[TIME_TOOL])
     ev, upto = [], None
     for i in range(0, pcm24.size, CHUNK):
         ev += s.push_audio(r.push(pcm24[i : i + CHUNK].astype(np.float32) / 32768.0))
         if s.pending_tool_calls and upto is None:
             upto = i + CHUNK
-            s.submit_tool_result(s.pending_tool_calls[0], json.dumps(result))
+            s.submit_tool_result(s.pending_tool_calls[0], json.dumps(RESULT))
+    return pcm24, ev, upto
+
+
+@pytest.mark.parametrize("service", ["realtime", "live"])
+def test_service_runs_the_registered_function_and_returns_its_result(service, toolcall, tool_reference):
+    """GA: the call is a function_call item, the result a function_call_output item (echoed by the server).
+    Live: pipecat's ResponsesDelegation (the tools go in session.start's delegation), the call is a
+    delegation's wrapped `response.output_item.done`, the result `response.item.create` (not acknowledged
+    in Live: what the model says next shows it arrived)."""
+    _, model, port = toolcall
+    pcm24, ev, upto = tool_reference
+    result = RESULT
     call = next(e for e in ev if e.kind == "tool_call")
     eotr = next(e for e in ev if e.kind == "tool_result_done")
     # What the model says: GA reports the text of its speech stretches; Live every text delta.
