@@ -2,7 +2,7 @@
 
 In one terminal:
 
-    voicechat serve                       # or: voicechat serve -m mlx-community/NemotronLabs-VoiceChat-11B-4bit
+    voicechat serve -m mlx-community/NemotronLabs-VoiceChat-11B-4bit
 
 In another (pip install "pipecat-ai[openai,websocket]==1.14.0"):
 
@@ -12,7 +12,10 @@ In another (pip install "pipecat-ai[openai,websocket]==1.14.0"):
 `--service realtime` (default) is pipecat's OpenAIRealtimeLLMService on /v1/realtime (OpenAI
 Realtime GA); `--service live` is its OpenAILiveLLMService on /v1/live/sessions (OpenAI Live). The
 file is played at real time, then `--tail-seconds` of silence while the model answers; the
-model's function calls run `get_current_time` below. docs/server.md, "Clients", says more.
+model's function calls run `get_current_time` below. The synthetic checkpoints refuse tools (pass
+`--no-tools` to a plain `voicechat serve`) except the toolcall preset, which always calls one:
+`voicechat synth tc --preset toolcall --tool get_current_time --arguments '{"timezone": "UTC"}'`,
+then `voicechat serve -m tc`. docs/server.md, "Clients", "pipecat", says more.
 """
 
 import argparse
@@ -115,7 +118,7 @@ async def main(args):
         settings = OpenAIRealtimeLLMService.Settings(system_instruction=INSTRUCTIONS)
         llm = OpenAIRealtimeLLMService(api_key=args.api_key, base_url=f"{args.url}/v1/realtime", settings=settings)
     llm.register_function("get_current_time", get_current_time)
-    context = LLMContext(tools=ToolsSchema([TIME_TOOL]))
+    context = LLMContext() if args.no_tools else LLMContext(tools=ToolsSchema([TIME_TOOL]))
     user, assistant = LLMContextAggregatorPair(context)
     player, recorder, heard = WavPlayer(args.input, args.tail_seconds, ready), Recorder(ready), Recorder(ready)
     worker = PipelineWorker(
@@ -148,4 +151,5 @@ if __name__ == "__main__":
     ap.add_argument("--output", required=True, help="the model's speech, 16-bit mono WAV at 24 kHz")
     ap.add_argument("--tail-seconds", type=float, default=3.0, help="silence after the file")
     ap.add_argument("--api-key", default="unused", help="the server's --api-key, if it has one")
+    ap.add_argument("--no-tools", action="store_true", help="for a model that takes no tools")
     asyncio.run(main(ap.parse_args()))
