@@ -623,6 +623,110 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
     assert said == with_result  # the result reached the model at the same frame as in-process
 
 
+def test_live_tool_call_round_trip_as_a_responses_delegation(toolcall, tmp_path, question_wav):
+    """Live's Responses delegation carries the model's calls: tools in session.start's delegation, the call as
+    session.delegation.created + response.event, the result as response.item.create (pipecat's OpenAILiveLLMService
+    reads exactly these; parity_tests/test_frameworks_pipecat.py runs it)."""
+    from voicechat.server.resample import StreamResampler
+
+    path, model = toolcall
+    result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
+    wave = np.zeros(200 * FRAME, np.float32)
+    wave[: question_wav.size] = question_wav
+    pcm24 = pcm16(soxr.resample(wave, 16000, 24000))
+    chunk = 1920
+    r = StreamResampler(24000, 16000)
+    s = model.create_streaming_session(tools=[TIME_TOOL])
+    ev, upto = [], None
+    for i in range(0, pcm24.size, chunk):
+        ev += s.push_audio(r.push(pcm24[i : i + chunk].astype(np.float32) / 32768.0))
+        if s.pending_tool_calls and upto is None:
+            upto = i + chunk
+            s.submit_tool_result(s.pending_tool_calls[0], result)
+    ev += s.push_audio(r.flush()) + s.flush()  # session.close: the resampler's last samples, the padded frame
+    call = next(e for e in ev if e.kind == "tool_call")
+    eotr = next(e for e in ev if e.kind == "tool_result_done")
+    want = [(e.delta, e.frame_index * 80) for e in ev if e.kind == "assistant_text_delta" and e.delta]
+    assert [d for d in want if d[1] > eotr.frame_index * 80]  # the model speaks after the result: can fail
+    tool = dict(TIME_TOOL)
+    p, port = serve(path, tmp_path, "--max-queued-audio-seconds", "30")
+    try:
+
+        async def go():
+            seen = []
+            async with sdk(port).live.connect() as conn:
+                delegation = {"type": "responses", "responses": {"model": "backend", "tools": [tool]}}
+                await conn.send({"type": "session.start", "session": {"model": "m", "delegation": delegation}})
+                seen.append(await recv_raw(conn))
+                for i in range(0, upto, chunk):
+                    await conn.send({"type": "session.input_audio.append", "audio": b64(pcm24[i : i + chunk])})
+                while not (seen[-1]["type"] == "response.event" and seen[-1]["event"]["type"] == "response.completed"):
+                    seen.append(await recv_raw(conn))
+                    assert seen[-1]["type"] != "error", seen[-1]
+                item = {"type": "function_call_output", "call_id": call.call_id, "output": result}
+                await conn.send({"type": "response.item.create", "item": item})
+                await conn.send({"type": "response.create"})
+                for i in range(upto, pcm24.size, chunk):
+                    await conn.send({"type": "session.input_audio.append", "audio": b64(pcm24[i : i + chunk])})
+                await conn.send({"type": "session.close"})
+                while seen[-1]["type"] != "session.closed":
+                    seen.append(await recv_raw(conn, 120))
+            return seen
+
+        seen = run(go())
+    finally:
+        stop(p)
+    for e in seen:
+        live_validate(e)
+    assert "error" not in [e["type"] for e in seen], [e for e in seen if e["type"] == "error"]
+    assert seen[0]["session"]["delegation"] == {"type": "responses", "responses": {"model": "backend", "tools": [tool]}}
+    created = [e for e in seen if e["type"] == "session.delegation.created"]
+    assert len(created) == 1 and created[0]["offset_ms"] == call.frame_index * 80
+    d = created[0]["delegation"]
+    assert d["target"] == "responses" and d["type"] == "delegation"
+    inner = [e["event"] for e in seen if e["type"] == "response.event" and e["delegation_id"] == d["id"]]
+    assert [e["type"] for e in inner] == [
+        "response.created",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    fc = inner[2]["item"]
+    assert (fc["type"], fc["status"], fc["call_id"], fc["name"]) == (
+        "function_call",
+        "completed",
+        call.call_id,
+        TOOLCALL_TOOL,
+    )
+    assert json.loads(fc["arguments"]) == TOOLCALL_ARGUMENTS
+    assert inner[0]["response"]["id"] == inner[3]["response"]["id"] == d["response_id"]
+    got = [(e["delta"], e["start_ms"]) for e in seen if e["type"] == "session.output_transcript.delta"]
+    assert got == want  # the result reached the model at the same frame as in-process
+
+
+def test_live_function_results_need_responses_delegation(server):
+    async def go():
+        seen = []
+        async with sdk(server.port).live.connect() as conn:
+            await conn.send({"type": "session.start", "session": {"model": "m", "delegation": {"type": "client"}}})
+            seen.append(await recv_raw(conn))
+            item = {"type": "function_call_output", "call_id": "c", "output": "{}"}
+            await conn.send({"type": "response.item.create", "event_id": "r1", "item": item})
+            seen.append(await recv_raw(conn))
+            await conn.send({"type": "session.close"})
+            while seen[-1]["type"] != "session.closed":
+                seen.append(await recv_raw(conn))
+        return seen
+
+    seen = run(go())
+    for e in seen:
+        live_validate(e)
+    assert "delegation" not in seen[0]["session"]
+    err = seen[1]["error"]
+    assert err["code"] == "unsupported_event" and err["client_event_id"] == "r1" and "responses" in err["message"]
+    assert wait_released(server)
+
+
 # -- the mapping (GaMapper) on hand-built frames
 
 

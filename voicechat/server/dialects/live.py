@@ -6,21 +6,37 @@ transcripts are `session.input_transcript.delta` / `session.output_transcript.de
 frame's place on the session timeline (`start_ms`, `end_ms`). `session.close` runs the last
 partial frame, sends the codec's held-back samples, `session.closed`, and closes with 1000.
 Audio is `audio/pcm` at 16 or 24 kHz both ways (soxr to and from the model's 16 / 22.05 kHz).
+
+Function calls go the way of Live's Responses delegation (`session.delegation = {type: "responses",
+responses: {model, tools}}`): the model is its own backend, so a `ToolCall` is a
+`session.delegation.created` (target `responses`) and the delegated response's events wrapped in
+`response.event` (`response.created`, `response.output_item.done` with the `function_call` item,
+`response.completed`); the client's `response.item.create {function_call_output}` is the session's
+`submit_tool_result`, and `response.create` (Live's "continue") is accepted: the model goes on by itself.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 
 import numpy as np
 
-from voicechat.events import AssistantTextDelta, Audio, AudioTail, UserTranscriptDelta
+from voicechat.events import AssistantTextDelta, Audio, AudioTail, ToolCall, UserTranscriptDelta
 from voicechat.server import protocol as P
 from voicechat.server.dialects.common import Dialect, openai_error
 from voicechat.server.dialects.ga import FRAME_MS, parse_format, public_model_name
-from voicechat.server.messages import Commit, FrameEvents, SessionOpened, SessionParams, SessionRefused
+from voicechat.server.messages import (
+    Commit,
+    FrameEvents,
+    SessionOpened,
+    SessionParams,
+    SessionRefused,
+    SubmitToolResult,
+)
 from voicechat.server.resample import StreamResampler, pcm16_to_float
+from voicechat.tools.channel import normalize_tools
 
 LIVE_RATES = (16000, 24000)
 SUPPORTED = (
@@ -30,6 +46,8 @@ SUPPORTED = (
     "session.input_audio.mute",
     "session.input_audio.unmute",
     "session.close",
+    "response.item.create",
+    "response.create",
 )
 
 
@@ -49,6 +67,7 @@ class LiveDialect(Dialect):
         self.started_at = time.time()
         self.closing = False
         self._cid = None  # the session.start's event_id (echoed in session.started)
+        self.delegation: dict | None = None  # session.delegation as in effect: {type: "responses", ...} or None
 
     def error_payload(self, code: str, message: str, client_event_id=None) -> dict:
         return openai_error(code, message, client_event_id, key="client_event_id")
@@ -61,6 +80,7 @@ class LiveDialect(Dialect):
             "status": "active",
             "instructions": self.instructions,
             "audio": {"format": {"type": "audio/pcm", "rate": self.rate}},
+            **({"delegation": self.delegation} if self.delegation else {}),
         }
 
     # -- client events
@@ -93,6 +113,12 @@ class LiveDialect(Dialect):
         elif t == "session.update":
             # Instructions and audio are immutable after startup (as in Live); the resolved session is echoed.
             self.send(self._with_cid({"type": "session.updated", "session": self.resource()}, cid))
+        elif t == "response.item.create":
+            self._response_item(msg)
+        elif t == "response.create":
+            if self.delegation is None:
+                raise P.ProtocolError("unsupported_event", self._NEEDS_RESPONSES.format(t))
+            # Live's "continue the delegated response": the model takes the result in and goes on by itself.
         elif t == "session.close":
             self.closing = True
             self.conn.ending = True
@@ -100,6 +126,24 @@ class LiveDialect(Dialect):
             if held.size:
                 await self.conn.admit_audio(held)
             self.conn.submit(Commit(True))
+
+    _NEEDS_RESPONSES = (
+        "{} needs a session started with delegation {{type: 'responses', responses: {{tools}}}} "
+        "(the model's function calls)"
+    )
+
+    def _response_item(self, msg: dict) -> None:
+        if self.delegation is None:
+            raise P.ProtocolError("unsupported_event", self._NEEDS_RESPONSES.format("response.item.create"))
+        item = msg.get("item")
+        if not isinstance(item, dict) or item.get("type") != "function_call_output":
+            raise P.ProtocolError(
+                "invalid_item", "response.item.create takes a function_call_output item (the model hears audio)"
+            )
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not isinstance(output, str):
+            raise P.ProtocolError("invalid_item", "a function_call_output item needs string 'call_id' and 'output'")
+        self.conn.submit(SubmitToolResult(call_id, output))
 
     @staticmethod
     def _with_cid(p: dict, cid) -> dict:
@@ -123,6 +167,7 @@ class LiveDialect(Dialect):
         if not isinstance(audio, dict):
             raise P.ProtocolError("invalid_session", "session.audio must be an object")
         rate = parse_format(audio.get("format"), "session.audio.format", LIVE_RATES)
+        tools, delegation = self._parse_delegation(s.get("delegation"), model)
         self.rate = rate or 24000
         # The client's model name is accepted whatever it is; the server reports its own.
         self.model = public_model_name(self.conn.model_name)
@@ -130,7 +175,30 @@ class LiveDialect(Dialect):
         self.inp = StreamResampler(self.rate, P.INPUT_SAMPLE_RATE)
         self.out = StreamResampler(self.model_rate, self.rate)
         self._cid = cid
-        self.conn.open_session(SessionParams(system_prompt=instructions or None))
+        self.delegation = delegation
+        self.conn.open_session(SessionParams(system_prompt=instructions or None, tools=tools))
+
+    @staticmethod
+    def _parse_delegation(d, model: str) -> tuple[list | None, dict | None]:
+        """session.delegation -> (the session's tools, the delegation echoed in the session resource).
+        Client delegation (or none): no tools. Responses delegation: its function tools are the model's."""
+        if d is None:
+            return None, None
+        if not isinstance(d, dict) or d.get("type") not in ("client", "responses"):
+            raise P.ProtocolError("invalid_session", "session.delegation.type must be 'client' or 'responses'")
+        if d["type"] == "client":
+            return None, None
+        r = d.get("responses")
+        if not isinstance(r, dict):
+            raise P.ProtocolError("invalid_session", "session.delegation.responses must be an object")
+        tools = r.get("tools") or []
+        try:
+            normalize_tools(tools)
+        except (TypeError, ValueError) as e:
+            raise P.ProtocolError("invalid_session", f"session.delegation.responses.tools: {e}") from None
+        backend = r.get("model") if isinstance(r.get("model"), str) else model
+        echo = {"type": "responses", "responses": {"model": backend, "tools": list(tools)}}
+        return [dict(t, type="function") for t in normalize_tools(tools)] or None, echo
 
     # -- worker items
 
@@ -154,6 +222,8 @@ class LiveDialect(Dialect):
                         else "session.output_transcript.delta"
                     )
                     out.append({"type": t, "delta": e.delta, "start_ms": f * FRAME_MS, "end_ms": (f + 1) * FRAME_MS})
+                case ToolCall() if self.delegation is not None:
+                    out += self._delegated_call(e)
                 case Audio():
                     d = self._audio_delta(self.out.push(e.samples))
                     if d:
@@ -164,6 +234,42 @@ class LiveDialect(Dialect):
                         if d:
                             out.append(d)
         return out
+
+    @staticmethod
+    def _delegated_call(e) -> list:
+        """A ToolCall as a Responses delegation whose response is the one function call."""
+        delegation_id, response_id = f"deleg_{e.call_id}", f"resp_{e.call_id}"
+        item = {
+            "id": f"fc_{e.call_id}",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": e.call_id,
+            "name": e.name,
+            "arguments": json.dumps(e.arguments, separators=(",", ":")),
+        }
+
+        def wrapped(event: dict) -> dict:
+            return {"type": "response.event", "delegation_id": delegation_id, "event": event}
+
+        def response(status: str) -> dict:
+            return {"id": response_id, "object": "response", "status": status, "output": []}
+
+        return [
+            {
+                "type": "session.delegation.created",
+                "offset_ms": int(e.frame_index) * FRAME_MS,
+                "delegation": {
+                    "id": delegation_id,
+                    "type": "delegation",
+                    "target": "responses",
+                    "response_id": response_id,
+                },
+            },
+            wrapped({"type": "response.created", "response": response("in_progress")}),
+            wrapped({"type": "response.output_item.added", "output_index": 0, "item": dict(item, arguments="")}),
+            wrapped({"type": "response.output_item.done", "output_index": 0, "item": item}),
+            wrapped({"type": "response.completed", "response": response("completed")}),
+        ]
 
     async def on_output(self, out) -> None:
         # Committed (mlx-vlm's input_audio_buffer.committed marker) has no Live event: not sent.
