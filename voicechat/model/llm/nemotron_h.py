@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from voicechat.model import ops
 from voicechat.model.config import TextConfig
@@ -260,20 +261,91 @@ class MambaLayerState:
         return self.conv.nbytes + self.ssm.nbytes
 
 
+_NO_BUFFER = mx.zeros((0,))
+
+
+class AttentionRows:
+    """The K/V caches of one attention layer for several conversations as one block: `keys`,
+    `values` (C, kv_heads, capacity, head_dim), conversation c's at row c, its positions where its
+    own buffer holds them. A batched single step writes every row's new K/V with one scatter and
+    attends with one masked pass (each row sees its own valid positions); the next step over the
+    same conversations in the same order reads the block as it is. A conversation's own buffers
+    are cut from it when it is read alone."""
+
+    def __init__(self, keys: mx.array, values: mx.array, size: int):
+        self.keys, self.values, self.size = keys, values, size
+
+
 class AttentionLayerState:
     """K/V cache of one attention layer: buffers (1, kv_heads, capacity, head_dim).
 
-    Positions [0, length) are valid; capacity grows in steps of KV_ALLOC_STEP.
-    """
+    Positions [0, length) are valid; capacity grows in steps of KV_ALLOC_STEP. After a batched
+    step the buffers are row i of an `AttentionRows` block (capacity: this state's own)."""
 
     def __init__(self, keys: mx.array, values: mx.array, length: int = 0):
-        self.keys = keys
-        self.values = values
+        self._block: tuple[AttentionRows, int] | None = None
+        self._cap = 0
+        self._keys, self._values = keys, values
+        self._kv_heads, self._head_dim, self._dtype = keys.shape[1], keys.shape[3], keys.dtype
         self.length = length
+
+    def _cut(self) -> tuple[mx.array, mx.array]:
+        block, i = self._block  # type: ignore[misc]
+        return block.keys[i : i + 1, :, : self._cap], block.values[i : i + 1, :, : self._cap]
+
+    def _own(self) -> None:
+        if self._block is not None:
+            self._keys, self._values = self._cut()
+            self._block = None
+
+    def in_block(self, block: AttentionRows, index: int, capacity: int) -> None:
+        """This state's buffers are now row `index` of `block`, its own capacity `capacity`."""
+        self._block, self._cap = (block, index), capacity
+        self._keys = self._values = _NO_BUFFER  # its own buffers are dropped: the block holds them
+
+    def row_of(self, block: AttentionRows) -> int | None:
+        """This state's row in `block`, or None when it is not (or no longer) there."""
+        return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    @property
+    def block(self) -> AttentionRows | None:
+        return None if self._block is None else self._block[0]
+
+    @property
+    def keys(self) -> mx.array:
+        self._own()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._own()
+        self._keys = value
+
+    @property
+    def values(self) -> mx.array:
+        self._own()
+        return self._values
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        self._own()
+        self._values = value
+
+    @property
+    def kv_heads(self) -> int:
+        return self._kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self._dtype
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self._cap if self._block is not None else self._keys.shape[2]
 
     def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write `keys`/`values` (1, kv_heads, L, head_dim) after the valid positions;
@@ -293,8 +365,10 @@ class AttentionLayerState:
 
     def copy(self) -> AttentionLayerState:
         # New array objects: slice assignment rebinds the object it is applied to,
-        # so sharing objects would let one copy's update leak into the other.
-        return AttentionLayerState(mx.array(self.keys), mx.array(self.values), self.length)
+        # so sharing objects would let one copy's update leak into the other. A state in a block
+        # stays there; the copy gets its own cut.
+        keys, values = self._cut() if self._block is not None else (self._keys, self._values)
+        return AttentionLayerState(mx.array(keys), mx.array(values), self.length)
 
     def reset(self) -> None:
         """Forget every position; the allocated capacity is kept for reuse."""
@@ -336,7 +410,7 @@ class AttentionLayerState:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return 2 * self._kv_heads * self.capacity * self._head_dim * self._dtype.size
 
 
 class NemotronHState:
@@ -420,8 +494,7 @@ class NemotronHState:
         total = 0
         for s in self.layers:
             if isinstance(s, AttentionLayerState):
-                _, kv_heads, _, head_dim = s.keys.shape
-                total += 2 * kv_heads * head_dim * s.keys.dtype.size
+                total += 2 * s.kv_heads * s.head_dim * s.dtype.size
         return total
 
     def __repr__(self) -> str:
@@ -702,12 +775,65 @@ class Attention(nn.Module):
         q = self.q_proj(x).astype(mx.float32).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        if batch > 1 and length == 1:
+            out = self._attend_rows(q, k, v, states)
+            return self.o_proj(out.reshape(batch, 1, self.num_heads * self.head_dim)).astype(mx.float32)
         rows = [
             self._attend(qb, kb, vb, state)
             for qb, kb, vb, state in zip(rows_of(q, batch), rows_of(k, batch), rows_of(v, batch), states, strict=True)
         ]
         out = stack_rows(rows)
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim)).astype(mx.float32)
+
+    def _attend_rows(self, q: mx.array, k: mx.array, v: mx.array, states: list[AttentionLayerState]) -> mx.array:
+        """One position of B conversations over their `AttentionRows` block: q (B, 1, heads, D),
+        k / v (B, 1, kv_heads, D) -> (B, 1, heads, D). Each row's new K/V go where its own buffer
+        takes them; each row's softmax sees its own valid positions (the masked ones weigh exactly
+        0, so the sums are those of `_attend` over the valid positions alone)."""
+        batch = len(states)
+        block = states[0].block
+        reuse = block is not None and block.size == batch
+        reuse = reuse and all(st.row_of(block) == b for b, st in enumerate(states))
+        caps = []
+        for st in states:  # as `append` grows a buffer
+            cap = st.capacity
+            if st.length + 1 > cap:
+                cap = -(-(st.length + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
+            caps.append(cap)
+        need = max(caps)
+        dtype = states[0].dtype
+        if reuse:
+            assert block is not None
+            have = block.keys.shape[2]
+            if need > have:
+                pad = mx.zeros((batch, self.num_kv_heads, need - have, self.head_dim), dtype=dtype)
+                block.keys = mx.concatenate([block.keys, pad], axis=2)
+                block.values = mx.concatenate([block.values, pad], axis=2)
+        else:
+            parts_k, parts_v = [], []
+            for st in states:
+                sk, sv = st.keys, st.values
+                if sk.shape[2] < need:
+                    pad = mx.zeros((1, self.num_kv_heads, need - sk.shape[2], self.head_dim), dtype=dtype)
+                    sk, sv = mx.concatenate([sk, pad], axis=2), mx.concatenate([sv, pad], axis=2)
+                parts_k.append(sk)
+                parts_v.append(sv)
+            block = AttentionRows(mx.concatenate(parts_k), mx.concatenate(parts_v), batch)
+        lengths = np.array([st.length for st in states], dtype=np.int32)
+        where = mx.broadcast_to(mx.array(lengths)[:, None, None, None], (batch, self.num_kv_heads, 1, self.head_dim))
+        block.keys = mx.put_along_axis(block.keys, where, k.transpose(0, 2, 1, 3).astype(dtype), axis=2)
+        block.values = mx.put_along_axis(block.values, where, v.transpose(0, 2, 1, 3).astype(dtype), axis=2)
+        rep = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 2, 1, 3).reshape(batch, self.num_kv_heads, rep, 1, self.head_dim)
+        scores = (qh * self.scale) @ block.keys[:, :, None].swapaxes(-1, -2)  # (B, KV, rep, 1, T)
+        visible = np.arange(need)[None, :] < (lengths + 1)[:, None]
+        scores = mx.where(mx.array(visible)[:, None, None, None, :], scores, -mx.inf)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        out = weights @ block.values[:, :, None]  # (B, KV, rep, 1, D)
+        for b, st in enumerate(states):
+            st.length += 1
+            st.in_block(block, b, caps[b])
+        return out.reshape(batch, self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionLayerState) -> mx.array:
         """One conversation's attention: q (1, L, heads, D), k / v (1, L, kv_heads, D) appended to
