@@ -381,3 +381,57 @@ def test_a_tts_state_in_a_block_is_copied_and_measured_where_it_is(tiny_ckpt_4bi
     own = sum(k.nbytes for k in tts.keys) + sum(v.nbytes for v in tts.values) + tts.previous_codes.nbytes
     assert tts.block is None and now == own  # reading its buffers cut them out; nbytes said the same before
     assert measured <= now
+
+
+def test_growing_caches_stay_in_their_block_across_ticks_of_any_subset(tiny_ckpt_4bit, question_wav):
+    """The TTS and language K/V blocks are made once for the sessions that tick together and kept
+    when only some of them tick (the others are padding rows: nothing of theirs is copied or
+    changed); a session that closes leaves with its own copy and frees its row; one joining makes
+    the next block, without the freed row. Every session still equals its solo run."""
+    from voicechat.model.llm.nemotron_h import AttentionLayerState
+
+    model = voicechat.load(tiny_ckpt_4bit)
+    wave = np.asarray(question_wav, dtype=np.float32)
+    n = model.config.frame_samples
+
+    def blocks(session):
+        ts = session.state.timeline.state
+        attn = [layer for layer in ts.llm.layers if isinstance(layer, AttentionLayerState)]
+        assert attn, "the tiny checkpoint has attention layers"
+        return ts.tts.block, attn[0].block
+
+    batch = model.create_session_batch(max_sessions=3)
+    a, b, c = batch.open(seed=1), batch.open(seed=2), batch.open(seed=3)
+    got = {s: [] for s in (a, b, c)}
+    for s, ev in batch.push({a: wave[: 2 * n], b: wave[: 2 * n], c: wave[: 2 * n]}).items():
+        got[s] += ev
+    first = blocks(a)
+    assert all(x is not None for x in first) and blocks(b) == first and blocks(c) == first
+    for t in range(2, 5):  # only a and c tick
+        for s, ev in batch.push({a: wave[t * n : (t + 1) * n], c: wave[t * n : (t + 1) * n]}).items():
+            got[s] += ev
+    assert blocks(a) == first and blocks(b) == first and blocks(c) == first
+    for s, ev in batch.push({b: wave[2 * n : 5 * n]}).items():  # b alone catches up, still in the block
+        got[s] += ev
+    assert blocks(b) == first
+    got[c] += c.cancel()  # leaves: its own copy, its row free
+    tts_block, attn_block = first
+    assert blocks(c) == (None, None) and tts_block.members[2] is None and attn_block.members[2] is None
+    d = batch.open(seed=4)
+    got[d] = []
+    for s, ev in batch.push({a: wave[5 * n : 7 * n], b: wave[5 * n : 7 * n], d: wave[: 2 * n]}).items():
+        got[s] += ev  # d's first frame takes no TTS step (position 0): it joins the blocks at its second
+    second = blocks(d)
+    assert second[0] is not tts_block and second[0].size == 3  # a, b, d: the freed row left out
+    assert second[1] is not attn_block and second[1].size == 3 and blocks(a) == second
+    for s, seed, stop, end in ((a, 1, 7, None), (b, 2, 7, None), (c, 3, 5, "cancel"), (d, 4, 2, None)):
+        solo = model.create_streaming_session(seed=seed)
+        want = solo.push_audio(wave[: stop * n])
+        if end == "cancel":
+            want += solo.cancel()
+        assert [repr(e) for e in got[s]] == [repr(e) for e in want], seed
+        if end is None:
+            mine, theirs = s.states(), solo.states()
+            assert sorted(mine) == sorted(theirs)
+            for key in theirs:
+                assert np.array(mine[key]).tobytes() == np.array(theirs[key]).tobytes(), (seed, key)

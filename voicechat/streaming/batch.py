@@ -226,6 +226,7 @@ class SessionBatch:
     def _release(self, session: BatchedSession) -> None:
         if 0 <= session.slot < len(self._slots) and self._slots[session.slot] is session:
             self._slots[session.slot] = None
+            session.state.release_blocks()
 
     def _check_member(self, session) -> None:
         if not isinstance(session, BatchedSession) or session.batch is not self:

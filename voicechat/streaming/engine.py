@@ -53,6 +53,16 @@ class ConversationState:
         out.update({f"codec.{k}": v for k, v in self.codec.arrays().items()})
         return out
 
+    def release_blocks(self) -> None:
+        """The conversation ended: its growing K/V caches (TTS, language attention) leave the blocks
+        a batch kept them in, as their own copies, and free their rows there."""
+        ts = self.timeline.state
+        ts.tts.release()
+        if ts.llm is not None:
+            for layer in ts.llm.layers:
+                if layer is not None and hasattr(layer, "release"):
+                    layer.release()
+
 
 @dataclass
 class FrameOutputs:

@@ -266,14 +266,20 @@ _NO_BUFFER = mx.zeros((0,))
 
 class AttentionRows:
     """The K/V caches of one attention layer for several conversations as one block: `keys`,
-    `values` (C, kv_heads, capacity, head_dim), conversation c's at row c, its positions where its
-    own buffer holds them. A batched single step writes every row's new K/V with one scatter and
-    attends with one masked pass (each row sees its own valid positions); the next step over the
-    same conversations in the same order reads the block as it is. A conversation's own buffers
-    are cut from it when it is read alone."""
+    `values` (C, kv_heads, capacity, head_dim), member c's at row c, its positions where its own
+    buffer holds them; the last index is a scratch column no member sees. A single step of any
+    subset of the members writes each stepping row's K/V with one scatter (the others write zeros
+    into the scratch column) and attends with one masked pass (each row sees its own valid
+    positions); the block stays across steps, whichever members take them, and is made anew only
+    when a conversation not in it steps. A member's own buffers are cut from it when it is read
+    alone. `members[c]`: the state at row c, None once released."""
 
-    def __init__(self, keys: mx.array, values: mx.array, size: int):
-        self.keys, self.values, self.size = keys, values, size
+    def __init__(self, keys: mx.array, values: mx.array, members: list):
+        self.keys, self.values, self.members = keys, values, members
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
 
 
 class AttentionLayerState:
@@ -295,8 +301,10 @@ class AttentionLayerState:
 
     def _own(self) -> None:
         if self._block is not None:
+            block, i = self._block
             self._keys, self._values = self._cut()
             self._block = None
+            block.members[i] = None  # its row is free: a new block leaves it out
 
     def in_block(self, block: AttentionRows, index: int, capacity: int) -> None:
         """This state's buffers are now row `index` of `block`, its own capacity `capacity`."""
@@ -306,6 +314,16 @@ class AttentionLayerState:
     def row_of(self, block: AttentionRows) -> int | None:
         """This state's row in `block`, or None when it is not (or no longer) there."""
         return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    def release(self) -> None:
+        """Leave the block for good (the session closed): own copies of its buffers, made now so
+        they do not hold the block's memory, and its row becomes a free row of the block."""
+        if self._block is not None:
+            block, i = self._block
+            keys, values = (mx.array(a) for a in self._cut())
+            mx.eval(keys, values)
+            self._keys, self._values, self._block = keys, values, None
+            block.members[i] = None
 
     @property
     def block(self) -> AttentionRows | None:
@@ -775,7 +793,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).astype(mx.float32).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).astype(mx.float32).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        if batch > 1 and length == 1:
+        if length == 1 and (batch > 1 or states[0].block is not None):
             out = self._attend_rows(q, k, v, states)
             return self.o_proj(out.reshape(batch, 1, self.num_heads * self.head_dim)).astype(mx.float32)
         rows = [
@@ -786,54 +804,76 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim)).astype(mx.float32)
 
     def _attend_rows(self, q: mx.array, k: mx.array, v: mx.array, states: list[AttentionLayerState]) -> mx.array:
-        """One position of B conversations over their `AttentionRows` block: q (B, 1, heads, D),
-        k / v (B, 1, kv_heads, D) -> (B, 1, heads, D). Each row's new K/V go where its own buffer
+        """One position of S conversations over their `AttentionRows` block: q (S, 1, heads, D),
+        k / v (S, 1, kv_heads, D) -> (S, 1, heads, D). Each row's new K/V go where its own buffer
         takes them; each row's softmax sees its own valid positions (the masked ones weigh exactly
-        0, so the sums are those of `_attend` over the valid positions alone)."""
-        batch = len(states)
+        0, so the sums are those of `_attend` over the valid positions alone). Members of the block
+        not stepping are padding rows (zero queries, zeros written to the scratch column)."""
         block = states[0].block
-        reuse = block is not None and block.size == batch
-        reuse = reuse and all(st.row_of(block) == b for b, st in enumerate(states))
-        caps = []
+        if block is None or any(st.row_of(block) is None for st in states):
+            block = self._new_rows_block(states)
+        members = block.members
+        rows = [st.row_of(block) for st in states]
+        identity = len(states) == len(members) and rows == list(range(len(members)))
         for st in states:  # as `append` grows a buffer
-            cap = st.capacity
-            if st.length + 1 > cap:
-                cap = -(-(st.length + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
-            caps.append(cap)
-        need = max(caps)
-        dtype = states[0].dtype
-        if reuse:
-            assert block is not None
-            have = block.keys.shape[2]
-            if need > have:
-                pad = mx.zeros((batch, self.num_kv_heads, need - have, self.head_dim), dtype=dtype)
-                block.keys = mx.concatenate([block.keys, pad], axis=2)
-                block.values = mx.concatenate([block.values, pad], axis=2)
-        else:
-            parts_k, parts_v = [], []
-            for st in states:
-                sk, sv = st.keys, st.values
-                if sk.shape[2] < need:
-                    pad = mx.zeros((1, self.num_kv_heads, need - sk.shape[2], self.head_dim), dtype=dtype)
-                    sk, sv = mx.concatenate([sk, pad], axis=2), mx.concatenate([sv, pad], axis=2)
-                parts_k.append(sk)
-                parts_v.append(sv)
-            block = AttentionRows(mx.concatenate(parts_k), mx.concatenate(parts_v), batch)
-        lengths = np.array([st.length for st in states], dtype=np.int32)
-        where = mx.broadcast_to(mx.array(lengths)[:, None, None, None], (batch, self.num_kv_heads, 1, self.head_dim))
-        block.keys = mx.put_along_axis(block.keys, where, k.transpose(0, 2, 1, 3).astype(dtype), axis=2)
-        block.values = mx.put_along_axis(block.values, where, v.transpose(0, 2, 1, 3).astype(dtype), axis=2)
+            if st.length + 1 > st._cap:
+                st._cap = -(-(st.length + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
+        need = max(m._cap for m in members if m is not None) + 1  # + the scratch column
+        have = block.keys.shape[2]
+        if need > have:
+            pad = mx.zeros((len(members), self.num_kv_heads, need - have, self.head_dim), dtype=block.keys.dtype)
+            block.keys = mx.concatenate([block.keys, pad], axis=2)
+            block.values = mx.concatenate([block.values, pad], axis=2)
+        cap = block.keys.shape[2]
+        at = np.full(len(members), cap - 1, dtype=np.int32)
+        seen = np.array([0 if m is None else m.length for m in members])
+        for st, r in zip(states, rows, strict=True):
+            at[r] = st.length
+            seen[r] = st.length + 1
+        if not identity:
+            where = [len(states)] * len(members)
+            for s_i, r in enumerate(rows):
+                where[r] = s_i
+            index = mx.array(where)
+            q, k, v = (mx.concatenate([a, mx.zeros((1, *a.shape[1:]), dtype=a.dtype)])[index] for a in (q, k, v))
+        dtype = block.keys.dtype
+        put = mx.broadcast_to(mx.array(at)[:, None, None, None], (len(members), self.num_kv_heads, 1, self.head_dim))
+        block.keys = mx.put_along_axis(block.keys, put, k.transpose(0, 2, 1, 3).astype(dtype), axis=2)
+        block.values = mx.put_along_axis(block.values, put, v.transpose(0, 2, 1, 3).astype(dtype), axis=2)
         rep = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 2, 1, 3).reshape(batch, self.num_kv_heads, rep, 1, self.head_dim)
-        scores = (qh * self.scale) @ block.keys[:, :, None].swapaxes(-1, -2)  # (B, KV, rep, 1, T)
-        visible = np.arange(need)[None, :] < (lengths + 1)[:, None]
+        qh = q.transpose(0, 2, 1, 3).reshape(len(members), self.num_kv_heads, rep, 1, self.head_dim)
+        scores = (qh * self.scale) @ block.keys[:, :, None].swapaxes(-1, -2)  # (C, KV, rep, 1, T)
+        visible = np.arange(cap)[None, :] < seen[:, None]
         scores = mx.where(mx.array(visible)[:, None, None, None, :], scores, -mx.inf)
         weights = mx.softmax(scores, axis=-1, precise=True)
-        out = weights @ block.values[:, :, None]  # (B, KV, rep, 1, D)
-        for b, st in enumerate(states):
+        out = weights @ block.values[:, :, None]  # (C, KV, rep, 1, D)
+        for st in states:
             st.length += 1
-            st.in_block(block, b, caps[b])
-        return out.reshape(batch, self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)
+        out = out.reshape(len(members), self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)
+        return out if identity else out[mx.array(rows)]
+
+    def _new_rows_block(self, states: list[AttentionLayerState]) -> AttentionRows:
+        """A block of `states` and the other live members of their blocks (a copy of each one's
+        buffers, zero-padded to the largest capacity plus the scratch column)."""
+        members = list(states)
+        for st in states:
+            old = st.block
+            if old is not None:
+                members += [m for m in old.members if m is not None and all(m is not x for x in members)]
+        caps = [m.capacity for m in members]
+        owned = [m._cut() if m._block is not None else (m._keys, m._values) for m in members]
+        need = max(caps) + 1
+        parts_k, parts_v = [], []
+        for sk, sv in owned:
+            if sk.shape[2] < need:
+                pad = mx.zeros((1, self.num_kv_heads, need - sk.shape[2], self.head_dim), dtype=sk.dtype)
+                sk, sv = mx.concatenate([sk, pad], axis=2), mx.concatenate([sv, pad], axis=2)
+            parts_k.append(sk)
+            parts_v.append(sv)
+        block = AttentionRows(mx.concatenate(parts_k), mx.concatenate(parts_v), members)
+        for c, (m, cap) in enumerate(zip(members, caps, strict=True)):
+            m.in_block(block, c, cap)
+        return block
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionLayerState) -> mx.array:
         """One conversation's attention: q (1, L, heads, D), k / v (1, L, kv_heads, D) appended to

@@ -159,15 +159,21 @@ class TextEmbeddingCache:
 
 class TtsKvRows:
     """The TTS K/V of several conversations as one block per layer: `keys[l]`, `values[l]`
-    (2C, kv_heads, capacity_l, head_dim), conversation c's guidance pair at rows 2c, 2c + 1, each at
-    the indices its own buffer would use (zeros beyond what it wrote). A batched single step writes
-    every pair's new K/V with one scatter and attends over the block with one masked attention
-    (each row sees its own valid entries, in its own order). While the next step takes the same
-    conversations in the same order it reads the block as it is; a conversation's own buffers are
-    cut from it when it is read alone."""
+    (2C, kv_heads, capacity_l, head_dim), member c's guidance pair at rows 2c, 2c + 1, each at the
+    indices its own buffer would use (zeros beyond what it wrote); the last index of every layer is
+    a scratch column no member sees. A single step of any subset of the members writes each
+    stepping pair's new K/V with one scatter (the others write zeros into the scratch column) and
+    attends over the block with one masked attention (each row sees its own valid entries, in its
+    own order); the block stays as it is across steps, whichever members take them, and is made
+    anew only when a conversation not in it steps. A member's own buffers are cut from it when it is
+    read alone. `members[c]`: the state at pair c, None once released."""
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array], size: int):
-        self.keys, self.values, self.size = keys, values, size
+    def __init__(self, keys: list[mx.array], values: list[mx.array], members: list):
+        self.keys, self.values, self.members = keys, values, members
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
 
 
 class EarTtsState:
@@ -230,8 +236,10 @@ class EarTtsState:
 
     def _own(self) -> None:
         if self._block is not None:
+            block, i = self._block
             self._keys, self._values = self._own_buffers()
             self._block, self._caps = None, None
+            block.members[i] = None  # its pair is free: a new block leaves it out
 
     def in_block(self, block: TtsKvRows, index: int, capacities: list[int]) -> None:
         """This state's K/V are now row pair `index` of `block`, its own buffers' capacities `capacities`."""
@@ -241,6 +249,18 @@ class EarTtsState:
     def row_of(self, block: TtsKvRows) -> int | None:
         """This state's pair index in `block`, or None when it is not (or no longer) there."""
         return self._block[1] if self._block is not None and self._block[0] is block else None
+
+    def release(self) -> None:
+        """Leave the block for good (the session closed): own copies of its buffers, made now so
+        they do not hold the block's memory, and its pair becomes a free row of the block."""
+        if self._block is not None:
+            block, i = self._block
+            keys, values = self._own_buffers()
+            keys, values = [mx.array(k) for k in keys], [mx.array(v) for v in values]
+            mx.eval(keys, values)
+            self._keys, self._values = keys, values
+            self._block, self._caps = None, None
+            block.members[i] = None
 
     @property
     def block(self) -> TtsKvRows | None:
@@ -677,10 +697,10 @@ class BackboneAttention(nn.Module):
             [input_norm.scale(), self.q_norm.scale(), self.k_norm.scale()],
             rope,
         )
+        if step is not None:  # one position of the stepping pairs, over their K/V block
+            return step.attend(self, q, k, v)
         if len(states) == 1:
             return self.attend(q, k, v, states[0], b, n)
-        if step is not None:  # one position of every pair, over their K/V block
-            return step.attend(self, q, k, v)
         pairs = [
             self.attend(q[2 * c : 2 * c + 2], k[2 * c : 2 * c + 2], v[2 * c : 2 * c + 2], state, 2, n)
             for c, state in enumerate(states)
@@ -749,7 +769,8 @@ class EarTtsBackbone(nn.Module):
         states. Pair c equals `self(x[2c:2c+2], states[c])` bit for bit where the products compute
         each row alone; with C == 1 it is that call."""
         states = list(states)
-        step = BlockStep(states) if len(states) > 1 and x.shape[1] == 1 else None
+        batched = len(states) > 1 or states[0].block is not None
+        step = BlockStep(states) if batched and x.shape[1] == 1 else None
         out = self._layers(x, states, [st.offset for st in states], step)
         if step is not None:
             step.settle()
@@ -794,60 +815,97 @@ class EarTtsBackbone(nn.Module):
 
 
 class BlockStep:
-    """One single-position step of C conversations' backbones over their `TtsKvRows` block: the
-    block of the previous step when it holds exactly these states in this order, else one made
-    from their own buffers (a copy once per change of the batch's members). For each layer the
-    host works out where each pair writes (its buffer index, as alone) and how many entries it
-    sees; the block grows as the pairs' own buffers would (`KV_ALLOC_STEP`, at most the window)."""
+    """One single-position step of some conversations' backbones over a `TtsKvRows` block: the
+    block they are all members of, else a new one of them and the other live members of their
+    blocks (a copy once per change of who is in it). For each layer the host works out where each
+    stepping pair writes (its buffer index, as alone) and how many entries each row sees; the block
+    grows as its members' own buffers would (`KV_ALLOC_STEP`, at most the window) plus the
+    scratch column. Members not stepping are padding rows: zero queries, zeros written to the
+    scratch column, outputs dropped."""
 
     def __init__(self, states: list[EarTtsState]):
         self.states = states
-        first = states[0]
-        block = first.block
-        reuse = block is not None and block.size == len(states)
-        reuse = reuse and all(st.row_of(block) == c for c, st in enumerate(states))
-        layers = first.num_layers
-        caps = [[st.capacity(layer) for layer in range(layers)] for st in states]
-        self.index, self.valid = [], []
-        for c, st in enumerate(states):
-            idx_c, valid_c = [], []
-            for layer, w in enumerate(st.windows):
-                index = st.offset if w is None else (st.offset - st.ring_origin[layer]) % w
-                if index + 1 > caps[c][layer]:  # as `_ensure_capacity`
-                    cap = -(-(index + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
-                    caps[c][layer] = cap if w is None else min(cap, w)
-                idx_c.append(index)
-                valid_c.append(st.stored_length(layer, st.offset + 1))
-            self.index.append(idx_c)
-            self.valid.append(valid_c)
-        self.caps = caps
-        need = [max(caps[c][layer] for c in range(len(states))) for layer in range(layers)]
-        if reuse:
-            assert block is not None
-            for layer in range(layers):
-                have = block.keys[layer].shape[2]
-                if need[layer] > have:
-                    pad = mx.zeros((*block.keys[layer].shape[:2], need[layer] - have, block.keys[layer].shape[3]))
-                    block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
-                    block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
-        else:
-            owned = [st.keys for st in states], [st.values for st in states]
-            block = TtsKvRows(
-                [_stack_padded([k[layer] for k in owned[0]], need[layer]) for layer in range(layers)],
-                [_stack_padded([v[layer] for v in owned[1]], need[layer]) for layer in range(layers)],
-                len(states),
-            )
+        block = states[0].block
+        if block is None or any(st.row_of(block) is None for st in states):
+            block = self._new_block(states)
         self.block = block
+        members = block.members
+        rows = [st.row_of(block) for st in states]
+        self.rows = rows
+        self.identity = rows == list(range(len(members))) and len(states) == len(members)
+        layers = states[0].num_layers
+        caps = {id(st): list(st._caps or []) for st in states}
+        index = [[0] * layers for _ in members]
+        valid = [[0] * layers for _ in members]
+        stepping = set(rows)
+        for c, st in enumerate(members):
+            if st is None:
+                continue
+            for layer, w in enumerate(st.windows):
+                if c in stepping:
+                    i = st.offset if w is None else (st.offset - st.ring_origin[layer]) % w
+                    own = caps[id(st)]
+                    if i + 1 > own[layer]:  # as `_ensure_capacity`
+                        cap = -(-(i + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
+                        own[layer] = cap if w is None else min(cap, w)
+                    index[c][layer] = i
+                    valid[c][layer] = st.stored_length(layer, st.offset + 1)
+                else:
+                    index[c][layer] = -1  # the scratch column
+                    valid[c][layer] = st.stored_length(layer)
+        for st in states:
+            st._caps = caps[id(st)]
+        self.index, self.valid = index, valid
+        for layer in range(layers):
+            need = max(m._caps[layer] for m in members if m is not None) + 1  # + the scratch column
+            have = block.keys[layer].shape[2]
+            if need > have:
+                shape = block.keys[layer].shape
+                pad = mx.zeros((shape[0], shape[1], need - have, shape[3]), dtype=mx.float32)
+                block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
+                block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
         self._masks: dict[tuple, mx.array] = {}
 
+    @staticmethod
+    def _new_block(states: list[EarTtsState]) -> TtsKvRows:
+        members = list(states)
+        for st in states:  # the other live members of their blocks come along (not cut out)
+            old = st.block
+            if old is not None:
+                members += [m for m in old.members if m is not None and all(m is not x for x in members)]
+        layers = states[0].num_layers
+        caps = [[m.capacity(layer) for layer in range(layers)] for m in members]
+        owned = [m._own_buffers() for m in members]
+        need = [max(c[layer] for c in caps) + 1 for layer in range(layers)]
+        block = TtsKvRows(
+            [_stack_padded([o[0][layer] for o in owned], need[layer]) for layer in range(layers)],
+            [_stack_padded([o[1][layer] for o in owned], need[layer]) for layer in range(layers)],
+            members,
+        )
+        for c, m in enumerate(members):
+            m.in_block(block, c, caps[c])
+        return block
+
+    def _rows_in(self, a: mx.array) -> mx.array:
+        """The stepping pairs' rows (2S, ...) -> the block's rows (2C, ...): zeros for the others."""
+        if self.identity:
+            return a
+        ext = mx.concatenate([a, mx.zeros((2, *a.shape[1:]), dtype=a.dtype)], axis=0)
+        zero = 2 * len(self.states)
+        where = [zero, zero + 1] * self.block.size
+        for s, c in enumerate(self.rows):
+            where[2 * c : 2 * c + 2] = [2 * s, 2 * s + 1]
+        return ext[mx.array(where)]
+
     def attend(self, attn: BackboneAttention, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        """Write the pairs' new K/V (2C, kv, 1, D) at their indices and attend over the block."""
+        """Write the stepping pairs' new K/V (2S, kv, 1, D) at their indices, attend over the block."""
         layer, block = attn.layer_index, self.block
-        rows = np.repeat(np.array([idx[layer] for idx in self.index], dtype=np.int32), 2)
-        where = mx.broadcast_to(mx.array(rows)[:, None, None, None], k.shape)
+        cap = block.keys[layer].shape[2]
+        q, k, v = self._rows_in(q), self._rows_in(k), self._rows_in(v)
+        at = np.repeat(np.array([i[layer] if i[layer] >= 0 else cap - 1 for i in self.index], dtype=np.int32), 2)
+        where = mx.broadcast_to(mx.array(at)[:, None, None, None], k.shape)
         block.keys[layer] = mx.put_along_axis(block.keys[layer], where, k, axis=2)
         block.values[layer] = mx.put_along_axis(block.values[layer], where, v, axis=2)
-        cap = block.keys[layer].shape[2]
         valid = tuple(int(vc[layer]) for vc in self.valid)
         mask = self._masks.get((cap, valid))
         if mask is None:
@@ -856,13 +914,13 @@ class BlockStep:
         out = mx.fast.scaled_dot_product_attention(
             q, block.keys[layer], block.values[layer], scale=attn.scale, mask=mask
         )
-        b = q.shape[0]
-        return out.transpose(0, 2, 1, 3).reshape(b, 1, attn.num_heads * attn.head_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], 1, attn.num_heads * attn.head_dim)
+        if self.identity:
+            return out
+        return out[mx.array([2 * c + j for c in self.rows for j in (0, 1)])]
 
     def settle(self) -> None:
-        """After the step: each state is its pair of the block, with its own buffers' capacities."""
-        for c, st in enumerate(self.states):
-            st.in_block(self.block, c, self.caps[c])
+        """After the step (kept for the caller's symmetry: every member is in the block already)."""
 
 
 def _stack_padded(buffers: list[mx.array], capacity: int) -> mx.array:
@@ -1400,7 +1458,7 @@ class EarTts(nn.Module):
             self.step_inputs(st.previous_codes, tok, eos_id=eos_id, silence_codes=silence_codes, text_cache=tc)
             for st, tok, tc in zip(states, text_tokens, text_caches, strict=True)
         ]
-        if len(states) == 1:
+        if len(states) == 1 and states[0].block is None:
             hidden = self.backbone(inputs[0], states[0])[:, -1]
         else:
             hidden = self.backbone.step_batch(mx.concatenate(inputs, axis=0), states)[:, -1]
