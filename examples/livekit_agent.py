@@ -16,7 +16,9 @@ Pinned: livekit-agents==1.8.9, livekit-plugins-openai==1.8.9 (`pip install -e ".
 
    Then join a room of that LiveKit project (the Agents Playground, or any LiveKit client): LiveKit
    dispatches the room to this worker, whose AgentSession talks to `voicechat serve` over its
-   OpenAI Realtime GA dialect (/v1/realtime).
+   OpenAI Realtime GA dialect (/v1/realtime). `openai.realtime.GPTLiveModel(base_url=VOICECHAT_URL)`
+   works too (OpenAI Live on /v1/live/sessions, the agent's tools through its default Responses
+   delegation); its `generate_reply` and context appends are refused (docs/server.md, "LiveKit Agents").
 
 The worker reports the model server's slots as its load (`slot_load_fnc`: active_sessions /
 max_sessions from GET /healthz, or the worker's own jobs if more); with `load_threshold=1.0` LiveKit

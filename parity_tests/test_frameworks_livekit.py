@@ -9,7 +9,9 @@ and `generate_reply()`), against a real `voicechat serve` process over real sock
 * `openai.realtime.RealtimeModel(base_url="http://HOST:PORT/v1")` (Realtime GA on /v1/realtime) with
   the `toolcall` preset, which calls `get_current_time {"timezone": "UTC"}` after a few seconds of audio;
 * `openai.realtime.GPTLiveModel` (OpenAI Live on /v1/live/sessions) inside `llm.DuplexRealtimeAdapter`,
-  as AgentSession runs a duplex model;
+  as AgentSession runs a duplex model: audio and transcripts, and with the `toolcall` preset a tool round
+  trip through its default Responses delegation (the call as `response.event`s, the output as
+  `response.item.create` + `response.create`, the model going on by itself);
 * the slot load (voicechat/server/load.py) that a LiveKit worker reports, and the availability LiveKit's
   own AgentServer code derives from it (load vs load_threshold);
 * examples/livekit_agent.py: what runs without a LiveKit server (the worker's load wiring, the agent).
@@ -152,11 +154,12 @@ def question_input(question_wav: np.ndarray, frames: int) -> np.ndarray:
     return pcm24[: pcm24.size // CHUNK * CHUNK]
 
 
-def tool_reference(model, pcm24: np.ndarray):
+def tool_reference(model, pcm24: np.ndarray, *, close: bool = False) -> SimpleNamespace:
     """The in-process session on the server's input: the same 24 kHz appends through the same resampling,
     the result submitted right after the append whose frames brought the call (where the client below
-    answers it). -> (samples up to that append, the call, what the model says after the result, the tools
-    the server opens its session with)."""
+    answers it). -> upto (samples up to that append), call, said (what the model says after the result),
+    tools (what the server opens its session with), result_done (the model's EOTR closing the result),
+    timeline (every transcript delta with its start_ms; with `close`, the session.close flush included)."""
     from voicechat.server.resample import StreamResampler
     from voicechat.tools.channel import normalize_tools
 
@@ -164,9 +167,10 @@ def tool_reference(model, pcm24: np.ndarray):
     tools = [dict(t, type="function") for t in normalize_tools([schema])]
     s = model.create_streaming_session(system_prompt=INSTRUCTIONS, tools=tools)
     r = StreamResampler(24000, 16000)
-    upto, call, after = None, None, []
+    upto, call, every, after = None, None, [], []
     for i in range(0, pcm24.size, CHUNK):
         events = s.push_audio(r.push(pcm24[i : i + CHUNK].astype(np.float32) / 32768.0))
+        every += events
         if upto is not None:
             after += events
         elif s.pending_tool_calls:
@@ -174,8 +178,12 @@ def tool_reference(model, pcm24: np.ndarray):
             call = next(e for e in events if e.kind == "tool_call")
             s.submit_tool_result(s.pending_tool_calls[0], json.dumps(RESULT))
     assert upto is not None, "precondition: the toolcall preset calls its tool within the input"
+    if close:  # session.close: the resampler's last samples, the padded last frame
+        every += s.push_audio(r.flush()) + s.flush()
     said = "".join(e.delta for e in after if e.kind == "assistant_text_delta")
-    return upto, call, said, tools
+    done = next((e for e in every if e.kind == "tool_result_done"), None)
+    timeline = [(e.delta, e.frame_index * 80) for e in every if e.kind == "assistant_text_delta" and e.delta]
+    return SimpleNamespace(upto=upto, call=call, said=said, tools=tools, result_done=done, timeline=timeline)
 
 
 # -- RealtimeModel (Realtime GA): audio, transcripts, a tool round trip, generate_reply, close
@@ -184,7 +192,8 @@ def tool_reference(model, pcm24: np.ndarray):
 def test_realtime_model_tool_round_trip_generate_reply_and_close(lk_server, toolcall_ckpt, question_wav):
     base_url = f"http://127.0.0.1:{lk_server}/v1"
     pcm24 = question_input(question_wav, 200)  # the call, the forced result (~60 frames), EOTR and speech fit
-    upto, ref_call, ref_reply, ref_tools = tool_reference(toolcall_ckpt[1], pcm24)
+    ref = tool_reference(toolcall_ckpt[1], pcm24)
+    upto, ref_call, ref_reply, ref_tools = ref.upto, ref.call, ref.said, ref.tools
     assert ref_reply, "precondition: the model speaks after the result"
     executed.clear()
 
@@ -305,6 +314,90 @@ def test_gpt_live_model_audio_transcripts_and_close(lk_server, question_wav):
     spoke = [g for g in gens if g.samples]
     assert spoke and any(g.text for g in spoke)
     assert any(u.transcript for u in user)
+    assert slots == (0, 2), f"/healthz after aclose: {slots}"
+
+
+def test_gpt_live_model_tool_round_trip_and_close(lk_server, toolcall_ckpt, question_wav):
+    """GPTLiveModel's default Responses delegation: the agent's tool in session.start's delegation, the
+    model's call (session.delegation.created + response.event) surfaced as LiveKit's function_call, run
+    with LiveKit's execute_function_call, its output sent back the way agent_activity sends it (the
+    adapter's update_chat_ctx -> response.item.create + response.create); no generate_reply, the model
+    goes on by itself (auto_tool_reply_generation) and says what the in-process session says."""
+    base_url = f"http://127.0.0.1:{lk_server}/v1"
+    pcm24 = question_input(question_wav, 200)
+    ref = tool_reference(toolcall_ckpt[1], pcm24, close=True)
+    after_result = [d for d in ref.timeline if d[1] > ref.result_done.frame_index * 80]
+    assert after_result, "precondition: the model speaks after the result"
+    executed.clear()
+
+    async def go():
+        live = lk_openai.realtime.GPTLiveModel(base_url=base_url, api_key="unused", conn_options=NO_RETRY)
+        adapter = llm.DuplexRealtimeAdapter(live)
+        sess = adapter.session()
+        raw, sent, errors, gens, said = [], [], [], [], []
+        sess.duplex_session.on("openai_server_event_received", raw.append)
+        sess.duplex_session.on("openai_client_event_queued", sent.append)
+        sess.duplex_session.on("transcript_delta", said.append)
+        sess.on("error", errors.append)
+        sess.on("generation_created", lambda ev: gens.append(Generation(ev)))
+        # AgentActivity's start: instructions, the (empty) chat context and the agent's tools, then audio.
+        await sess._update_session(
+            instructions=INSTRUCTIONS, chat_ctx=llm.ChatContext.empty(), tools=[get_current_time]
+        )
+        push(sess, pcm24[: ref.upto])
+        await until(lambda: any(g.calls for g in gens), 60, "the function call on a generation's function_stream")
+        call = next(g for g in gens if g.calls).calls[0]
+        # agent_activity (_realtime_generation_task): execute, then the session's chat_ctx plus the outputs.
+        result = await llm.utils.execute_function_call(
+            llm.FunctionToolCall(name=call.name, arguments=call.arguments, call_id=call.call_id),
+            llm.ToolContext([get_current_time]),
+        )
+        output = result.fnc_call_out
+        chat_ctx = sess.chat_ctx.copy()
+        chat_ctx.items.append(output)
+        await sess.update_chat_ctx(chat_ctx)
+        push(sess, pcm24[ref.upto :])
+        # The model's words up to its last one after the result (a model that never got the result says
+        # something else, or nothing: then the message says what the in-process session says there).
+        last_ms, words = after_result[-1][1], "".join(d for d, _ in after_result)
+        await until(
+            lambda: any(d.start_ms >= last_ms for d in said), 30, f"the model's words after the result {words!r}"
+        )
+        await sess.aclose()  # session.close, and LiveKit waits for session.closed
+        await adapter.aclose()
+        slots = await slots_free(base_url)
+        return call, output, raw, sent, errors, said, slots
+
+    call, output, raw, sent, errors, said, slots = run(go())
+    assert not errors, errors
+    assert "error" not in [e["type"] for e in raw], [e for e in raw if e["type"] == "error"]
+    # The tool went out in session.start's Responses delegation, as the server opens the session with it.
+    start = sent[0]
+    assert start["type"] == "session.start" and start["session"]["delegation"]["type"] == "responses"
+    tools_sent = start["session"]["delegation"]["responses"]["tools"]
+    assert [dict(t, type="function") for t in tools_sent] == ref.tools
+    assert raw[0]["type"] == "session.started" and raw[0]["session"]["delegation"]["responses"]["tools"] == tools_sent
+    # The call: by name, with the arguments and the call_id of the in-process session; run once by LiveKit.
+    assert call.name == TOOLCALL_TOOL and json.loads(call.arguments) == TOOLCALL_ARGUMENTS
+    assert call.call_id == ref.call.call_id
+    assert executed == [TOOLCALL_ARGUMENTS["timezone"]]
+    assert not output.is_error and json.loads(output.output) == RESULT
+    # The output as LiveKit's GPT Live sends it: one response.item.create, then response.create (continue).
+    backend = [e for e in sent if e["type"] in ("response.item.create", "response.create")]
+    assert [e["type"] for e in backend] == ["response.item.create", "response.create"], backend
+    assert backend[0]["item"] == {"type": "function_call_output", "call_id": call.call_id, "output": output.output}
+    # Nothing went to the voice model as context (no session.*.append: the server refuses those).
+    assert not [e for e in sent if e["type"].endswith(".append") and e["type"] != "session.input_audio.append"]
+    # The result reached the model at the frame it does in-process: the transcript LiveKit surfaced is the
+    # in-process session's, word for word and frame for frame, through its words after the result (the
+    # server's events after LiveKit's close began are not LiveKit's to handle, and may be cut by its 5 s).
+    got = [(d.text, d.start_ms) for d in said]
+    assert got == ref.timeline[: len(got)]
+    assert set(after_result) <= set(got), (got, after_result)
+    wire = [(e["delta"], e["start_ms"]) for e in raw if e["type"] == "session.output_transcript.delta"]
+    assert wire == ref.timeline[: len(wire)] and len(wire) >= len(got)
+    # Clean close: session.close answered by session.closed, the slot free.
+    assert "session.close" in [e["type"] for e in sent] and raw[-1]["type"] == "session.closed", raw[-3:]
     assert slots == (0, 2), f"/healthz after aclose: {slots}"
 
 

@@ -727,6 +727,55 @@ def test_live_function_results_need_responses_delegation(server):
     assert wait_released(server)
 
 
+def test_live_session_update_keeps_the_started_tools_and_says_so(server, caplog):
+    """LiveKit's GPTLiveModel sends a sparse session.update ({delegation: {type: responses, responses: {tools}}}
+    or {... {tool_choice}}) when an agent's tools or tool_choice change after session.start. The tools are in
+    the model's prompt, prefilled at session.start: session.updated echoes the delegation in effect (unchanged)
+    and the server logs the change it did not make; resending what is in effect logs nothing."""
+    import logging
+
+    started = {"type": "responses", "responses": {"model": "backend", "tools": []}}
+
+    def update(responses: dict, eid: str) -> dict:
+        return {
+            "type": "session.update",
+            "event_id": eid,
+            "session": {"delegation": {"type": "responses", "responses": responses}},
+        }
+
+    async def go():
+        seen = []
+        async with sdk(server.port).live.connect() as conn:
+            await conn.send({"type": "session.start", "session": {"model": "m", "delegation": started}})
+            seen.append(await recv_raw(conn))
+            for eid, responses in (
+                ("same", {"tools": []}),
+                ("auto", {"tool_choice": "auto"}),
+                ("tools", {"tools": [TIME_TOOL]}),
+                ("choice", {"tool_choice": "required"}),
+            ):
+                await conn.send(update(responses, eid))
+                seen.append(await recv_raw(conn))
+            await conn.send({"type": "session.close"})
+            while seen[-1]["type"] != "session.closed":
+                seen.append(await recv_raw(conn))
+        return seen
+
+    with caplog.at_level(logging.WARNING, logger="voicechat.server"):
+        seen = run(go())
+    for e in seen:
+        live_validate(e)
+    updated = seen[1:5]
+    assert [(e["type"], e["client_event_id"]) for e in updated] == [
+        ("session.updated", eid) for eid in ("same", "auto", "tools", "choice")
+    ]
+    assert all(e["session"]["delegation"] == started for e in updated)  # what the session runs with
+    warned = [r.getMessage() for r in caplog.records if "session.update asks to change" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "delegation.responses.tools" in warned[0] and "delegation.responses.tool_choice" in warned[1]
+    assert wait_released(server)
+
+
 # -- the mapping (GaMapper) on hand-built frames
 
 

@@ -13,12 +13,15 @@ responses: {model, tools}}`): the model is its own backend, so a `ToolCall` is a
 `response.event` (`response.created`, `response.output_item.done` with the `function_call` item,
 `response.completed`); the client's `response.item.create {function_call_output}` is the session's
 `submit_tool_result`, and `response.create` (Live's "continue") is accepted: the model goes on by itself.
+The tools are fixed at `session.start` (the model's prompt): a `session.update` asking for others is
+echoed with the session as it runs, and logged.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 
 import numpy as np
@@ -37,6 +40,8 @@ from voicechat.server.messages import (
 )
 from voicechat.server.resample import StreamResampler, pcm16_to_float
 from voicechat.tools.channel import normalize_tools
+
+log = logging.getLogger("voicechat.server")
 
 LIVE_RATES = (16000, 24000)
 SUPPORTED = (
@@ -112,6 +117,10 @@ class LiveDialect(Dialect):
             self.send(self._with_cid({"type": "session.input_audio.unmuted"}, cid))
         elif t == "session.update":
             # Instructions and audio are immutable after startup (as in Live); the resolved session is echoed.
+            # Live lets the delegation's Responses settings change (LiveKit's update_tools / tool_choice send
+            # a sparse session.update), but the tools are in the model's prompt, prefilled at session.start:
+            # the session keeps them, the echo says so, and the log says a change was asked for.
+            self._note_ignored_update(msg.get("session"))
             self.send(self._with_cid({"type": "session.updated", "session": self.resource()}, cid))
         elif t == "response.item.create":
             self._response_item(msg)
@@ -144,6 +153,30 @@ class LiveDialect(Dialect):
         if not isinstance(call_id, str) or not isinstance(output, str):
             raise P.ProtocolError("invalid_item", "a function_call_output item needs string 'call_id' and 'output'")
         self.conn.submit(SubmitToolResult(call_id, output))
+
+    def _note_ignored_update(self, s) -> None:
+        if not isinstance(s, dict):
+            return
+        asked = []
+        if "instructions" in s and s["instructions"] != self.instructions:
+            asked.append("instructions")
+        d = s.get("delegation")
+        if isinstance(d, dict):
+            now = self.delegation or {"type": "client"}
+            r = d.get("responses") if isinstance(d.get("responses"), dict) else {}
+            if d.get("type", now["type"]) != now["type"]:
+                asked.append("delegation.type")
+            if "tools" in r and (r["tools"] or []) != now.get("responses", {}).get("tools", []):
+                asked.append("delegation.responses.tools")
+            if r.get("tool_choice") not in (None, "auto"):  # the model decides for itself when to call
+                asked.append("delegation.responses.tool_choice")
+        if asked:
+            log.warning(
+                "session %s: session.update asks to change %s after session.start; the session keeps "
+                "the ones it started with",
+                self.conn.session_id,
+                ", ".join(asked),
+            )
 
     @staticmethod
     def _with_cid(p: dict, cid) -> dict:
