@@ -809,9 +809,7 @@ class Attention(nn.Module):
         takes them; each row's softmax sees its own valid positions (the masked ones weigh exactly
         0, so the sums are those of `_attend` over the valid positions alone). Members of the block
         not stepping are padding rows (zero queries, zeros written to the scratch column)."""
-        block = states[0].block
-        if block is None or any(st.row_of(block) is None for st in states):
-            block = self._new_rows_block(states)
+        block = self._rows_block_for(states)
         members = block.members
         rows = [st.row_of(block) for st in states]
         identity = len(states) == len(members) and rows == list(range(len(members)))
@@ -851,6 +849,35 @@ class Attention(nn.Module):
             st.length += 1
         out = out.reshape(len(members), self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)
         return out if identity else out[mx.array(rows)]
+
+    def _rows_block_for(self, states: list[AttentionLayerState]) -> AttentionRows:
+        """The block of the first stepping state that has one, conversations not in it placed in its
+        free rows (a copy of their own buffers only); a new block when there are not enough."""
+        block = next((st.block for st in states if st.block is not None), None)
+        if block is None:
+            return self._new_rows_block(states)
+        newcomers = [st for st in states if st.row_of(block) is None]
+        free = [c for c, m in enumerate(block.members) if m is None]
+        if len(newcomers) > len(free):
+            return self._new_rows_block(states)
+        for st, c in zip(newcomers, free, strict=False):
+            cap = st.capacity
+            keys, values = st._cut() if st._block is not None else (st._keys, st._values)
+            if st._block is not None:  # leaves another block: its row there is free
+                old, i = st._block
+                old.members[i] = None
+            have = block.keys.shape[2]
+            if cap + 1 > have:
+                pad = mx.zeros((block.size, self.num_kv_heads, cap + 1 - have, self.head_dim), dtype=block.keys.dtype)
+                block.keys = mx.concatenate([block.keys, pad], axis=2)
+                block.values = mx.concatenate([block.values, pad], axis=2)
+                have = cap + 1
+            tail = (1, self.num_kv_heads, have - keys.shape[2], self.head_dim)
+            block.keys[c : c + 1] = mx.concatenate([keys, mx.zeros(tail, dtype=block.keys.dtype)], axis=2)
+            block.values[c : c + 1] = mx.concatenate([values, mx.zeros(tail, dtype=block.values.dtype)], axis=2)
+            block.members[c] = st
+            st.in_block(block, c, cap)
+        return block
 
     def _new_rows_block(self, states: list[AttentionLayerState]) -> AttentionRows:
         """A block of `states` and the other live members of their blocks (a copy of each one's

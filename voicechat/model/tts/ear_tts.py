@@ -825,9 +825,7 @@ class BlockStep:
 
     def __init__(self, states: list[EarTtsState]):
         self.states = states
-        block = states[0].block
-        if block is None or any(st.row_of(block) is None for st in states):
-            block = self._new_block(states)
+        block = self._block_for(states)
         self.block = block
         members = block.members
         rows = [st.row_of(block) for st in states]
@@ -865,6 +863,37 @@ class BlockStep:
                 block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
                 block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
         self._masks: dict[tuple, mx.array] = {}
+
+    @staticmethod
+    def _block_for(states: list[EarTtsState]) -> TtsKvRows:
+        """The block of the first stepping state that has one, conversations not in it placed in its
+        free pairs (a copy of their own buffers only); a new block when there are not enough."""
+        block = next((st.block for st in states if st.block is not None), None)
+        if block is None:
+            return BlockStep._new_block(states)
+        newcomers = [st for st in states if st.row_of(block) is None]
+        free = [c for c, m in enumerate(block.members) if m is None]
+        if len(newcomers) > len(free):
+            return BlockStep._new_block(states)
+        for st, c in zip(newcomers, free, strict=False):
+            caps = [st.capacity(layer) for layer in range(st.num_layers)]
+            keys, values = st._own_buffers()
+            if st._block is not None:  # leaves another block: its row there is free
+                old, i = st._block
+                old.members[i] = None
+            for layer in range(st.num_layers):
+                have = block.keys[layer].shape[2]
+                if caps[layer] + 1 > have:
+                    shape = block.keys[layer].shape
+                    pad = mx.zeros((shape[0], shape[1], caps[layer] + 1 - have, shape[3]), dtype=mx.float32)
+                    block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
+                    block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
+                    have = caps[layer] + 1
+                block.keys[layer][2 * c : 2 * c + 2] = _stack_padded([keys[layer]], have)
+                block.values[layer][2 * c : 2 * c + 2] = _stack_padded([values[layer]], have)
+            block.members[c] = st
+            st.in_block(block, c, caps)
+        return block
 
     @staticmethod
     def _new_block(states: list[EarTtsState]) -> TtsKvRows:
