@@ -74,7 +74,7 @@ class PlainOps:
         out = x @ w.T
         return out if out.dtype == mx.float32 else out.astype(mx.float32)
 
-    def products_scope(self):
+    def products_scope(self, conversations: int = 1):
         return contextlib.nullcontext()
 
 
@@ -191,9 +191,12 @@ def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:
     return _bound.ops.matmul_t(x, w, owner, name)
 
 
-def products_scope():
-    """A with-block around a run of `matmul_t` products (a runtime may set its BLAS up there)."""
-    return _bound.ops.products_scope()
+def products_scope(conversations: int = 1):
+    """A with-block around a run of `matmul_t` products (a runtime may set its BLAS up there). With
+    `conversations` = n, x holds n conversations' rows one after the other, in equal groups: a
+    runtime whose products would round a row differently in a taller product (numpy's BLAS)
+    computes each group alone."""
+    return _bound.ops.products_scope(conversations)
 
 
 # -- helpers shared by components and the runtime (pure; no execution choice)

@@ -11,6 +11,8 @@ a policy up.
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
 from voicechat.model import ops
@@ -86,8 +88,13 @@ class Runtime(ops.PlainOps):
     def matmul_t(self, x, w, owner, name):
         return host_products.matmul_t(x, w, owner, name, enabled=self.policy.host_products)
 
-    def products_scope(self):
-        return host_products.one_blas_thread(self.policy.host_products)
+    def products_scope(self, conversations: int = 1):
+        if conversations == 1 or not self.policy.host_products:
+            return host_products.one_blas_thread(self.policy.host_products)
+        scope = contextlib.ExitStack()
+        scope.enter_context(host_products.one_blas_thread(True))
+        scope.enter_context(host_products.conversation_rows(conversations))
+        return scope
 
 
 __all__ = ["Runtime"]

@@ -23,6 +23,7 @@ The policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a C
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 
@@ -34,6 +35,20 @@ from voicechat.model.derived import derived
 from voicechat.model.ops import widen_bf16_bits
 
 _controller_lock = threading.Lock()
+# Inside `conversation_rows(n)`: x holds n conversations' rows one after the other, and each one's
+# product runs on its own rows (the BLAS rounds a row differently in a taller product).
+_conversations: contextvars.ContextVar[int] = contextvars.ContextVar("voicechat_host_conversations", default=1)
+
+
+@contextlib.contextmanager
+def conversation_rows(n: int):
+    """The products inside take x as `n` equal groups of rows, one conversation's each: one host
+    round trip for all, then each group's product exactly as that conversation's alone."""
+    token = _conversations.set(n)
+    try:
+        yield
+    finally:
+        _conversations.reset(token)
 
 
 @functools.cache
@@ -83,7 +98,11 @@ def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str, *, enabled: 
     w_t = derived(owner, "host_gemm_" + name, (w,), float32_transposed)
     if x.dtype != mx.float32:
         x = x.astype(mx.float32)
-    return mx.array(np.asarray(x) @ w_t)
+    host = np.asarray(x)
+    n = _conversations.get()
+    if n > 1:
+        return mx.array(np.concatenate([part @ w_t for part in np.split(host, n)]))
+    return mx.array(host @ w_t)
 
 
-__all__ = ["one_blas_thread", "float32_transposed", "matmul_t"]
+__all__ = ["one_blas_thread", "conversation_rows", "float32_transposed", "matmul_t"]

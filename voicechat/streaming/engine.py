@@ -191,10 +191,7 @@ class FrameEngine:
         t4 = time.perf_counter()
         on_stage("codec")
         clean = [replace_control_codes(c, self.control_codes, self.silence_codes) for c in codes]
-        if ops.host_products():  # numpy's products would round rows differently in a stack: one by one
-            audio = [self.codec.decode_step(c, st.codec) for c, st in zip(clean, states, strict=True)]
-        else:
-            audio = self.codec.decode_step_rows(clean, [st.codec for st in states])
+        audio = self.codec.decode_step_rows(clean, [st.codec for st in states])
         # The frame's wait: ids, codes, audio and the codec state (with the codec's products on the
         # host, the codec evaluated its inputs on the way), and the RNNT's symbols when on the device.
         mx.eval(

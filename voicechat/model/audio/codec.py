@@ -708,11 +708,11 @@ class Codec(nn.Module):
 
     def decode_step_rows(self, codes: list, states: list[CodecState]) -> list[mx.array]:
         """`decode_step` of C conversations (each one code frame and its own state) over their rows
-        together: one read of all the codes, the decoder's products over all rows, each block's
-        depthwise conv and each iSTFT over each conversation's own frames. Each conversation's samples
-        and state are what `decode_step` gives it where the products compute each row alone (MLX's
-        own products; not with the codec's products on the host, where the engine runs
-        `decode_step` per conversation). One conversation: `decode_step`."""
+        together: one read of all the codes, the decoder's products over all rows (on the host: one
+        round trip, then each conversation's rows as its own product, since the BLAS rounds a row
+        differently in a taller one), each block's depthwise conv and each iSTFT over each
+        conversation's own frames. Each conversation's samples and state are what `decode_step`
+        gives it. One conversation: `decode_step`."""
         if len(codes) != len(states) or not states:
             raise ValueError("Codec.decode_step_rows: one code frame per state, at least one")
         if len(states) == 1:
@@ -730,7 +730,7 @@ class Codec(nn.Module):
         geo = self._geometry
         n = len(states)
         histories = {b: mx.stack([st.block_histories[b] for st in states]) for b in self.decoder.block_indices}
-        with ops.products_scope():
+        with ops.products_scope(conversations=n):
             spec, new = self.decoder(self._latent(host), histories, conversations=n)
         real, imag = self._spectrum(spec)
         real = mx.concatenate([mx.stack([st.istft_real for st in states]), real.reshape(n, -1, real.shape[-1])], 1)
