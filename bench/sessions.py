@@ -639,10 +639,11 @@ def render_sessions(run_dir: Path, *, link_prefix: str = "", level: int = 1, tit
     out.append("")
     out.append(
         "A ratio to N=1 below N: the batch costs less than N frames of one session (in a tick every "
-        "stage but the codec runs its products, norms and element-wise operations once over all the "
-        "sessions' rows; what stays per session is its attention over its own caches, its log-mel, "
-        'MoG draws and RVQ, and the codec; docs/voicechat.md, "Many sessions in one process"); at N '
-        "the batch saves nothing over running the sessions one after the other."
+        "stage runs its products, norms, element-wise operations and attention once over all the "
+        "sessions' rows; what stays per session is its log-mel and subsampling window, its MoG draws "
+        "and RVQ, its RNNT decisions and, with the codec's products in numpy, those products; "
+        'docs/voicechat.md, "Many sessions in one process"); at N the batch saves nothing over running '
+        "the sessions one after the other."
     )
     out.append("")
     if (run_dir / "dispatch.csv").is_file():
