@@ -35,6 +35,7 @@ from voicechat.model.audio.mel import as_waveform, log_mel
 from voicechat.model.config import AudioConfig, EncoderConfig, PreprocessorConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import norm_params, structure
+from voicechat.model.rows import BlockRow
 
 _MASK_VALUE = -1e30  # additive mask on the position term (docs/model.md §5.1)
 
@@ -565,7 +566,7 @@ class ConformerRows:
         self.k, self.v, self.conv, self.size = k, v, conv, size
 
 
-class ConformerState:
+class ConformerState(BlockRow[ConformerRows]):
     """Streaming state of a FastConformer (bounded for any stream length).
 
     * `mel_cache` (m, F): mel frames mel_consumed - m .. mel_consumed - 1 that the
@@ -603,13 +604,6 @@ class ConformerState:
 
     def in_block(self, block: ConformerRows, index: int) -> None:
         self._block = (block, index)
-
-    @property
-    def block(self) -> ConformerRows | None:
-        return None if self._block is None else self._block[0]
-
-    def row_of(self, block: ConformerRows) -> int | None:
-        return self._block[1] if self._block is not None and self._block[0] is block else None
 
     @property
     def k_cache(self) -> list[mx.array]:

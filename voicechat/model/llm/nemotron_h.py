@@ -38,6 +38,7 @@ from voicechat.model import ops
 from voicechat.model.config import TextConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import rows_of, stack_rows
+from voicechat.model.rows import BlockRow
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
 KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
@@ -157,7 +158,7 @@ class MambaRows:
         self.rows, self.ssm, self.size = rows, ssm, size
 
 
-class MambaLayerState:
+class MambaLayerState(BlockRow[MambaRows]):
     """Cache of one Mamba-2 layer: conv inputs of the last K-1 steps and the SSM state."""
 
     def __init__(self, conv: mx.array, ssm: mx.array):
@@ -181,14 +182,6 @@ class MambaLayerState:
         """This state is now row `index` of `block` (a batched step's result)."""
         self._block = (block, index)
         self._conv = self._rows = self._ssm = None
-
-    @property
-    def block(self) -> MambaRows | None:
-        return None if self._block is None else self._block[0]
-
-    def row_of(self, block: MambaRows) -> int | None:
-        """This state's row in `block`, or None when it is not (or no longer) there."""
-        return self._block[1] if self._block is not None and self._block[0] is block else None
 
     @property
     def ssm(self) -> mx.array:
@@ -282,7 +275,7 @@ class AttentionRows:
         return len(self.members)
 
 
-class AttentionLayerState:
+class AttentionLayerState(BlockRow[AttentionRows]):
     """K/V cache of one attention layer: buffers (1, kv_heads, capacity, head_dim).
 
     Positions [0, length) are valid; capacity grows in steps of KV_ALLOC_STEP. After a batched
@@ -311,10 +304,6 @@ class AttentionLayerState:
         self._block, self._cap = (block, index), capacity
         self._keys = self._values = _NO_BUFFER  # its own buffers are dropped: the block holds them
 
-    def row_of(self, block: AttentionRows) -> int | None:
-        """This state's row in `block`, or None when it is not (or no longer) there."""
-        return self._block[1] if self._block is not None and self._block[0] is block else None
-
     def release(self) -> None:
         """Leave the block for good (the session closed): own copies of its buffers, made now so
         they do not hold the block's memory, and its row becomes a free row of the block."""
@@ -324,10 +313,6 @@ class AttentionLayerState:
             mx.eval(keys, values)
             self._keys, self._values, self._block = keys, values, None
             block.members[i] = None
-
-    @property
-    def block(self) -> AttentionRows | None:
-        return None if self._block is None else self._block[0]
 
     @property
     def keys(self) -> mx.array:

@@ -36,6 +36,7 @@ from voicechat.model import ops
 from voicechat.model.config import TtsConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import apply, stack_rows
+from voicechat.model.rows import BlockRow
 from voicechat.model.tts.char_encoder import CharAwareSubwordEncoder, CharTable
 from voicechat.model.tts.layers import (
     GeluGatedMLP,
@@ -176,7 +177,7 @@ class TtsKvRows:
         return len(self.members)
 
 
-class EarTtsState:
+class EarTtsState(BlockRow[TtsKvRows]):
     """Streaming state of the TTS backbone for the guidance pair (batch 2).
 
     Per layer K/V buffers (2, kv_heads, capacity, head_dim) holding post-RoPE
@@ -246,10 +247,6 @@ class EarTtsState:
         self._block, self._caps = (block, index), list(capacities)
         self._keys = self._values = []
 
-    def row_of(self, block: TtsKvRows) -> int | None:
-        """This state's pair index in `block`, or None when it is not (or no longer) there."""
-        return self._block[1] if self._block is not None and self._block[0] is block else None
-
     def release(self) -> None:
         """Leave the block for good (the session closed): own copies of its buffers, made now so
         they do not hold the block's memory, and its pair becomes a free row of the block."""
@@ -261,10 +258,6 @@ class EarTtsState:
             self._keys, self._values = keys, values
             self._block, self._caps = None, None
             block.members[i] = None
-
-    @property
-    def block(self) -> TtsKvRows | None:
-        return None if self._block is None else self._block[0]
 
     @property
     def keys(self) -> list[mx.array]:
