@@ -541,17 +541,18 @@ def reported_transcript(model, events) -> str:
     return "".join(e["delta"] for e in m.events(events) if e["type"] == "response.output_audio_transcript.delta")
 
 
-def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, question_wav):
+def tool_reference(model, question_wav, result: str):
+    """The in-process reference of a tool round trip over 24 kHz appends: the question then silence
+    (room for the forced result, ~60 tokens one a frame, and EOTR), 80 ms appends through the
+    server's resampling, the result submitted right after the append whose frames brought the call
+    (a client sends up to there, waits for the call, answers). -> (pcm24, resampler, session,
+    events, samples sent before the answer)."""
     from voicechat.server.resample import StreamResampler
 
-    path, model = toolcall
-    result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
-    wave = np.zeros(200 * FRAME, np.float32)  # the forced result (~60 tokens, one a frame) and EOTR fit
+    wave = np.zeros(200 * FRAME, np.float32)
     wave[: question_wav.size] = question_wav
     pcm24 = pcm16(soxr.resample(wave, 16000, 24000))
     chunk = 1920  # 80 ms at 24 kHz
-    # The reference: the same 24 kHz appends through the same resampling; the result goes in right after the
-    # append whose frames brought the call (the client below sends up to there, waits for the call, answers).
     r = StreamResampler(24000, 16000)
     s = model.create_streaming_session(tools=[TIME_TOOL])
     ev, upto = [], None
@@ -560,6 +561,16 @@ def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, qu
         if s.pending_tool_calls and upto is None:
             upto = i + chunk
             s.submit_tool_result(s.pending_tool_calls[0], result)
+    return pcm24, r, s, ev, upto
+
+
+def test_ga_tool_call_round_trip_with_the_toolcall_preset(toolcall, tmp_path, question_wav):
+    from voicechat.server.resample import StreamResampler
+
+    path, model = toolcall
+    result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
+    pcm24, _, _, ev, upto = tool_reference(model, question_wav, result)
+    chunk = 1920  # 80 ms at 24 kHz
     call = next(e for e in ev if e.kind == "tool_call")
     eotr = [e for e in ev if e.kind == "tool_result_done"]
     assert eotr and eotr[0].frame_index > call.frame_index  # the model closed the result with its EOTR
@@ -627,22 +638,10 @@ def test_live_tool_call_round_trip_as_a_responses_delegation(toolcall, tmp_path,
     """Live's Responses delegation carries the model's calls: tools in session.start's delegation, the call as
     session.delegation.created + response.event, the result as response.item.create (pipecat's OpenAILiveLLMService
     reads exactly these; parity_tests/test_frameworks_pipecat.py runs it)."""
-    from voicechat.server.resample import StreamResampler
-
     path, model = toolcall
     result = '{"datetime": "2026-12-03T12:00:00+00:00"}'
-    wave = np.zeros(200 * FRAME, np.float32)
-    wave[: question_wav.size] = question_wav
-    pcm24 = pcm16(soxr.resample(wave, 16000, 24000))
+    pcm24, r, s, ev, upto = tool_reference(model, question_wav, result)
     chunk = 1920
-    r = StreamResampler(24000, 16000)
-    s = model.create_streaming_session(tools=[TIME_TOOL])
-    ev, upto = [], None
-    for i in range(0, pcm24.size, chunk):
-        ev += s.push_audio(r.push(pcm24[i : i + chunk].astype(np.float32) / 32768.0))
-        if s.pending_tool_calls and upto is None:
-            upto = i + chunk
-            s.submit_tool_result(s.pending_tool_calls[0], result)
     ev += s.push_audio(r.flush()) + s.flush()  # session.close: the resampler's last samples, the padded frame
     call = next(e for e in ev if e.kind == "tool_call")
     eotr = next(e for e in ev if e.kind == "tool_result_done")

@@ -9,9 +9,11 @@ the block's type and what a row holds are the cache's own (`MambaRows`, `Conform
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 B = TypeVar("B")
+S = TypeVar("S", bound="BlockRow[Any]")
 
 
 class BlockRow(Generic[B]):
@@ -29,4 +31,33 @@ class BlockRow(Generic[B]):
         return self._block[1] if self._block is not None and self._block[0] is block else None
 
 
-__all__ = ["BlockRow"]
+def block_with_room(states: list[S], make: Callable[[list[S]], B], place: Callable[[B, S, int], None]) -> B:
+    """The block the stepping `states` take: the block of the first one that has one, with each
+    state not in it put in a free row (`place(block, state, row)`: its own arrays only are copied);
+    else `make(states)`, a new block (when none has one, or there are not enough free rows). A
+    block's `members` list holds each row's state, None for a free row."""
+    block = next((st.block for st in states if st.block is not None), None)
+    if block is None:
+        return make(states)
+    members = block.members  # type: ignore[attr-defined]
+    newcomers = [st for st in states if st.row_of(block) is None]
+    free = [row for row, m in enumerate(members) if m is None]
+    if len(newcomers) > len(free):
+        return make(states)
+    for st, row in zip(newcomers, free, strict=False):
+        place(block, st, row)
+    return block
+
+
+def members_with(states: list[S]) -> list[S]:
+    """A new block's members: `states`, then the other live members of the blocks they are in (a
+    new block takes them along instead of cutting them out)."""
+    members = list(states)
+    for st in states:
+        old = st.block
+        if old is not None:
+            members += [m for m in old.members if m is not None and all(m is not x for x in members)]  # type: ignore[attr-defined]
+    return members
+
+
+__all__ = ["BlockRow", "block_with_room", "members_with"]

@@ -38,7 +38,7 @@ from voicechat.model import ops
 from voicechat.model.config import TextConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import rows_of, stack_rows
-from voicechat.model.rows import BlockRow
+from voicechat.model.rows import BlockRow, block_with_room, members_with
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
 KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
@@ -838,40 +838,31 @@ class Attention(nn.Module):
     def _rows_block_for(self, states: list[AttentionLayerState]) -> AttentionRows:
         """The block of the first stepping state that has one, conversations not in it placed in its
         free rows (a copy of their own buffers only); a new block when there are not enough."""
-        block = next((st.block for st in states if st.block is not None), None)
-        if block is None:
-            return self._new_rows_block(states)
-        newcomers = [st for st in states if st.row_of(block) is None]
-        free = [c for c, m in enumerate(block.members) if m is None]
-        if len(newcomers) > len(free):
-            return self._new_rows_block(states)
-        for st, c in zip(newcomers, free, strict=False):
-            cap = st.capacity
-            keys, values = st._cut() if st._block is not None else (st._keys, st._values)
-            if st._block is not None:  # leaves another block: its row there is free
-                old, i = st._block
-                old.members[i] = None
-            have = block.keys.shape[2]
-            if cap + 1 > have:
-                pad = mx.zeros((block.size, self.num_kv_heads, cap + 1 - have, self.head_dim), dtype=block.keys.dtype)
-                block.keys = mx.concatenate([block.keys, pad], axis=2)
-                block.values = mx.concatenate([block.values, pad], axis=2)
-                have = cap + 1
-            tail = (1, self.num_kv_heads, have - keys.shape[2], self.head_dim)
-            block.keys[c : c + 1] = mx.concatenate([keys, mx.zeros(tail, dtype=block.keys.dtype)], axis=2)
-            block.values[c : c + 1] = mx.concatenate([values, mx.zeros(tail, dtype=block.values.dtype)], axis=2)
-            block.members[c] = st
-            st.in_block(block, c, cap)
-        return block
+        return block_with_room(states, self._new_rows_block, self._place)
+
+    def _place(self, block: AttentionRows, st: AttentionLayerState, c: int) -> None:
+        """Put `st`'s own buffers in the free row `c` of `block` (zero-padded to its capacity)."""
+        cap = st.capacity
+        keys, values = st._cut() if st._block is not None else (st._keys, st._values)
+        if st._block is not None:  # leaves another block: its row there is free
+            old, i = st._block
+            old.members[i] = None
+        have = block.keys.shape[2]
+        if cap + 1 > have:
+            pad = mx.zeros((block.size, self.num_kv_heads, cap + 1 - have, self.head_dim), dtype=block.keys.dtype)
+            block.keys = mx.concatenate([block.keys, pad], axis=2)
+            block.values = mx.concatenate([block.values, pad], axis=2)
+            have = cap + 1
+        tail = (1, self.num_kv_heads, have - keys.shape[2], self.head_dim)
+        block.keys[c : c + 1] = mx.concatenate([keys, mx.zeros(tail, dtype=block.keys.dtype)], axis=2)
+        block.values[c : c + 1] = mx.concatenate([values, mx.zeros(tail, dtype=block.values.dtype)], axis=2)
+        block.members[c] = st
+        st.in_block(block, c, cap)
 
     def _new_rows_block(self, states: list[AttentionLayerState]) -> AttentionRows:
         """A block of `states` and the other live members of their blocks (a copy of each one's
         buffers, zero-padded to the largest capacity plus the scratch column)."""
-        members = list(states)
-        for st in states:
-            old = st.block
-            if old is not None:
-                members += [m for m in old.members if m is not None and all(m is not x for x in members)]
+        members = members_with(states)
         caps = [m.capacity for m in members]
         owned = [m._cut() if m._block is not None else (m._keys, m._values) for m in members]
         need = max(caps) + 1

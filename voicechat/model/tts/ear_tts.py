@@ -36,7 +36,7 @@ from voicechat.model import ops
 from voicechat.model.config import TtsConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import apply, stack_rows
-from voicechat.model.rows import BlockRow
+from voicechat.model.rows import BlockRow, block_with_room, members_with
 from voicechat.model.tts.char_encoder import CharAwareSubwordEncoder, CharTable
 from voicechat.model.tts.layers import (
     GeluGatedMLP,
@@ -861,40 +861,32 @@ class BlockStep:
     def _block_for(states: list[EarTtsState]) -> TtsKvRows:
         """The block of the first stepping state that has one, conversations not in it placed in its
         free pairs (a copy of their own buffers only); a new block when there are not enough."""
-        block = next((st.block for st in states if st.block is not None), None)
-        if block is None:
-            return BlockStep._new_block(states)
-        newcomers = [st for st in states if st.row_of(block) is None]
-        free = [c for c, m in enumerate(block.members) if m is None]
-        if len(newcomers) > len(free):
-            return BlockStep._new_block(states)
-        for st, c in zip(newcomers, free, strict=False):
-            caps = [st.capacity(layer) for layer in range(st.num_layers)]
-            keys, values = st._own_buffers()
-            if st._block is not None:  # leaves another block: its row there is free
-                old, i = st._block
-                old.members[i] = None
-            for layer in range(st.num_layers):
-                have = block.keys[layer].shape[2]
-                if caps[layer] + 1 > have:
-                    shape = block.keys[layer].shape
-                    pad = mx.zeros((shape[0], shape[1], caps[layer] + 1 - have, shape[3]), dtype=mx.float32)
-                    block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
-                    block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
-                    have = caps[layer] + 1
-                block.keys[layer][2 * c : 2 * c + 2] = _stack_padded([keys[layer]], have)
-                block.values[layer][2 * c : 2 * c + 2] = _stack_padded([values[layer]], have)
-            block.members[c] = st
-            st.in_block(block, c, caps)
-        return block
+        return block_with_room(states, BlockStep._new_block, BlockStep._place)
+
+    @staticmethod
+    def _place(block: TtsKvRows, st: EarTtsState, c: int) -> None:
+        """Put `st`'s own buffers in the free pair `c` of `block` (zero-padded to its capacity)."""
+        caps = [st.capacity(layer) for layer in range(st.num_layers)]
+        keys, values = st._own_buffers()
+        if st._block is not None:  # leaves another block: its row there is free
+            old, i = st._block
+            old.members[i] = None
+        for layer in range(st.num_layers):
+            have = block.keys[layer].shape[2]
+            if caps[layer] + 1 > have:
+                shape = block.keys[layer].shape
+                pad = mx.zeros((shape[0], shape[1], caps[layer] + 1 - have, shape[3]), dtype=mx.float32)
+                block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
+                block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
+                have = caps[layer] + 1
+            block.keys[layer][2 * c : 2 * c + 2] = _stack_padded([keys[layer]], have)
+            block.values[layer][2 * c : 2 * c + 2] = _stack_padded([values[layer]], have)
+        block.members[c] = st
+        st.in_block(block, c, caps)
 
     @staticmethod
     def _new_block(states: list[EarTtsState]) -> TtsKvRows:
-        members = list(states)
-        for st in states:  # the other live members of their blocks come along (not cut out)
-            old = st.block
-            if old is not None:
-                members += [m for m in old.members if m is not None and all(m is not x for x in members)]
+        members = members_with(states)
         layers = states[0].num_layers
         caps = [[m.capacity(layer) for layer in range(layers)] for m in members]
         owned = [m._own_buffers() for m in members]
