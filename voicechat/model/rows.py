@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+import mlx.core as mx
+
 B = TypeVar("B")
 S = TypeVar("S", bound="BlockRow[Any]")
 
@@ -60,4 +62,35 @@ def members_with(states: list[S]) -> list[S]:
     return members
 
 
-__all__ = ["BlockRow", "block_with_room", "members_with"]
+def padded_to(a: mx.array, capacity: int, axis: int = 2) -> mx.array:
+    """`a` zero-padded along `axis` to `capacity` entries (`a` itself when it has them)."""
+    have = a.shape[axis]
+    if have >= capacity:
+        return a
+    shape = list(a.shape)
+    shape[axis] = capacity - have
+    return mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
+
+
+def spread_rows(a: mx.array, rows: list[int], size: int, per: int = 1) -> mx.array:
+    """The stepping conversations' rows (S per, ...) -> a block's (size per, ...): conversation s's
+    `per` rows at block rows per rows[s].., zeros in the others (`a` itself when the stepping
+    conversations are the block's, in its order)."""
+    if rows == list(range(size)):
+        return a
+    ext = mx.concatenate([a, mx.zeros((per, *a.shape[1:]), dtype=a.dtype)], axis=0)
+    zero = per * len(rows)
+    where = [zero + j for _ in range(size) for j in range(per)]
+    for s, c in enumerate(rows):
+        where[per * c : per * (c + 1)] = range(per * s, per * (s + 1))
+    return ext[mx.array(where)]
+
+
+def gather_rows(a: mx.array, rows: list[int], size: int, per: int = 1) -> mx.array:
+    """A block's rows (size per, ...) -> the stepping conversations' (S per, ...) (`spread_rows` back)."""
+    if rows == list(range(size)):
+        return a
+    return a[mx.array([per * c + j for c in rows for j in range(per)])]
+
+
+__all__ = ["BlockRow", "block_with_room", "members_with", "padded_to", "spread_rows", "gather_rows"]

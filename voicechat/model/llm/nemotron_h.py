@@ -38,10 +38,15 @@ from voicechat.model import ops
 from voicechat.model.config import TextConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import rows_of, stack_rows
-from voicechat.model.rows import BlockRow, block_with_room, members_with
+from voicechat.model.rows import BlockRow, block_with_room, gather_rows, members_with, padded_to, spread_rows
 
 SSD_CHUNK_SIZE = 256  # steps per chunk of the SSD scan (§7.2)
 KV_ALLOC_STEP = 256  # attention K/V buffers grow in multiples of this many positions (§7.3)
+
+
+def _capacity_for(length: int) -> int:
+    """The capacity a K/V buffer grows to for `length` positions (solo and in a block alike)."""
+    return -(-length // KV_ALLOC_STEP) * KV_ALLOC_STEP
 
 
 # --------------------------------------------------------------------------- helpers
@@ -292,6 +297,10 @@ class AttentionLayerState(BlockRow[AttentionRows]):
         block, i = self._block  # type: ignore[misc]
         return block.keys[i : i + 1, :, : self._cap], block.values[i : i + 1, :, : self._cap]
 
+    def _buffers(self) -> tuple[mx.array, mx.array]:
+        """Its own K/V buffers: cut from its block (which it stays in), or its own arrays."""
+        return self._cut() if self._block is not None else (self._keys, self._values)
+
     def _own(self) -> None:
         if self._block is not None:
             block, i = self._block
@@ -355,7 +364,7 @@ class AttentionLayerState(BlockRow[AttentionRows]):
         return all valid keys and values."""
         new_len = self.length + keys.shape[2]
         if new_len > self.capacity:
-            new_capacity = -(-new_len // KV_ALLOC_STEP) * KV_ALLOC_STEP
+            new_capacity = _capacity_for(new_len)
             pad_shape = (1, self.keys.shape[1], new_capacity - self.length, self.keys.shape[3])
             self.keys = mx.concatenate([self.keys[:, :, : self.length], mx.zeros(pad_shape, self.keys.dtype)], axis=2)
             self.values = mx.concatenate(
@@ -370,7 +379,7 @@ class AttentionLayerState(BlockRow[AttentionRows]):
         # New array objects: slice assignment rebinds the object it is applied to,
         # so sharing objects would let one copy's update leak into the other. A state in a block
         # stays there; the copy gets its own cut.
-        keys, values = self._cut() if self._block is not None else (self._keys, self._values)
+        keys, values = self._buffers()
         return AttentionLayerState(mx.array(keys), mx.array(values), self.length)
 
     def reset(self) -> None:
@@ -796,29 +805,19 @@ class Attention(nn.Module):
         not stepping are padding rows (zero queries, zeros written to the scratch column)."""
         block = self._rows_block_for(states)
         members = block.members
-        rows = [st.row_of(block) for st in states]
-        identity = len(states) == len(members) and rows == list(range(len(members)))
+        rows: list[int] = [st.row_of(block) for st in states]  # type: ignore[misc]
         for st in states:  # as `append` grows a buffer
             if st.length + 1 > st._cap:
-                st._cap = -(-(st.length + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
+                st._cap = _capacity_for(st.length + 1)
         need = max(m._cap for m in members if m is not None) + 1  # + the scratch column
-        have = block.keys.shape[2]
-        if need > have:
-            pad = mx.zeros((len(members), self.num_kv_heads, need - have, self.head_dim), dtype=block.keys.dtype)
-            block.keys = mx.concatenate([block.keys, pad], axis=2)
-            block.values = mx.concatenate([block.values, pad], axis=2)
+        block.keys, block.values = padded_to(block.keys, need), padded_to(block.values, need)
         cap = block.keys.shape[2]
         at = np.full(len(members), cap - 1, dtype=np.int32)
         seen = np.array([0 if m is None else m.length for m in members])
         for st, r in zip(states, rows, strict=True):
             at[r] = st.length
             seen[r] = st.length + 1
-        if not identity:
-            where = [len(states)] * len(members)
-            for s_i, r in enumerate(rows):
-                where[r] = s_i
-            index = mx.array(where)
-            q, k, v = (mx.concatenate([a, mx.zeros((1, *a.shape[1:]), dtype=a.dtype)])[index] for a in (q, k, v))
+        q, k, v = (spread_rows(a, rows, len(members)) for a in (q, k, v))
         dtype = block.keys.dtype
         put = mx.broadcast_to(mx.array(at)[:, None, None, None], (len(members), self.num_kv_heads, 1, self.head_dim))
         block.keys = mx.put_along_axis(block.keys, put, k.transpose(0, 2, 1, 3).astype(dtype), axis=2)
@@ -833,7 +832,7 @@ class Attention(nn.Module):
         for st in states:
             st.length += 1
         out = out.reshape(len(members), self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)
-        return out if identity else out[mx.array(rows)]
+        return gather_rows(out, rows, len(members))
 
     def _rows_block_for(self, states: list[AttentionLayerState]) -> AttentionRows:
         """The block of the first stepping state that has one, conversations not in it placed in its
@@ -843,19 +842,14 @@ class Attention(nn.Module):
     def _place(self, block: AttentionRows, st: AttentionLayerState, c: int) -> None:
         """Put `st`'s own buffers in the free row `c` of `block` (zero-padded to its capacity)."""
         cap = st.capacity
-        keys, values = st._cut() if st._block is not None else (st._keys, st._values)
+        keys, values = st._buffers()
         if st._block is not None:  # leaves another block: its row there is free
             old, i = st._block
             old.members[i] = None
+        block.keys, block.values = padded_to(block.keys, cap + 1), padded_to(block.values, cap + 1)
         have = block.keys.shape[2]
-        if cap + 1 > have:
-            pad = mx.zeros((block.size, self.num_kv_heads, cap + 1 - have, self.head_dim), dtype=block.keys.dtype)
-            block.keys = mx.concatenate([block.keys, pad], axis=2)
-            block.values = mx.concatenate([block.values, pad], axis=2)
-            have = cap + 1
-        tail = (1, self.num_kv_heads, have - keys.shape[2], self.head_dim)
-        block.keys[c : c + 1] = mx.concatenate([keys, mx.zeros(tail, dtype=block.keys.dtype)], axis=2)
-        block.values[c : c + 1] = mx.concatenate([values, mx.zeros(tail, dtype=block.values.dtype)], axis=2)
+        block.keys[c : c + 1] = padded_to(keys, have)
+        block.values[c : c + 1] = padded_to(values, have)
         block.members[c] = st
         st.in_block(block, c, cap)
 
@@ -864,16 +858,13 @@ class Attention(nn.Module):
         buffers, zero-padded to the largest capacity plus the scratch column)."""
         members = members_with(states)
         caps = [m.capacity for m in members]
-        owned = [m._cut() if m._block is not None else (m._keys, m._values) for m in members]
+        owned = [m._buffers() for m in members]
         need = max(caps) + 1
-        parts_k, parts_v = [], []
-        for sk, sv in owned:
-            if sk.shape[2] < need:
-                pad = mx.zeros((1, self.num_kv_heads, need - sk.shape[2], self.head_dim), dtype=sk.dtype)
-                sk, sv = mx.concatenate([sk, pad], axis=2), mx.concatenate([sv, pad], axis=2)
-            parts_k.append(sk)
-            parts_v.append(sv)
-        block = AttentionRows(mx.concatenate(parts_k), mx.concatenate(parts_v), members)
+        block = AttentionRows(
+            mx.concatenate([padded_to(k, need) for k, _ in owned]),
+            mx.concatenate([padded_to(v, need) for _, v in owned]),
+            members,
+        )
         for c, (m, cap) in enumerate(zip(members, caps, strict=True)):
             m.in_block(block, c, cap)
         return block

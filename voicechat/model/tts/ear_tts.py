@@ -36,7 +36,7 @@ from voicechat.model import ops
 from voicechat.model.config import TtsConfig
 from voicechat.model.derived import derived
 from voicechat.model.ops import apply, stack_rows
-from voicechat.model.rows import BlockRow, block_with_room, members_with
+from voicechat.model.rows import BlockRow, block_with_room, gather_rows, members_with, padded_to, spread_rows
 from voicechat.model.tts.char_encoder import CharAwareSubwordEncoder, CharTable
 from voicechat.model.tts.layers import (
     GeluGatedMLP,
@@ -308,17 +308,21 @@ class EarTtsState(BlockRow[TtsKvRows]):
             mx.concatenate([v[:, :, start:], v[:, :, :start]], axis=2),
         )
 
-    def _ensure_capacity(self, layer: int, needed: int) -> None:
+    def grown_capacity(self, layer: int, needed: int) -> int:
+        """The capacity of `layer`'s buffer once it holds index needed - 1 (solo and in a block
+        alike): unchanged when it has room, else the next multiple of KV_ALLOC_STEP, at most the
+        window."""
         cap = self.capacity(layer)
         if needed <= cap:
-            return
+            return cap
         new_cap = -(-needed // KV_ALLOC_STEP) * KV_ALLOC_STEP
         w = self.windows[layer]
-        if w is not None:
-            new_cap = min(new_cap, w)
-        pad = mx.zeros((2, self.num_kv_heads, new_cap - cap, self.head_dim), dtype=self.keys[layer].dtype)
-        self.keys[layer] = mx.concatenate([self.keys[layer], pad], axis=2)
-        self.values[layer] = mx.concatenate([self.values[layer], pad], axis=2)
+        return new_cap if w is None else min(new_cap, w)
+
+    def _ensure_capacity(self, layer: int, needed: int) -> None:
+        cap = self.grown_capacity(layer, needed)
+        self.keys[layer] = padded_to(self.keys[layer], cap)
+        self.values[layer] = padded_to(self.values[layer], cap)
 
     def _write(self, layer: int, index: int, k: mx.array, v: mx.array) -> None:
         start = mx.array([index])
@@ -764,10 +768,7 @@ class EarTtsBackbone(nn.Module):
         states = list(states)
         batched = len(states) > 1 or states[0].block is not None
         step = BlockStep(states) if batched and x.shape[1] == 1 else None
-        out = self._layers(x, states, [st.offset for st in states], step)
-        if step is not None:
-            step.settle()
-        return out
+        return self._layers(x, states, [st.offset for st in states], step)
 
     def _layers(self, x: mx.array, states: list, starts: list[int], step: BlockStep | None = None) -> mx.array:
         x = x.astype(mx.float32)
@@ -817,44 +818,30 @@ class BlockStep:
     scratch column, outputs dropped."""
 
     def __init__(self, states: list[EarTtsState]):
-        self.states = states
         block = self._block_for(states)
         self.block = block
         members = block.members
-        rows = [st.row_of(block) for st in states]
-        self.rows = rows
-        self.identity = rows == list(range(len(members))) and len(states) == len(members)
+        self.rows: list[int] = [st.row_of(block) for st in states]  # type: ignore[misc]
         layers = states[0].num_layers
-        caps = {id(st): list(st._caps or []) for st in states}
-        index = [[0] * layers for _ in members]
+        index = [[-1] * layers for _ in members]  # -1: the scratch column
         valid = [[0] * layers for _ in members]
-        stepping = set(rows)
+        stepping = set(self.rows)
         for c, st in enumerate(members):
             if st is None:
                 continue
             for layer, w in enumerate(st.windows):
                 if c in stepping:
                     i = st.offset if w is None else (st.offset - st.ring_origin[layer]) % w
-                    own = caps[id(st)]
-                    if i + 1 > own[layer]:  # as `_ensure_capacity`
-                        cap = -(-(i + 1) // KV_ALLOC_STEP) * KV_ALLOC_STEP
-                        own[layer] = cap if w is None else min(cap, w)
+                    st._caps[layer] = st.grown_capacity(layer, i + 1)  # as `_ensure_capacity`
                     index[c][layer] = i
                     valid[c][layer] = st.stored_length(layer, st.offset + 1)
                 else:
-                    index[c][layer] = -1  # the scratch column
                     valid[c][layer] = st.stored_length(layer)
-        for st in states:
-            st._caps = caps[id(st)]
         self.index, self.valid = index, valid
         for layer in range(layers):
             need = max(m._caps[layer] for m in members if m is not None) + 1  # + the scratch column
-            have = block.keys[layer].shape[2]
-            if need > have:
-                shape = block.keys[layer].shape
-                pad = mx.zeros((shape[0], shape[1], need - have, shape[3]), dtype=mx.float32)
-                block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
-                block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
+            block.keys[layer] = padded_to(block.keys[layer], need)
+            block.values[layer] = padded_to(block.values[layer], need)
         self._masks: dict[tuple, mx.array] = {}
 
     @staticmethod
@@ -872,15 +859,11 @@ class BlockStep:
             old, i = st._block
             old.members[i] = None
         for layer in range(st.num_layers):
+            block.keys[layer] = padded_to(block.keys[layer], caps[layer] + 1)
+            block.values[layer] = padded_to(block.values[layer], caps[layer] + 1)
             have = block.keys[layer].shape[2]
-            if caps[layer] + 1 > have:
-                shape = block.keys[layer].shape
-                pad = mx.zeros((shape[0], shape[1], caps[layer] + 1 - have, shape[3]), dtype=mx.float32)
-                block.keys[layer] = mx.concatenate([block.keys[layer], pad], axis=2)
-                block.values[layer] = mx.concatenate([block.values[layer], pad], axis=2)
-                have = caps[layer] + 1
-            block.keys[layer][2 * c : 2 * c + 2] = _stack_padded([keys[layer]], have)
-            block.values[layer][2 * c : 2 * c + 2] = _stack_padded([values[layer]], have)
+            block.keys[layer][2 * c : 2 * c + 2] = padded_to(keys[layer], have)
+            block.values[layer][2 * c : 2 * c + 2] = padded_to(values[layer], have)
         block.members[c] = st
         st.in_block(block, c, caps)
 
@@ -892,30 +875,19 @@ class BlockStep:
         owned = [m._own_buffers() for m in members]
         need = [max(c[layer] for c in caps) + 1 for layer in range(layers)]
         block = TtsKvRows(
-            [_stack_padded([o[0][layer] for o in owned], need[layer]) for layer in range(layers)],
-            [_stack_padded([o[1][layer] for o in owned], need[layer]) for layer in range(layers)],
+            [mx.concatenate([padded_to(o[0][layer], need[layer]) for o in owned]) for layer in range(layers)],
+            [mx.concatenate([padded_to(o[1][layer], need[layer]) for o in owned]) for layer in range(layers)],
             members,
         )
         for c, m in enumerate(members):
             m.in_block(block, c, caps[c])
         return block
 
-    def _rows_in(self, a: mx.array) -> mx.array:
-        """The stepping pairs' rows (2S, ...) -> the block's rows (2C, ...): zeros for the others."""
-        if self.identity:
-            return a
-        ext = mx.concatenate([a, mx.zeros((2, *a.shape[1:]), dtype=a.dtype)], axis=0)
-        zero = 2 * len(self.states)
-        where = [zero, zero + 1] * self.block.size
-        for s, c in enumerate(self.rows):
-            where[2 * c : 2 * c + 2] = [2 * s, 2 * s + 1]
-        return ext[mx.array(where)]
-
     def attend(self, attn: BackboneAttention, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         """Write the stepping pairs' new K/V (2S, kv, 1, D) at their indices, attend over the block."""
         layer, block = attn.layer_index, self.block
         cap = block.keys[layer].shape[2]
-        q, k, v = self._rows_in(q), self._rows_in(k), self._rows_in(v)
+        q, k, v = (spread_rows(a, self.rows, block.size, per=2) for a in (q, k, v))
         at = np.repeat(np.array([i[layer] if i[layer] >= 0 else cap - 1 for i in self.index], dtype=np.int32), 2)
         where = mx.broadcast_to(mx.array(at)[:, None, None, None], k.shape)
         block.keys[layer] = mx.put_along_axis(block.keys[layer], where, k, axis=2)
@@ -929,23 +901,7 @@ class BlockStep:
             q, block.keys[layer], block.values[layer], scale=attn.scale, mask=mask
         )
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], 1, attn.num_heads * attn.head_dim)
-        if self.identity:
-            return out
-        return out[mx.array([2 * c + j for c in self.rows for j in (0, 1)])]
-
-    def settle(self) -> None:
-        """After the step (kept for the caller's symmetry: every member is in the block already)."""
-
-
-def _stack_padded(buffers: list[mx.array], capacity: int) -> mx.array:
-    """Pairs' buffers (2, kv, cap_c, D), each zero-padded to `capacity`, stacked -> (2C, kv, capacity, D)."""
-    parts = []
-    for buf in buffers:
-        if buf.shape[2] < capacity:
-            pad = mx.zeros((*buf.shape[:2], capacity - buf.shape[2], buf.shape[3]), dtype=buf.dtype)
-            buf = mx.concatenate([buf, pad], axis=2)
-        parts.append(buf)
-    return mx.concatenate(parts, axis=0)
+        return gather_rows(out, self.rows, block.size, per=2)
 
 
 def _pair_rows(tables: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
