@@ -824,11 +824,14 @@ class Attention(nn.Module):
         block.values = mx.put_along_axis(block.values, put, v.transpose(0, 2, 1, 3).astype(dtype), axis=2)
         rep = self.num_heads // self.num_kv_heads
         qh = q.transpose(0, 2, 1, 3).reshape(len(members), self.num_kv_heads, rep, 1, self.head_dim)
-        scores = (qh * self.scale) @ block.keys[:, :, None].swapaxes(-1, -2)  # (C, KV, rep, 1, T)
-        visible = np.arange(cap)[None, :] < seen[:, None]
+        # Only the positions some stepping row sees: the block's capacity can be far beyond them.
+        span = max(seen[r] for r in rows)
+        keys, values = block.keys[:, :, :span], block.values[:, :, :span]
+        scores = (qh * self.scale) @ keys[:, :, None].swapaxes(-1, -2)  # (C, KV, rep, 1, T)
+        visible = np.arange(span)[None, :] < seen[:, None]
         scores = mx.where(mx.array(visible)[:, None, None, None, :], scores, -mx.inf)
         weights = mx.softmax(scores, axis=-1, precise=True)
-        out = weights @ block.values[:, :, None]  # (C, KV, rep, 1, D)
+        out = weights @ values[:, :, None]  # (C, KV, rep, 1, D)
         for st in states:
             st.length += 1
         out = out.reshape(len(members), self.num_heads, 1, self.head_dim).transpose(0, 2, 1, 3)

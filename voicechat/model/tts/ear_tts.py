@@ -893,13 +893,14 @@ class BlockStep:
         block.keys[layer] = mx.put_along_axis(block.keys[layer], where, k, axis=2)
         block.values[layer] = mx.put_along_axis(block.values[layer], where, v, axis=2)
         valid = tuple(int(vc[layer]) for vc in self.valid)
-        mask = self._masks.get((cap, valid))
+        # Only the positions some stepping pair sees: the block's capacity can be far beyond them.
+        span = max(valid[c] for c in self.rows)
+        mask = self._masks.get((span, valid))
         if mask is None:
-            seen = np.arange(cap)[None, :] < np.repeat(np.array(valid), 2)[:, None]
-            mask = self._masks[(cap, valid)] = mx.array(seen[:, None, None, :])
-        out = mx.fast.scaled_dot_product_attention(
-            q, block.keys[layer], block.values[layer], scale=attn.scale, mask=mask
-        )
+            seen = np.arange(span)[None, :] < np.repeat(np.array(valid), 2)[:, None]
+            mask = self._masks[(span, valid)] = mx.array(seen[:, None, None, :])
+        keys, values = block.keys[layer][:, :, :span], block.values[layer][:, :, :span]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], 1, attn.num_heads * attn.head_dim)
         return gather_rows(out, self.rows, block.size, per=2)
 
