@@ -298,6 +298,69 @@ def _norm_chain(x, w, b, eps, layer, chain, inv_d):
     return y
 
 
+def test_batched_matvec_is_mx_matmul_bit_for_bit(module):
+    """A batch of matrix-vector products (a Mamba-2 step's state times C per head, C·B per group):
+    row counts through the 8-chain blocks and the single rows, K from 1 up, x per entry and x
+    broadcast over the innermost batch axis (a group's C shared by its heads), inputs up to ~1e4
+    so that the sums carry rounding, a transposed (non-contiguous) a; MLX's bits."""
+    rng = np.random.default_rng(31)
+    for k in (1, 16, 33, 128):
+        for p in (1, 7, 8, 9, 80):
+            for lead, broadcast in (((3,), False), ((2, 4), False), ((2, 3, 4), True), ((1, 8, 16), True)):
+                a = mx.array((rng.standard_normal((*lead, p, k)) * 10.0 ** rng.integers(-3, 5)).astype(np.float32))
+                xs = (*lead[:-1], 1, k, 1) if broadcast else (*lead, k, 1)
+                x = mx.array(rng.standard_normal(xs).astype(np.float32))
+                rep = lead[-1] if broadcast else 1
+                ours = module.batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k))
+                assert ours.shape == (a.size // (p * k), p) and ours.dtype == mx.float32
+                want = mx.matmul(a, x).reshape(-1, p)
+                assert np.array_equal(_bits(ours), _bits(want)), (lead, p, k, rep)
+    at = mx.array(rng.standard_normal((4, 24, 40)).astype(np.float32)).transpose(0, 2, 1)  # (4, 40, 24), strided
+    x = mx.array(rng.standard_normal((4, 24)).astype(np.float32))
+    assert np.array_equal(_bits(module.batched_matvec(at, x)), _bits(mx.matmul(at, x[..., None])[..., 0]))
+    an = rng.standard_normal((2, 9, 16)).astype(np.float32)
+    an[0, 3, 4], an[1, 8, 0] = np.inf, np.nan
+    xn = rng.standard_normal((2, 16)).astype(np.float32)
+    xn[0, 4], xn[1, 2] = 0.0, -np.inf  # 0 * inf: NaN, as MLX (no zero skipping)
+    ours = module.batched_matvec(mx.array(an), mx.array(xn))
+    assert np.array_equal(_bits(ours), _bits(mx.matmul(mx.array(an), mx.array(xn)[..., None])[..., 0]))
+
+
+def test_batched_matvec_router_and_bad_arguments(module, monkeypatch):
+    """`cpu_qmv.batched_matvec` takes the kernel for float32 batches whose x is (..., K, 1) with a's
+    batch axes (or its innermost one 1) while the policy has the kernels on; MLX's matmul for every
+    other call (the same values); the module's errors say what it takes."""
+    rng = np.random.default_rng(32)
+    calls = []
+    real = module.batched_matvec
+    monkeypatch.setattr(module, "batched_matvec", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = mx.array(rng.standard_normal((2, 4, 10, 6)).astype(np.float32))
+    x = mx.array(rng.standard_normal((2, 1, 6, 1)).astype(np.float32))
+    want = mx.matmul(a, x)
+    got = cpu_qmv.batched_matvec(a, x, enabled=True)
+    assert calls == [1] and got.shape == want.shape and np.array_equal(_bits(got), _bits(want))
+    xf = mx.array(rng.standard_normal((2, 4, 6, 1)).astype(np.float32))
+    assert np.array_equal(_bits(cpu_qmv.batched_matvec(a, xf, enabled=True)), _bits(mx.matmul(a, xf)))
+    assert calls == [1, 1]
+    for aa, xx in (
+        (a, x),  # disabled below
+        (a.astype(mx.bfloat16), x.astype(mx.bfloat16)),  # not float32
+        (a, mx.ones((2, 4, 6, 2))),  # x not a column
+        (a, mx.ones((1, 4, 6, 1))),  # broadcast over another axis than the innermost batch one
+        (a[0, 0], mx.ones((6, 1))),  # no batch axis
+    ):
+        cpu_qmv.batched_matvec(aa, xx, enabled=aa is not a or xx is not x)
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="float32 a and x"):
+        module.batched_matvec(mx.ones((2, 3, 4), dtype=mx.float16), mx.ones((2, 4)))
+    with pytest.raises(ValueError, match=r"a \(B, P, K\), x \(Bx, K\)"):
+        module.batched_matvec(mx.ones((3, 4)), mx.ones((2, 4)))
+    with pytest.raises(ValueError, match="x's last axis must be a.shape\\[2\\]"):
+        module.batched_matvec(mx.ones((2, 3, 4)), mx.ones((2, 5)))
+    with pytest.raises(ValueError, match="a multiple of x.shape"):
+        module.batched_matvec(mx.ones((3, 3, 4)), mx.ones((2, 4)))
+
+
 def test_norms_are_mlx_fast_norms_bit_for_bit(module):
     """`rms_norm` / `layer_norm` against `mx.fast`'s and an independent numpy emulation of MLX's
     order: widths 1 to 1000 (the conformer's, TTS's and language widths at the small presets,

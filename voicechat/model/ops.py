@@ -55,6 +55,9 @@ class PlainOps:
     def float32_matmul(self, x, wt):
         return mx.matmul(x, wt)
 
+    def batched_matvec(self, a, x):
+        return mx.matmul(a, x)
+
     def float32_matmul_t(self, x, w, owner, name):
         return x @ w.T
 
@@ -155,6 +158,12 @@ def fused_layer_norm(x, weight, bias, eps):
 def float32_matmul(x, wt):
     """x @ wt for float32 x and a 2-D wt (K, N) stored as the product reads it."""
     return _bound.ops.float32_matmul(x, wt)
+
+
+def batched_matvec(a: mx.array, x: mx.array) -> mx.array:
+    """a @ x for float32 a (..., P, K) and x (..., K, 1) (x's innermost batch axis may be 1): a batch of
+    matrix-vector products with mx.matmul's bits; a runtime may run the batch as one task."""
+    return _bound.ops.batched_matvec(a, x)
 
 
 def float32_matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str) -> mx.array:

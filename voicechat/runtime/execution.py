@@ -64,6 +64,9 @@ class Runtime(ops.PlainOps):
     def float32_matmul(self, x, wt):
         return kernels.float32_matmul(x, wt, enabled=self.policy.cpu_kernels)
 
+    def batched_matvec(self, a, x):
+        return kernels.batched_matvec(a, x, enabled=self.policy.cpu_kernels)
+
     def float32_matmul_t(self, x, w, owner, name):
         # The CPU kernel reads a contiguous W.T (made once per weights, in the stored dtype: the
         # kernel widens bf16 exactly); without the kernels MLX's own product takes w.T as it is.

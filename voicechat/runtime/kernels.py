@@ -165,7 +165,7 @@ def self_check(module) -> str | None:
     rows, so every group of rows the kernel takes together and a remainder; 93 output rows: the
     widest blocks, 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals
     `mx.matmul` (three shapes covering its column blocks and single columns; float32 and bfloat16
-    weights), with each instruction set this CPU runs, its `rms_norm` / `layer_norm` equal
+    weights), with each instruction set this CPU runs, its `batched_matvec` `mx.matmul`'s over a batch, its `rms_norm` / `layer_norm` equal
     `mx.fast`'s (float32 and bfloat16 weights) and its `rvq_pass` MLX's per-codebook ops, else
     what differed."""
     rng = np.random.default_rng(20261202)
@@ -210,6 +210,14 @@ def self_check(module) -> str | None:
                             f"float32_matmul differs from mx.matmul at {(m, k, n)}, weight {wdtype}, "
                             f"instruction set {ISA_NAMES[isa]}"
                         )
+        for lead, p, k, rep in (((2, 3), 80, 16, 1), ((1, 2, 4), 13, 33, 4), ((3,), 1, 7, 1)):  # batched matvec
+            a = mx.array(rng.standard_normal((*lead, p, k)).astype(np.float32) * 3)
+            xs = (*lead[:-1], 1 if rep > 1 else lead[-1], k, 1)
+            x = mx.array(rng.standard_normal(xs).astype(np.float32) * 3)
+            ours = module.batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k), stream=mx.cpu)
+            theirs = mx.matmul(a, x, stream=mx.cpu).reshape(-1, p)
+            if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
+                return f"batched_matvec differs from mx.matmul at a {(*lead, p, k)}, x {xs}"
         for rows, d, wdtype in ((3, 72, mx.float32), (2, 1000, mx.bfloat16)):  # norms (no ISA paths)
             x = mx.array(rng.standard_normal((rows, d)).astype(np.float32) * 7)
             w, b = (mx.array(rng.standard_normal(d).astype(np.float32)).astype(wdtype) for _ in range(2))
@@ -359,6 +367,30 @@ def float32_matmul(x: mx.array, wt: mx.array, *, stream=None, enabled: bool) -> 
     return mx.matmul(x, wt, stream=stream)
 
 
+def batched_matvec(a: mx.array, x: mx.array, *, stream=None, enabled: bool) -> mx.array:
+    """`a @ x` for a batch of matrix-vector products, a (..., P, K) and x (..., K, 1) with x's batch
+    axes a's, or a's with the innermost one 1 (x broadcast over it) -> (..., P, 1). MLX's CPU
+    matmul runs one Netlib sgemm call per batch entry (each output the sequential chain over k); the
+    extension runs the whole batch as one task, the same chains (same bits). Served when enabled,
+    float32 a and x, such shapes and a CPU stream; else `mx.matmul`."""
+    lead = a.shape[:-2]
+    served = (
+        enabled
+        and a.dtype == x.dtype == mx.float32
+        and a.ndim >= 3
+        and x.ndim == a.ndim
+        and x.shape[-1] == 1
+        and x.shape[-2] == a.shape[-1] > 0
+        and (x.shape[:-2] == lead or (x.shape[:-3] == lead[:-1] and x.shape[-3] == 1))
+        and _stream_served(stream)
+    )
+    if not served:
+        return mx.matmul(a, x, stream=stream)
+    p, k = a.shape[-2], a.shape[-1]
+    out = _state["module"].batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k), stream=stream)
+    return out.reshape(*lead, p, 1)
+
+
 def norm_served(x: mx.array, *params, stream=None, enabled: bool) -> bool:
     """Whether `rms_norm` / `layer_norm` take the extension for x with these weight / bias (or
     None) params: enabled, float32 x, 1-D float params of x's last axis, a CPU stream."""
@@ -422,6 +454,7 @@ def rvq_pass(residual: mx.array, books_t: mx.array, norms: mx.array, *, stream=N
 
 
 __all__ = [
+    "batched_matvec",
     "extension",
     "float32_matmul",
     "layer_norm",

@@ -560,9 +560,9 @@ def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias
     dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(n, groups, rep, 1)
     dtx = dt * x_h  # (n, G, rep, P)
     decay = mx.exp(dt * a)  # (n, G, rep, 1)
-    cb = c.reshape(n, groups, 1, state_size) @ b.reshape(n, groups, state_size, 1)  # (n, G, 1, 1): C·B per group
+    cb = ops.batched_matvec(c.reshape(n, groups, 1, state_size), b.reshape(n, groups, state_size, 1))  # C·B per group
     ssm5 = ssm_state.reshape(n, groups, rep, head_dim, state_size)
-    y_state = (ssm5 @ c.reshape(n, groups, 1, state_size, 1)).reshape(n, groups, rep, head_dim)  # S_old·C
+    y_state = ops.batched_matvec(ssm5, c.reshape(n, groups, 1, state_size, 1)).reshape(n, groups, rep, head_dim)  # S_old·C
     y = cb * dtx + decay * y_state
     y = y + d_skip * x_h
     ssm = (

@@ -265,6 +265,60 @@ class CpuMatmulF32 : public CpuTask {
   }
 };
 
+// ---- batched matrix-vector products a @ x --------------------------------------------------------
+// MLX's CPU matmul of a batch (..., P, K) @ (..., K, 1) calls the Netlib sgemm once per batch entry:
+// each output is the chain c = 0; for k ascending: c = c + a[p, k] * x[k] (no FMA), one scalar
+// call per entry (a Mamba-2 step's state-times-C per head). Here the whole batch is one task and
+// each entry's P chains run 8 at a time (independent chains, the same operations in the same
+// order). x has B / rep rows: entry b reads x row b / rep (x broadcast over a's innermost batch axis).
+void batched_matvec_f32(float* out, const float* a, const float* x, int B, int rep, int P, int K) {
+  constexpr int R = 8;
+  for (int b = 0; b < B; b++) {
+    const float* ab = a + static_cast<size_t>(b) * P * K;
+    const float* xb = x + static_cast<size_t>(b / rep) * K;
+    float* ob = out + static_cast<size_t>(b) * P;
+    int p = 0;
+    for (; p + R <= P; p += R) {
+      float c[R] = {};
+      const float* r = ab + static_cast<size_t>(p) * K;
+      for (int k = 0; k < K; k++) {
+        const float xv = xb[k];
+        for (int i = 0; i < R; i++) c[i] = c[i] + r[static_cast<size_t>(i) * K + k] * xv;
+      }
+      for (int i = 0; i < R; i++) ob[p + i] = c[i];
+    }
+    for (; p < P; p++) {
+      float c = 0;
+      const float* r = ab + static_cast<size_t>(p) * K;
+      for (int k = 0; k < K; k++) c = c + r[k] * xb[k];
+      ob[p] = c;
+    }
+  }
+}
+
+class CpuBatchedMatvec : public CpuTask {
+ public:
+  using CpuTask::CpuTask;
+
+  const char* name() const override { return "CpuBatchedMatvec"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1)}};
+  }
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      const auto &a = in[0], &x = in[1];
+      thread_local std::vector<float> ac, xc;
+      const int B = a.shape(0), P = a.shape(1), K = a.shape(2);
+      batched_matvec_f32(out[0].data<float>(), row_major<float>(a, ac), row_major<float>(x, xc), B, B / x.shape(0), P, K);
+    };
+  }
+};
+
 // ---- norms over the last axis ------------------------------------------------------------------
 // mx.fast.rms_norm / layer_norm on a CPU run as their compositions (mlx/fast.cpp): for float32 x,
 //   rms:   y = x * (1 / sqrt(sum(x * x) * (1 / d) + eps))          [* w]
@@ -462,6 +516,18 @@ mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDe
   return mx::array(shape, mx::float32, std::make_shared<CpuMatmulF32>(stream), {x, wt});
 }
 
+mx::array batched_matvec(const mx::array& a, const mx::array& x, mx::StreamOrDevice s) {
+  if (a.dtype() != mx::float32 || x.dtype() != mx::float32)
+    throw std::invalid_argument("cpu_qmv: batched_matvec takes float32 a and x");
+  if (a.ndim() != 3 || x.ndim() != 2) throw std::invalid_argument("cpu_qmv: batched_matvec takes a (B, P, K), x (Bx, K)");
+  if (x.shape(1) != a.shape(2)) throw std::invalid_argument("cpu_qmv: batched_matvec: x's last axis must be a.shape[2]");
+  if (a.shape(2) == 0 || x.shape(0) == 0 || a.shape(0) % x.shape(0) != 0)
+    throw std::invalid_argument("cpu_qmv: batched_matvec: K > 0 and a.shape[0] a multiple of x.shape[0]");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
+  return mx::array({a.shape(0), a.shape(1)}, mx::float32, std::make_shared<CpuBatchedMatvec>(stream), {a, x});
+}
+
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_qmv: bits must be 4 or 8");
@@ -494,6 +560,9 @@ NB_MODULE(_voicechat_cpu_qmv, m) {
         nb::arg("stream") = nb::none());
   m.def("float32_matmul", &float32_matmul, nb::arg("x"), nb::arg("wt"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x @ wt for float32 x (..., K) and wt (K, N): mx.matmul's bits on MLX's x86-64 CPU backend");
+  m.def("batched_matvec", &batched_matvec, nb::arg("a"), nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "a (B, P, K) @ x (B / rep, K) -> (B, P), entry b with x row b / rep: mx.matmul's bits for the batch "
+        "(..., P, K) @ (..., K, 1) on MLX's x86-64 CPU backend, one dispatch");
   m.def(
       "rms_norm",
       [](const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s) {
