@@ -355,9 +355,9 @@ def test_batched_matvec_router_and_bad_arguments(module, monkeypatch):
         module.batched_matvec(mx.ones((2, 3, 4), dtype=mx.float16), mx.ones((2, 4)))
     with pytest.raises(ValueError, match=r"a \(B, P, K\), x \(Bx, K\)"):
         module.batched_matvec(mx.ones((3, 4)), mx.ones((2, 4)))
-    with pytest.raises(ValueError, match="x's last axis must be a.shape\\[2\\]"):
+    with pytest.raises(ValueError, match=r"x's last axis must be a\.shape\[2\]"):
         module.batched_matvec(mx.ones((2, 3, 4)), mx.ones((2, 5)))
-    with pytest.raises(ValueError, match="a multiple of x.shape"):
+    with pytest.raises(ValueError, match=r"a multiple of x\.shape"):
         module.batched_matvec(mx.ones((3, 3, 4)), mx.ones((2, 4)))
 
 

@@ -181,6 +181,52 @@ def test_one_blas_thread_limits_and_restores():
         assert blas_threads() == before
 
 
+def test_conversations_products_on_threads_are_each_ones_own(monkeypatch):
+    """Under `conversation_rows(n, workers)` x is n conversations' rows: each group's product is that
+    group's alone, bit for bit (numpy's BLAS rounds a row differently in a taller product), whether
+    the groups run one after the other or on the workers' threads; with workers > 1 they do run on
+    the pool (a tick's conversations' codec products at once). Bad counts are refused."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    # One row per conversation (the codec's latent projection): numpy's BLAS takes a single row
+    # through another kernel than a taller product, which rounds differently.
+    w = mx.array(rng.standard_normal((100, 300)).astype(np.float32))
+    owner = nn.Module()
+    x = mx.array(rng.standard_normal((4, 300)).astype(np.float32))
+    wt = np.ascontiguousarray(np.asarray(w).T)
+    with host_gemm.one_blas_thread(True):
+        want = np.concatenate([p @ wt for p in np.split(np.asarray(x), 4)])
+        tall = np.asarray(x) @ wt
+    threads = set()
+    real_pool = host_gemm._pool
+
+    class Spy:
+        def __init__(self, pool):
+            self.pool = pool
+
+        def map(self, fn, parts):
+            return self.pool.map(lambda p: threads.add(threading.current_thread().name) or fn(p), parts)
+
+    monkeypatch.setattr(host_gemm, "_pool", lambda workers: Spy(real_pool(workers)))
+    monkeypatch.setattr(host_gemm, "PARALLEL_MIN_MACS", 1)  # this small product too
+    with host_gemm.one_blas_thread(True):
+        for workers in (1, 2, 3):
+            with host_gemm.conversation_rows(4, workers=workers):
+                got = np.array(host_gemm.matmul_t(x, w, owner, "w", enabled=True))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), workers
+            assert bool(threads) == (workers > 1)
+            assert all(t.startswith("voicechat-host-products") for t in threads)
+            threads.clear()
+    assert not np.array_equal(tall.view(np.uint32), want.view(np.uint32)), "groups must not be one tall product"
+    for n, workers in ((0, 1), (2, 0)):
+        with (
+            pytest.raises(ValueError, match="n and workers must be at least 1"),
+            host_gemm.conversation_rows(n, workers=workers),
+        ):
+            pass
+
+
 def test_numpy_path_keeps_one_float32_copy_of_the_pointwise_weights():
     """With the products in numpy, a ConvNeXt block's 1x1 weights exist as the stored (bf16)
     parameters plus numpy's float32 copies, not also as MLX float32 copies (a third copy);

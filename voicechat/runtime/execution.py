@@ -96,7 +96,7 @@ class Runtime(ops.PlainOps):
             return host_products.one_blas_thread(self.policy.host_products)
         scope = contextlib.ExitStack()
         scope.enter_context(host_products.one_blas_thread(True))
-        scope.enter_context(host_products.conversation_rows(conversations))
+        scope.enter_context(host_products.conversation_rows(conversations, workers=self.policy.cpu_streams))
         return scope
 
 

@@ -22,6 +22,7 @@ The policy's `host_products` (`ExecutionPolicy`) turns it on: by default for a C
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -35,20 +36,42 @@ from voicechat.model.derived import derived
 from voicechat.model.ops import widen_bf16_bits
 
 _controller_lock = threading.Lock()
-# Inside `conversation_rows(n)`: x holds n conversations' rows one after the other, and each one's
-# product runs on its own rows (the BLAS rounds a row differently in a taller product).
-_conversations: contextvars.ContextVar[int] = contextvars.ContextVar("voicechat_host_conversations", default=1)
+# Inside `conversation_rows(n, workers)`: x holds n conversations' rows one after the other, and each
+# one's product runs on its own rows (the BLAS rounds a row differently in a taller product), on up
+# to `workers` threads.
+_conversations: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar(
+    "voicechat_host_conversations", default=(1, 1)
+)
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+# A conversation's product takes the pool from this many multiply-adds on: below it, handing the
+# products to threads costs more than it saves (the small presets' codec).
+PARALLEL_MIN_MACS = 1 << 22
 
 
 @contextlib.contextmanager
-def conversation_rows(n: int):
+def conversation_rows(n: int, workers: int = 1):
     """The products inside take x as `n` equal groups of rows, one conversation's each: one host
-    round trip for all, then each group's product exactly as that conversation's alone."""
-    token = _conversations.set(n)
+    round trip for all, then each group's product exactly as that conversation's alone. With
+    `workers` > 1 the groups' products (from `PARALLEL_MIN_MACS` each) run on that many threads at
+    once, each on one BLAS thread, so each group's bits are the same whichever thread runs it
+    (while the codec's products run, MLX's streams wait for them: the cores are free)."""
+    if n < 1 or workers < 1:
+        raise ValueError(f"conversation_rows: n and workers must be at least 1, got n={n}, workers={workers}")
+    token = _conversations.set((n, workers))
     try:
         yield
     finally:
         _conversations.reset(token)
+
+
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    with _controller_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="voicechat-host-products"
+            )
+        return pool
 
 
 @functools.cache
@@ -99,9 +122,12 @@ def matmul_t(x: mx.array, w: mx.array, owner: nn.Module, name: str, *, enabled: 
     if x.dtype != mx.float32:
         x = x.astype(mx.float32)
     host = np.asarray(x)
-    n = _conversations.get()
+    n, workers = _conversations.get()
     if n > 1:
-        return mx.array(np.concatenate([part @ w_t for part in np.split(host, n)]))
+        parts = np.split(host, n)
+        if workers > 1 and parts[0].shape[0] * w_t.size >= PARALLEL_MIN_MACS:
+            return mx.array(np.concatenate(list(_pool(workers).map(w_t.__rmatmul__, parts))))
+        return mx.array(np.concatenate([part @ w_t for part in parts]))
     return mx.array(host @ w_t)
 
 

@@ -165,9 +165,9 @@ def self_check(module) -> str | None:
     rows, so every group of rows the kernel takes together and a remainder; 93 output rows: the
     widest blocks, 16-lane, 8-lane and single-row kernels) and `module.float32_matmul` equals
     `mx.matmul` (three shapes covering its column blocks and single columns; float32 and bfloat16
-    weights), with each instruction set this CPU runs, its `batched_matvec` `mx.matmul`'s over a batch, its `rms_norm` / `layer_norm` equal
-    `mx.fast`'s (float32 and bfloat16 weights) and its `rvq_pass` MLX's per-codebook ops, else
-    what differed."""
+    weights), with each instruction set this CPU runs, its `batched_matvec` equals `mx.matmul`
+    over a batch, its `rms_norm` / `layer_norm` equal `mx.fast`'s (float32 and bfloat16 weights)
+    and its `rvq_pass` MLX's per-codebook ops, else what differed."""
     rng = np.random.default_rng(20261202)
     top = module.isa()
     try:

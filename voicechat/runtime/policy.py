@@ -4,7 +4,8 @@ A policy changes where and how operations run, never what they compute: every po
 same ids, codes and caches bit for bit; only the codec's host products (`host_products`) round
 differently (float32 summation order). The fields:
 
-- `cpu_streams` (1 or 2): large products split in two halves on two CPU streams (`runtime.linear`).
+- `cpu_streams` (1 or 2): large products split in two halves on two CPU streams (`runtime.linear`);
+  with several conversations in a tick, their codec host products on as many threads.
 - `compiled`: fixed-shape pieces compiled with `mx.compile` (`runtime.compiled`).
 - `cpu_kernels`: this project's CPU kernels (`runtime.kernels`, Linux x86-64).
 - `host_products`: the codec's float32 products through numpy's BLAS (`runtime.host_products`).

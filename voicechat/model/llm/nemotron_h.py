@@ -560,9 +560,10 @@ def _mamba_step_core(dims: MambaStepShape, zxbcdt, conv_rows, ssm_state, dt_bias
     dt = _time_steps(dt, dt_bias, dims.dt_min, dims.dt_max).reshape(n, groups, rep, 1)
     dtx = dt * x_h  # (n, G, rep, P)
     decay = mx.exp(dt * a)  # (n, G, rep, 1)
-    cb = ops.batched_matvec(c.reshape(n, groups, 1, state_size), b.reshape(n, groups, state_size, 1))  # C·B per group
+    # C·B per group (n, G, 1, 1) and S_old·C per head, each a batch of matrix-vector products.
+    cb = ops.batched_matvec(c.reshape(n, groups, 1, state_size), b.reshape(n, groups, state_size, 1))
     ssm5 = ssm_state.reshape(n, groups, rep, head_dim, state_size)
-    y_state = ops.batched_matvec(ssm5, c.reshape(n, groups, 1, state_size, 1)).reshape(n, groups, rep, head_dim)  # S_old·C
+    y_state = ops.batched_matvec(ssm5, c.reshape(n, groups, 1, state_size, 1)).reshape(n, groups, rep, head_dim)
     y = cb * dtx + decay * y_state
     y = y + d_skip * x_h
     ssm = (
