@@ -310,20 +310,21 @@ def test_batched_matvec_is_mx_matmul_bit_for_bit(module):
                 a = mx.array((rng.standard_normal((*lead, p, k)) * 10.0 ** rng.integers(-3, 5)).astype(np.float32))
                 xs = (*lead[:-1], 1, k, 1) if broadcast else (*lead, k, 1)
                 x = mx.array(rng.standard_normal(xs).astype(np.float32))
-                rep = lead[-1] if broadcast else 1
-                ours = module.batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k))
-                assert ours.shape == (a.size // (p * k), p) and ours.dtype == mx.float32
-                want = mx.matmul(a, x).reshape(-1, p)
-                assert np.array_equal(_bits(ours), _bits(want)), (lead, p, k, rep)
+                ours = module.batched_matvec(a, x)
+                want = mx.matmul(a, x)
+                assert ours.shape == want.shape and ours.dtype == mx.float32
+                assert np.array_equal(_bits(ours), _bits(want)), (lead, p, k, broadcast)
     at = mx.array(rng.standard_normal((4, 24, 40)).astype(np.float32)).transpose(0, 2, 1)  # (4, 40, 24), strided
-    x = mx.array(rng.standard_normal((4, 24)).astype(np.float32))
-    assert np.array_equal(_bits(module.batched_matvec(at, x)), _bits(mx.matmul(at, x[..., None])[..., 0]))
+    x = mx.array(rng.standard_normal((4, 24, 1)).astype(np.float32))
+    assert np.array_equal(_bits(module.batched_matvec(at, x)), _bits(mx.matmul(at, x)))
+    xt = mx.array(rng.standard_normal((4, 1, 24)).astype(np.float32)).swapaxes(1, 2)  # x a view too
+    assert np.array_equal(_bits(module.batched_matvec(at, xt)), _bits(mx.matmul(at, xt)))
     an = rng.standard_normal((2, 9, 16)).astype(np.float32)
     an[0, 3, 4], an[1, 8, 0] = np.inf, np.nan
-    xn = rng.standard_normal((2, 16)).astype(np.float32)
+    xn = rng.standard_normal((2, 16, 1)).astype(np.float32)
     xn[0, 4], xn[1, 2] = 0.0, -np.inf  # 0 * inf: NaN, as MLX (no zero skipping)
     ours = module.batched_matvec(mx.array(an), mx.array(xn))
-    assert np.array_equal(_bits(ours), _bits(mx.matmul(mx.array(an), mx.array(xn)[..., None])[..., 0]))
+    assert np.array_equal(_bits(ours), _bits(mx.matmul(mx.array(an), mx.array(xn))))
 
 
 def test_batched_matvec_router_and_bad_arguments(module, monkeypatch):
@@ -352,13 +353,15 @@ def test_batched_matvec_router_and_bad_arguments(module, monkeypatch):
         cpu_qmv.batched_matvec(aa, xx, enabled=aa is not a or xx is not x)
     assert calls == [1, 1]
     with pytest.raises(ValueError, match="float32 a and x"):
-        module.batched_matvec(mx.ones((2, 3, 4), dtype=mx.float16), mx.ones((2, 4)))
-    with pytest.raises(ValueError, match=r"a \(B, P, K\), x \(Bx, K\)"):
-        module.batched_matvec(mx.ones((3, 4)), mx.ones((2, 4)))
-    with pytest.raises(ValueError, match=r"x's last axis must be a\.shape\[2\]"):
-        module.batched_matvec(mx.ones((2, 3, 4)), mx.ones((2, 5)))
-    with pytest.raises(ValueError, match=r"a multiple of x\.shape"):
-        module.batched_matvec(mx.ones((3, 3, 4)), mx.ones((2, 4)))
+        module.batched_matvec(mx.ones((2, 3, 4), dtype=mx.float16), mx.ones((2, 4, 1)))
+    with pytest.raises(ValueError, match=r"a \(\.\.\., P, K\) and x \(\.\.\., K, 1\) with as many axes"):
+        module.batched_matvec(mx.ones((3, 4)), mx.ones((4, 1)))  # no batch axis
+    with pytest.raises(ValueError, match="with as many axes"):
+        module.batched_matvec(mx.ones((2, 3, 4)), mx.ones((2, 5, 1)))  # K differs
+    with pytest.raises(ValueError, match="with as many axes"):
+        module.batched_matvec(mx.ones((2, 3, 4)), mx.ones((2, 4, 2)))  # x not a column
+    with pytest.raises(ValueError, match="the innermost one 1"):
+        module.batched_matvec(mx.ones((2, 3, 5, 4)), mx.ones((1, 3, 4, 1)))  # broadcast over an outer axis
 
 
 def test_norms_are_mlx_fast_norms_bit_for_bit(module):

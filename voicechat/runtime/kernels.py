@@ -214,8 +214,8 @@ def self_check(module) -> str | None:
             a = mx.array(rng.standard_normal((*lead, p, k)).astype(np.float32) * 3)
             xs = (*lead[:-1], 1 if rep > 1 else lead[-1], k, 1)
             x = mx.array(rng.standard_normal(xs).astype(np.float32) * 3)
-            ours = module.batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k), stream=mx.cpu)
-            theirs = mx.matmul(a, x, stream=mx.cpu).reshape(-1, p)
+            ours = module.batched_matvec(a, x, stream=mx.cpu)
+            theirs = mx.matmul(a, x, stream=mx.cpu)
             if not np.array_equal(np.array(ours).view(np.uint32), np.array(theirs).view(np.uint32)):
                 return f"batched_matvec differs from mx.matmul at a {(*lead, p, k)}, x {xs}"
         for rows, d, wdtype in ((3, 72, mx.float32), (2, 1000, mx.bfloat16)):  # norms (no ISA paths)
@@ -381,14 +381,14 @@ def batched_matvec(a: mx.array, x: mx.array, *, stream=None, enabled: bool) -> m
         and x.ndim == a.ndim
         and x.shape[-1] == 1
         and x.shape[-2] == a.shape[-1] > 0
+        and a.shape[-2] > 0
+        and a.size > 0
         and (x.shape[:-2] == lead or (x.shape[:-3] == lead[:-1] and x.shape[-3] == 1))
         and _stream_served(stream)
     )
     if not served:
         return mx.matmul(a, x, stream=stream)
-    p, k = a.shape[-2], a.shape[-1]
-    out = _state["module"].batched_matvec(a.reshape(-1, p, k), x.reshape(-1, k), stream=stream)
-    return out.reshape(*lead, p, 1)
+    return _state["module"].batched_matvec(a, x, stream=stream)
 
 
 def norm_served(x: mx.array, *params, stream=None, enabled: bool) -> bool:

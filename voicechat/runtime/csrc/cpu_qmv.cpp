@@ -270,7 +270,8 @@ class CpuMatmulF32 : public CpuTask {
 // each output is the chain c = 0; for k ascending: c = c + a[p, k] * x[k] (no FMA), one scalar
 // call per entry (a Mamba-2 step's state-times-C per head). Here the whole batch is one task and
 // each entry's P chains run 8 at a time (independent chains, the same operations in the same
-// order). x has B / rep rows: entry b reads x row b / rep (x broadcast over a's innermost batch axis).
+// order). x has B / rep rows: entry b reads x row b / rep (x broadcast over a's innermost batch axis
+// when rep > 1).
 void batched_matvec_f32(float* out, const float* a, const float* x, int B, int rep, int P, int K) {
   constexpr int R = 8;
   for (int b = 0; b < B; b++) {
@@ -304,8 +305,11 @@ class CpuBatchedMatvec : public CpuTask {
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 
+  // a (..., P, K) @ x (..., K, 1) -> (..., P, 1)
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[0].shape(1)}};
+    auto shape = inputs[0].shape();
+    shape.back() = 1;
+    return {shape};
   }
 
  protected:
@@ -313,8 +317,10 @@ class CpuBatchedMatvec : public CpuTask {
     return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       const auto &a = in[0], &x = in[1];
       thread_local std::vector<float> ac, xc;
-      const int B = a.shape(0), P = a.shape(1), K = a.shape(2);
-      batched_matvec_f32(out[0].data<float>(), row_major<float>(a, ac), row_major<float>(x, xc), B, B / x.shape(0), P, K);
+      const int P = a.shape(-2), K = a.shape(-1);
+      const int B = static_cast<int>(a.size() / (static_cast<size_t>(P) * K));
+      const int Bx = static_cast<int>(x.size() / K);
+      batched_matvec_f32(out[0].data<float>(), row_major<float>(a, ac), row_major<float>(x, xc), B, B / Bx, P, K);
     };
   }
 };
@@ -519,13 +525,21 @@ mx::array float32_matmul(const mx::array& x, const mx::array& wt, mx::StreamOrDe
 mx::array batched_matvec(const mx::array& a, const mx::array& x, mx::StreamOrDevice s) {
   if (a.dtype() != mx::float32 || x.dtype() != mx::float32)
     throw std::invalid_argument("cpu_qmv: batched_matvec takes float32 a and x");
-  if (a.ndim() != 3 || x.ndim() != 2) throw std::invalid_argument("cpu_qmv: batched_matvec takes a (B, P, K), x (Bx, K)");
-  if (x.shape(1) != a.shape(2)) throw std::invalid_argument("cpu_qmv: batched_matvec: x's last axis must be a.shape[2]");
-  if (a.shape(2) == 0 || x.shape(0) == 0 || a.shape(0) % x.shape(0) != 0)
-    throw std::invalid_argument("cpu_qmv: batched_matvec: K > 0 and a.shape[0] a multiple of x.shape[0]");
+  const int nd = a.ndim();
+  if (nd < 3 || x.ndim() != nd || x.shape(-1) != 1 || x.shape(-2) != a.shape(-1))
+    throw std::invalid_argument("cpu_qmv: batched_matvec takes a (..., P, K) and x (..., K, 1) with as many axes");
+  bool same = true, inner = x.shape(nd - 3) == 1;
+  for (int i = 0; i < nd - 2; i++) same = same && x.shape(i) == a.shape(i);
+  for (int i = 0; i < nd - 3; i++) inner = inner && x.shape(i) == a.shape(i);
+  if (!same && !inner)
+    throw std::invalid_argument("cpu_qmv: batched_matvec: x's batch axes must be a's, or a's with the innermost one 1");
+  if (a.shape(-1) == 0 || a.shape(-2) == 0 || a.size() == 0)
+    throw std::invalid_argument("cpu_qmv: batched_matvec: empty a (MLX's own matmul serves it)");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("cpu_qmv: a CPU stream is required");
-  return mx::array({a.shape(0), a.shape(1)}, mx::float32, std::make_shared<CpuBatchedMatvec>(stream), {a, x});
+  auto shape = a.shape();
+  shape.back() = 1;
+  return mx::array(shape, mx::float32, std::make_shared<CpuBatchedMatvec>(stream), {a, x});
 }
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -561,8 +575,8 @@ NB_MODULE(_voicechat_cpu_qmv, m) {
   m.def("float32_matmul", &float32_matmul, nb::arg("x"), nb::arg("wt"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x @ wt for float32 x (..., K) and wt (K, N): mx.matmul's bits on MLX's x86-64 CPU backend");
   m.def("batched_matvec", &batched_matvec, nb::arg("a"), nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "a (B, P, K) @ x (B / rep, K) -> (B, P), entry b with x row b / rep: mx.matmul's bits for the batch "
-        "(..., P, K) @ (..., K, 1) on MLX's x86-64 CPU backend, one dispatch");
+        "a (..., P, K) @ x (..., K, 1) -> (..., P, 1), x's batch axes a's or a's with the innermost one 1: "
+        "mx.matmul's bits on MLX's x86-64 CPU backend, one dispatch");
   m.def(
       "rms_norm",
       [](const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s) {
